@@ -1,0 +1,198 @@
+"""Run store semantics: claims, group readiness, exactly-once publishing, reclaim of dead ranks."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tiderl.config.store import StoreConfig
+from tiderl.store import (
+    ClaimLostError,
+    FinishedTrajectory,
+    NewGroup,
+    RankReport,
+    Role,
+    RunStore,
+    StepRecord,
+    StoreError,
+    TaskFailure,
+    TaskKind,
+)
+from tiderl.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+
+
+def make_store(d: Path, **kw: object) -> RunStore:
+    s = RunStore.for_run_dir(d, StoreConfig(**kw))
+    s.create_schema()
+    s.init_run(name="t", system="tiderl", config_yaml="system: tiderl\n")
+    s.register_initial_version("weights/v0", "sum0")
+    for r, role in enumerate([Role.ROLLOUT, Role.ROLLOUT, Role.ACTOR]):
+        s.register_rank(r, role)
+    return s
+
+
+def traj(task_id: int, reward: float, n: int = 6) -> FinishedTrajectory:
+    mask = [0, 0] + [1] * (n - 2)
+    return FinishedTrajectory(task_id=task_id, token_ids=list(range(n)), loss_mask=mask,
+                              logprobs=[-0.5 * m for m in mask], token_versions=[0 if m else -1 for m in mask],
+                              num_turns=2, reward=reward, success=reward > 0)
+
+
+def finish(s: RunStore, rank: int, claims: list, rewards: list[float]) -> dict[str, int]:
+    return s.report(RankReport(rank=rank, finished=[traj(c.task_id, r) for c, r in zip(claims, rewards)]))
+
+
+def test_codec_round_trip() -> None:
+    assert unpack_ints(pack_ints([1, -1, 2**31 - 1])) == [1, -1, 2**31 - 1]
+    assert unpack_floats(pack_floats([0.5, -1.25])) == [0.5, -1.25]
+
+
+def test_journal_mode_local_is_wal(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    assert sqlite3.connect(tmp_path / "run.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s.close()
+
+
+@pytest.mark.juicefs
+def test_journal_mode_on_juicefs_is_rollback(juicefs_dir: Path) -> None:
+    d = juicefs_dir / "jm"
+    d.mkdir()
+    s = make_store(d)
+    assert sqlite3.connect(d / "run.db").execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    s.close()
+
+
+def test_claims_are_exclusive_and_group_becomes_ready_with_advantages(store_dir: Path) -> None:
+    s = make_store(store_dir)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 11, 2), NewGroup(TaskKind.TRAIN, 12, 2)])
+    a = s.claim_tasks(0, 3)
+    b = s.claim_tasks(1, 3)
+    assert [c.task_id for c in a] == [1, 2, 3] and [c.task_id for c in b] == [4]
+    assert s.claim_tasks(1, 3) == []
+    finish(s, 0, a[:2], [1.0, 0.0])
+    buf = s.buffer_state()
+    assert buf["traj_ready"] == 2 and buf["groups_ready"] == 1
+    got = s.claim_ready_groups(2, 10)
+    assert sorted(t.reward for t in got) == [0.0, 1.0]
+    adv = {t.reward: t.advantage for t in got}
+    assert adv[1.0] == pytest.approx(0.7071, abs=1e-3) and adv[0.0] == pytest.approx(-0.7071, abs=1e-3)
+    assert got[0].loss_mask == [0, 0, 1, 1, 1, 1] and got[0].logprobs[2] == -0.5
+    s.close()
+
+
+def test_group_waits_for_all_tasks(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 3)])
+    c = s.claim_tasks(0, 3)
+    finish(s, 0, c[:2], [1.0, 0.0])
+    assert s.buffer_state()["traj_waiting_group"] == 2
+    assert s.claim_ready_groups(2, 5) == []
+    finish(s, 0, c[2:], [1.0])
+    assert len(s.claim_ready_groups(2, 5)) == 3
+
+
+def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    finish(s, 0, s.claim_tasks(0, 2), [1.0, 0.0])
+    got = s.claim_ready_groups(2, 5)
+    ids = [t.id for t in got]
+    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=ids,
+                                 step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
+                      owner=2)
+    (step,) = s.steps()
+    assert step["consumed_tokens"] == 8 and step["goodput_tok_s"] == 4.0 and step["success_rate"] == 0.5
+    assert step["max_staleness"] == 0
+    with pytest.raises(ClaimLostError):
+        s.publish_version(StepRecord(version=2, path="weights/v2", checksum="y", trajectory_ids=ids,
+                                     step_started_at=0.0, duration_s=1.0), owner=2)
+    assert s.run_info()["version"] == 1
+
+
+def test_version_must_follow_the_last(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    with pytest.raises(StoreError, match="version 3 published after 0"):
+        s.publish_version(StepRecord(version=3, path="p", checksum="c", trajectory_ids=[], step_started_at=0,
+                                     duration_s=1), owner=2)
+
+
+def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
+    mine = s.claim_tasks(0, 2)
+    finish(s, 1, s.claim_tasks(1, 2), [1.0, 0.0])
+    held = s.claim_ready_groups(2, 1)
+    assert len(held) == 2
+    import time
+
+    later = time.time() + 100
+    s.heartbeat(1)
+    res = s.reclaim_expired(50, now=later)
+    assert sorted(res.dead_ranks) == [0, 1, 2]
+    assert res.tasks_returned == 2 and res.trajectories_returned == 2
+    # The dead rank's late report must not create duplicates: the tasks went back to the pool.
+    assert finish(s, 0, mine, [1.0, 1.0]) == {"accepted": 0, "dropped": 2}
+    s.register_rank(1, Role.ROLLOUT)
+    again = s.claim_tasks(1, 5)
+    assert sorted(c.task_id for c in again) == sorted(c.task_id for c in mine)
+    assert all(c.attempts == 2 for c in again)
+    with pytest.raises(ClaimLostError):
+        s.publish_version(StepRecord(version=1, path="p", checksum="c", trajectory_ids=[t.id for t in held],
+                                     step_started_at=0, duration_s=1), owner=2)
+    assert len(s.claim_ready_groups(2, 5)) == 2
+    kinds = [e for e in s.tx.read(lambda c: c.exec_driver_sql("select kind from events").all())]
+    assert len(kinds) == 3
+
+
+def test_failed_task_retries_then_fails_its_group(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    for attempt in range(1, 4):
+        (c, *_rest) = s.claim_tasks(0, 1)
+        assert c.attempts == attempt
+        s.report(RankReport(rank=0, failed=[TaskFailure(c.task_id, "env server http://x:1 said 500")]),
+                 max_attempts=3)
+    buf = s.buffer_state()
+    assert buf["tasks_failed"] == 2 and buf["tasks_pending"] == 0
+
+
+def test_released_tasks_go_back_without_counting_an_attempt(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    c = s.claim_tasks(0, 2)
+    s.report(RankReport(rank=0, released=[x.task_id for x in c]))
+    again = s.claim_tasks(1, 2)
+    assert [x.attempts for x in again] == [1, 1]
+
+
+def test_eval_groups_are_recorded_never_trained(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.EVAL, 5, 2, eval_version=0)])
+    finish(s, 0, s.claim_tasks(0, 2), [1.0, 0.0])
+    assert s.claim_ready_groups(2, 5) == []
+    (ev,) = s.view("eval_summary")
+    assert ev["eval_version"] == 0 and ev["success_rate"] == 0.5
+
+
+def test_roles_at_uses_latest_record_per_rank(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ACTOR})
+    s.plan_roles(3, {1: Role.REF}, ra2p_mode="decoupled", reason="consumption deficit")
+    assert s.roles_at(2) == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ACTOR}
+    assert s.roles_at(3) == {0: Role.ROLLOUT, 1: Role.REF, 2: Role.ACTOR}
+    roles = {r["rank"]: r["planned_role"] for r in s.view("rank_roles")}
+    assert roles == {0: "rollout", 1: "ref", 2: "actor"}
+
+
+def test_trajectory_lengths_must_agree() -> None:
+    with pytest.raises(ValueError, match="task 7: logprobs has 1 entries, token_ids has 2"):
+        FinishedTrajectory(task_id=7, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0], token_versions=[0, 0],
+                           num_turns=1, reward=0.0, success=False)
+
+
+def test_non_busy_errors_name_the_database(tmp_path: Path) -> None:
+    s = RunStore.for_run_dir(tmp_path)
+    with pytest.raises(StoreError, match=str(tmp_path)):
+        s.run_info()

@@ -1,0 +1,5 @@
+import sys
+
+from tiderl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""`tiderl` command line. Each subcommand lives in its subsystem's module and is
+registered here by name. Command modules keep heavy imports (torch, vLLM) inside
+`run`, so building the parser stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tiderl.config import ConfigError
+
+# name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
+    "status": ("tiderl.status", "Show a run's state, version, ranks, buffer and goodput."),
+}
+
+EXIT_CONFIG_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiderl",
+        description="TideRL: asynchronous multi-turn agentic RL on Slurm (CTB, RA2P, ERS).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:
+        print(f"tiderl {args.command}: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`env:` section: the environment the agents play and the servers that host it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiderl.config.schema import option, section
+
+
+@section
+class EnvConfig:
+    name: str = option("hilo", help="Environment name served by the env servers (e.g. `hilo`).")
+    servers: tuple[str, ...] = option(
+        (),
+        help="URLs of environment servers that already run elsewhere. Empty: the run starts "
+        "`num_servers` local servers on loopback.",
+    )
+    num_servers: int = option(1, ge=1, help="Local environment servers the run starts when `servers` is empty.")
+    max_sessions: int = option(512, ge=1, help="Concurrent sessions one environment server accepts.")
+    idle_timeout_s: float = option(
+        300.0, gt=0, help="An unpaused session idle this long is reaped by its server, in seconds."
+    )
+    latency: str = option(
+        "none",
+        help="Injected environment delay per step: `none`, `fixed:SECONDS`, "
+        "`lognormal:MEAN_S:P99_S`, or `file:PATH` (a list of recorded delays).",
+    )
+    token_file: str | None = option(
+        None, help="File holding the shared token the env servers require (never put the token itself here)."
+    )
+    max_turns: int = option(8, ge=1, help="Turn limit of one task (one environment episode).")
+    options: dict[str, Any] = option(
+        default_factory=dict, help="Environment-specific options passed to `/start` (e.g. hilo's range)."
+    )
+    host: str = option(
+        "127.0.0.1",
+        help="Address local env servers listen on. Loopback by default; on a shared cluster "
+        "listen wider only with `token_file` set.",
+    )
+    request_timeout_s: float = option(
+        120.0, gt=0, help="Client timeout of one env request (a step includes the environment's delay), seconds."
+    )
+    max_retries: int = option(
+        3, ge=0, help="Client retries of a request, only where a retry is safe (never a step that may have run)."
+    )
+    max_workers: int = option(
+        32, ge=1, help="Threads per env server for environments with blocking steps (code runs, game engines)."
+    )
+
+    def __post_init__(self) -> None:
+        from tiderl.envs.latency import LatencySpecError, parse_latency
+
+        try:
+            parse_latency(self.latency)
+        except LatencySpecError as e:
+            raise ValueError(f"latency: {e}") from e

@@ -1,0 +1,38 @@
+"""`ers:` section: Elastic Resource Scaling between rollout and trainer roles.
+
+The planner itself is the pure module :mod:`tiderl.policy.ers`;
+:meth:`tiderl.policy.ers.ErsLimits.from_config` turns this section plus the
+trainer's elastic batch bounds into its limits.
+"""
+
+from __future__ import annotations
+
+from tiderl.config.schema import option, section
+
+
+@section
+class ErsConfig:
+    enabled: bool = option(True, help="Move ranks between rollout and trainer roles at sync boundaries.")
+    hol_tau: float = option(
+        1.0, gt=0, help="Consumption deficit when the oldest ready micro-batch waited > tau x mean step time."
+    )
+    max_moves_per_step: int = option(
+        1,
+        ge=0,
+        help="Most ranks that change role at one sync boundary (preemptive maximum rollout at cold "
+        "start and evaluation is exempt: it only adds rollout capacity).",
+    )
+    min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks ERS keeps.")
+    min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks a role map may have (the actor group is fixed).")
+    max_ref_ranks: int | None = option(
+        None, ge=0, help="Most dedicated ref ranks ERS provisions for the decoupled RA2P mode. null: no limit."
+    )
+    preemptive_rollout: bool = option(
+        True, help="At cold start and before evaluation steps, move every ref rank to rollout at once."
+    )
+    adaptive_retention: bool = option(
+        True,
+        help="After a rollout scale-down that leaves a generation deficit, fetch fewer groups per step "
+        "(halfway toward trainer.groups_min) so a reservoir of ready data remains.",
+    )
+    history_steps: int = option(5, ge=1, help="Recent steps whose mean duration is T_step for the HoL test.")

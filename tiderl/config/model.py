@@ -1,0 +1,18 @@
+"""`model:` section: which policy model the run trains."""
+
+from __future__ import annotations
+
+from tiderl.config.schema import option, section
+
+
+@section
+class ModelConfig:
+    path: str | None = option(
+        None,
+        help="Hugging Face model directory (config, safetensors, tokenizer) loaded by both vLLM "
+        "and transformers. null: the tiny model `tiderl init-model` builds for `init_env`, cached.",
+    )
+    init_env: str = option("hilo", help="Environment whose demonstrations warm-start the tiny model when `path` is null.")
+    max_context_tokens: int = option(
+        1024, ge=64, help="Longest context (prompt + all turns) a task may reach, in tokens."
+    )

@@ -1,0 +1,46 @@
+"""`trainer:` section: GRPO, the actor and reference models, RA2P and weight publishing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tiderl.config.schema import option, section
+
+
+@section
+class TrainerConfig:
+    num_steps: int = option(20, ge=1, help="Training steps (actor updates) of the run.")
+    groups_min: int = option(
+        2, ge=1, help="B_min: fewest complete groups a step may train on (elastic global batch)."
+    )
+    groups_ideal: int = option(
+        4, ge=1, help="B_ideal: groups a step trains on when enough are ready (elastic global batch)."
+    )
+    micro_batch_tokens: int = option(
+        2048,
+        ge=16,
+        help="Token budget of one actor rank's share of a micro-batch (one forward pass); a global "
+        "micro-batch holds up to this times the number of actor ranks.",
+    )
+    lr: float = option(1e-4, gt=0, help="AdamW learning rate.")
+    grad_clip: float = option(1.0, gt=0, help="Gradient-norm clip.")
+    clip_eps: float = option(0.2, gt=0, help="PPO-style clip of the importance ratio (1 +/- eps).")
+    kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")
+    kl_estimator: Literal["k1", "k3"] = option("k3", help="KL estimator: `k1` (log-ratio) or `k3` (unbiased, non-negative).")
+    ra2p_mode: Literal["auto", "decoupled", "colocated", "vanilla_stream", "vanilla_stream_offload"] = option(
+        "auto",
+        help="Ref/actor execution: `auto` (RA2P cost model picks decoupled or colocated each step), "
+        "a fixed RA2P mode, or a naive baseline.",
+    )
+    keep_versions: int = option(3, ge=1, help="Weight versions kept in weights/ (older ones are deleted).")
+    checkpoint_every: int = option(5, ge=1, help="Checkpoint optimizer state every M steps.")
+    keep_checkpoints: int = option(2, ge=1, help="Optimizer checkpoints kept in ckpt/ (older ones are deleted).")
+    backend: str = option("torch", help="Trainer backend (`torch`: PyTorch + transformers, gloo/NCCL data parallel).")
+    weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
+    max_aggregate: int = option(
+        64, ge=1, help="Colocated RA2P: most ready micro-batches one ref/actor burst aggregates (memory cap)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.groups_ideal < self.groups_min:
+            raise ValueError(f"groups_ideal: must be >= groups_min ({self.groups_min}), got {self.groups_ideal}")

@@ -1,0 +1,86 @@
+"""Every on-disk path of a run, built in one place.
+
+    RUN_DIR/
+      run.db                 run store (SQLite)
+      config.yaml            resolved job config
+      weights/v{N}/          published weights version N (safetensors, config, tokenizer, checksum)
+      ckpt/step{N}/          optimizer checkpoints
+      logs/                  one log file per process (control.log, rank{R}.log, env{I}.log)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / "run.db"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "ckpt"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def weights_version(self, version: int) -> Path:
+        return self.weights / f"v{version}"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.ckpt / f"step{step}"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def control_log(self) -> Path:
+        return self.logs / "control.log"
+
+    def env_log(self, index: int) -> Path:
+        return self.logs / f"env{index}.log"
+
+    def weight_versions(self) -> list[int]:
+        """Published weight versions on disk, ascending (half-written `*.tmp` dirs excluded)."""
+        if not self.weights.is_dir():
+            return []
+        found = (_VERSION_DIR.match(p.name) for p in self.weights.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def create(self) -> "RunPaths":
+        for d in (self.root, self.weights, self.ckpt, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

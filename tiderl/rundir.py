@@ -1,0 +1,46 @@
+"""Creating and opening run directories (validated config first: a bad config creates nothing)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tiderl.config import JobConfig, dump_job
+from tiderl.paths import RunPaths, atomic_write_text
+from tiderl.store import RunStore, StoreError
+
+
+class RunDirError(RuntimeError):
+    """A run directory cannot be created or opened; the message names it."""
+
+
+def default_run_dir(config: JobConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(config.launch.runs_dir) / f"{config.name}-{stamp}"
+
+
+def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
+    """Make the run directory, save the resolved config, create the run store."""
+    paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
+    if paths.db.exists() or paths.config.exists():
+        raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
+    paths.create()
+    resolved = dump_job(config)
+    atomic_write_text(paths.config, resolved)
+    store = RunStore.for_run_dir(paths.root, config.store)
+    store.create_schema()
+    store.init_run(name=config.name, system=config.system, config_yaml=resolved)
+    return paths, store
+
+
+def open_run(run_dir: Path) -> tuple[RunPaths, RunStore]:
+    """Open an existing run directory's store (read/write)."""
+    paths = RunPaths(Path(run_dir))
+    if not paths.db.exists():
+        raise RunDirError(f"{paths.root}: no run store (expected {paths.db})")
+    store = RunStore.for_run_dir(paths.root)
+    try:
+        store.run_info()
+    except StoreError as e:
+        raise RunDirError(f"{paths.root}: {e}") from e
+    return paths, store

@@ -1,0 +1,29 @@
+"""The run store: one SQLAlchemy schema (SQLite by default) through which every process coordinates."""
+
+from tiderl.store.engine import StoreBusyError, StoreError
+from tiderl.store.runstore import ClaimLostError, RunStore
+from tiderl.store.types import (
+    EventRecord,
+    FinishedTrajectory,
+    GroupState,
+    MetricPoint,
+    NewGroup,
+    RankReport,
+    RankState,
+    ReadyTrajectory,
+    ReclaimResult,
+    Role,
+    RunState,
+    StepRecord,
+    TaskClaim,
+    TaskFailure,
+    TaskKind,
+    TaskState,
+    TrajectoryState,
+)
+
+__all__ = [
+    "ClaimLostError", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "RankReport",
+    "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
+    "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TrajectoryState",
+]

@@ -1,0 +1,452 @@
+"""The run store: every process of a run coordinates through it.
+
+Exactly-once rules (each enforced inside one write transaction):
+- a task is owned by at most one rank: `claim_tasks` moves pending -> running
+  under `BEGIN IMMEDIATE`; a finished trajectory is accepted only from the
+  task's current owner (a late report of a reclaimed task is dropped);
+- a trajectory is trained at most once: `claim_ready_groups` moves whole
+  groups ready -> claimed for one trainer, and `publish_version` moves them
+  claimed -> consumed only if that trainer still holds every claim;
+- a dead rank (heartbeat older than the timeout) loses its claims:
+  `reclaim_expired` returns its running tasks to pending and its claimed
+  trajectories to ready, in the same transaction that marks it dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, insert, select, text, update
+
+from tiderl.advantage import group_advantages
+from tiderl.config.store import StoreConfig
+from tiderl.store import codec
+from tiderl.store.engine import StoreError, Transactor, choose_journal_mode, make_engine
+from tiderl.store.schema import (
+    VIEWS,
+    control,
+    events,
+    metadata,
+    metrics,
+    microbatches,
+    ranks,
+    runs,
+    task_groups,
+    tasks,
+    trajectories,
+    versions,
+)
+from tiderl.store.types import (
+    FinishedTrajectory,
+    GroupState,
+    NewGroup,
+    RankReport,
+    RankState,
+    ReadyTrajectory,
+    ReclaimResult,
+    Role,
+    RunState,
+    StepRecord,
+    TaskClaim,
+    TaskKind,
+    TaskState,
+    TrajectoryState,
+)
+
+
+class ClaimLostError(StoreError):
+    """A trainer tried to publish trajectories it no longer holds (its claim expired)."""
+
+
+class RunStore:
+    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+        config = config or StoreConfig()
+        self.url = url
+        self.config = config
+        self.engine = make_engine(url, busy_timeout_s=config.busy_timeout_s)
+        self.tx = Transactor(self.engine, max_retries=config.max_retries, label=url)
+
+    # ---- opening -------------------------------------------------------------------------
+    @classmethod
+    def for_run_dir(cls, run_dir: Path, config: StoreConfig | None = None) -> "RunStore":
+        config = config or StoreConfig()
+        url = config.url or f"sqlite:///{Path(run_dir) / 'run.db'}"
+        return cls(url, config)
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        return Path(self.url.removeprefix("sqlite:///")) if self.url.startswith("sqlite:///") else None
+
+    def create_schema(self) -> str:
+        """Create tables and views (idempotent). Returns the journal mode in force."""
+        mode = "n/a"
+        path = self.sqlite_path
+        if path is not None:
+            mode = choose_journal_mode(path, self.config.journal_mode)
+            # Journal mode must be set outside any transaction (raw autocommit connection);
+            # it persists in the database file for every later connection.
+            raw = self.engine.raw_connection()
+            try:
+                cur = raw.cursor()
+                mode = cur.execute(f"PRAGMA journal_mode = {mode}").fetchone()[0]
+                cur.close()
+            finally:
+                raw.close()
+
+        def create(conn: Connection) -> None:
+            metadata.create_all(conn)
+            for name, sql in VIEWS.items():
+                conn.execute(text(f"DROP VIEW IF EXISTS {name}"))
+                conn.execute(text(f"CREATE VIEW {name} AS {sql}"))
+
+        self.tx.write(create)
+        return str(mode)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- run -----------------------------------------------------------------------------
+    def init_run(self, *, name: str, system: str, config_yaml: str) -> None:
+        now = time.time()
+        row = dict(id=1, name=name, system=system, state=RunState.STARTING.value, version=0,
+                   created_at=now, updated_at=now, config_yaml=config_yaml)
+        self.tx.write(lambda c: c.execute(insert(runs).values(**row)))
+
+    def set_run_state(self, state: RunState, message: str | None = None) -> None:
+        now = time.time()
+        values: dict[str, Any] = dict(state=state.value, updated_at=now)
+        if message is not None:
+            values["message"] = message
+        if state in (RunState.FINISHED, RunState.FAILED, RunState.CANCELLED):
+            values["finished_at"] = now
+        self.tx.write(lambda c: c.execute(update(runs).where(runs.c.id == 1).values(**values)))
+
+    def run_info(self) -> dict[str, Any]:
+        row = self.tx.read(lambda c: c.execute(select(runs).where(runs.c.id == 1)).mappings().first())
+        if row is None:
+            raise StoreError(f"run store {self.url}: no run recorded")
+        return dict(row)
+
+    # ---- ranks and roles -----------------------------------------------------------------
+    def register_rank(self, rank: int, role: Role, *, host: str | None = None, pid: int | None = None) -> None:
+        now = time.time()
+        values = dict(role=role.value, state=RankState.RUNNING.value, host=host or socket.gethostname(),
+                      pid=pid if pid is not None else os.getpid(), started_at=now, heartbeat_at=now)
+
+        def upsert(c: Connection) -> None:
+            if c.execute(update(ranks).where(ranks.c.rank == rank).values(**values)).rowcount == 0:
+                c.execute(insert(ranks).values(rank=rank, version=0, **values))
+
+        self.tx.write(upsert)
+
+    def heartbeat(self, rank: int) -> None:
+        self.tx.write(lambda c: _heartbeat(c, rank, time.time()))
+
+    def set_rank_state(self, rank: int, state: RankState) -> None:
+        self.tx.write(lambda c: c.execute(update(ranks).where(ranks.c.rank == rank).values(state=state.value)))
+
+    def plan_roles(self, version: int, roles: dict[int, Role], *, ra2p_mode: str | None = None,
+                   reason: str = "") -> None:
+        """Record the role of each rank from `version` on (a role switch takes effect at that sync boundary)."""
+        now = time.time()
+        rows = [dict(version=version, rank=r, role=role.value, ra2p_mode=ra2p_mode, reason=reason, created_at=now)
+                for r, role in sorted(roles.items())]
+
+        def write(c: Connection) -> None:
+            c.execute(control.delete().where(control.c.version == version))
+            c.execute(insert(control), rows)
+
+        self.tx.write(write)
+
+    def roles_at(self, version: int) -> dict[int, Role]:
+        """Each rank's role in force at `version`: its latest control record at or before it."""
+        def read(c: Connection) -> dict[int, Role]:
+            latest = (select(control.c.rank, func.max(control.c.version).label("v"))
+                      .where(control.c.version <= version).group_by(control.c.rank).subquery())
+            q = select(control.c.rank, control.c.role).join(
+                latest, and_(control.c.rank == latest.c.rank, control.c.version == latest.c.v))
+            return {r: Role(role) for r, role in c.execute(q)}
+
+        return self.tx.read(read)
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(select(ranks).order_by(ranks.c.rank)).mappings()])
+
+    # ---- tasks ---------------------------------------------------------------------------
+    def add_groups(self, groups: Sequence[NewGroup]) -> list[int]:
+        """Create groups and their tasks (G tasks per group, all on the group's prompt seed)."""
+        now = time.time()
+
+        def write(c: Connection) -> list[int]:
+            ids = []
+            for g in groups:
+                gid = c.execute(insert(task_groups).values(
+                    kind=g.kind.value, prompt_seed=g.prompt_seed, size=g.size, eval_version=g.eval_version,
+                    state=GroupState.OPEN.value, created_at=now)).inserted_primary_key[0]
+                c.execute(insert(tasks), [dict(group_id=gid, index_in_group=i, kind=g.kind.value, seed=g.prompt_seed,
+                                               state=TaskState.PENDING.value, attempts=0, created_at=now,
+                                               updated_at=now) for i in range(g.size)])
+                ids.append(gid)
+            return ids
+
+        return self.tx.write(write)
+
+    def claim_tasks(self, rank: int, limit: int, *, kinds: Iterable[TaskKind] = tuple(TaskKind)) -> list[TaskClaim]:
+        """Take up to `limit` pending tasks for `rank`, whole groups first (oldest first)."""
+        if limit <= 0:
+            return []
+        token = uuid.uuid4().hex
+        kind_values = [k.value for k in kinds]
+
+        def write(c: Connection) -> list[TaskClaim]:
+            now = time.time()
+            _heartbeat(c, rank, now)
+            ids = [r for (r,) in c.execute(
+                select(tasks.c.id).where(tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_(kind_values))
+                .order_by(tasks.c.group_id, tasks.c.index_in_group).limit(limit))]
+            if not ids:
+                return []
+            c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
+                state=TaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
+                attempts=tasks.c.attempts + 1))
+            q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
+                 .where(tasks.c.claim_token == token).order_by(tasks.c.id))
+            return [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group,
+                              kind=TaskKind(r.kind), seed=r.seed, attempts=r.attempts, eval_version=r.eval_version)
+                    for r in c.execute(q)]
+
+        return self.tx.write(write)
+
+    def report(self, report: RankReport, *, max_attempts: int = 3) -> dict[str, int]:
+        """Apply a rank's tick: heartbeat, finished trajectories, failures, releases, metrics, events."""
+        def write(c: Connection) -> dict[str, int]:
+            now = time.time()
+            _heartbeat(c, report.rank, now, role=report.role, version=report.version)
+            accepted, dropped = _accept_trajectories(c, report.rank, report.finished, now)
+            for f in report.failed:
+                row = c.execute(select(tasks.c.attempts, tasks.c.group_id).where(
+                    tasks.c.id == f.task_id, tasks.c.owner_rank == report.rank,
+                    tasks.c.state == TaskState.RUNNING.value)).first()
+                if row is None:
+                    continue
+                final = row.attempts >= max_attempts
+                c.execute(update(tasks).where(tasks.c.id == f.task_id).values(
+                    state=(TaskState.FAILED if final else TaskState.PENDING).value, owner_rank=None,
+                    claim_token=None, last_error=f.reason[:2000], updated_at=now))
+                if final:
+                    _fail_group(c, row.group_id)
+            if report.released:
+                c.execute(update(tasks).where(tasks.c.id.in_(report.released), tasks.c.owner_rank == report.rank,
+                                              tasks.c.state == TaskState.RUNNING.value).values(
+                    state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=now,
+                    attempts=tasks.c.attempts - 1))
+            if report.metrics:
+                c.execute(insert(metrics), [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
+                                                 value=float(m.value)) for m in report.metrics])
+            if report.events:
+                c.execute(insert(events), [dict(ts=now, rank=report.rank, source="rank", kind=e.kind,
+                                                message=e.message, data=json.dumps(e.data) if e.data else None)
+                                           for e in report.events])
+            return {"accepted": accepted, "dropped": dropped}
+
+        return self.tx.write(write)
+
+    # ---- trainer side --------------------------------------------------------------------
+    def claim_ready_groups(self, owner: int, max_groups: int) -> list[ReadyTrajectory]:
+        """Claim up to `max_groups` complete training groups (oldest first) for trainer rank `owner`."""
+        token = uuid.uuid4().hex
+
+        def write(c: Connection) -> list[ReadyTrajectory]:
+            now = time.time()
+            _heartbeat(c, owner, now)
+            gids = [g for (g,) in c.execute(select(task_groups.c.id).where(
+                task_groups.c.state == GroupState.READY.value).order_by(task_groups.c.completed_at,
+                                                                        task_groups.c.id).limit(max_groups))]
+            if not gids:
+                return []
+            c.execute(update(task_groups).where(task_groups.c.id.in_(gids)).values(state=GroupState.CLAIMED.value))
+            c.execute(update(trajectories).where(trajectories.c.group_id.in_(gids),
+                                                 trajectories.c.state == TrajectoryState.READY.value).values(
+                state=TrajectoryState.CLAIMED.value, claim_owner=owner, claim_token=token, claimed_at=now))
+            rows = c.execute(select(trajectories).where(trajectories.c.claim_token == token)
+                             .order_by(trajectories.c.group_id, trajectories.c.id)).mappings()
+            return [_ready(r) for r in rows]
+
+        return self.tx.write(write)
+
+    def release_claims(self, owner: int) -> int:
+        """Give a trainer's claimed (unpublished) trajectories back to the pool."""
+        return self.tx.write(lambda c: _return_trajectories(c, [owner]))
+
+    def publish_version(self, step: StepRecord, *, owner: int) -> None:
+        """Commit weights version `step.version` and consume its trajectories, atomically."""
+        def write(c: Connection) -> None:
+            ids = list(step.trajectory_ids)
+            rows = c.execute(select(trajectories.c.id, trajectories.c.num_generated, trajectories.c.reward,
+                                    trajectories.c.success, trajectories.c.min_version).where(
+                trajectories.c.id.in_(ids), trajectories.c.state == TrajectoryState.CLAIMED.value,
+                trajectories.c.claim_owner == owner)).all()
+            if len(rows) != len(set(ids)):
+                lost = sorted(set(ids) - {r.id for r in rows})
+                raise ClaimLostError(f"run store {self.url}: trainer rank {owner} no longer holds trajectories "
+                                     f"{lost[:10]}{'...' if len(lost) > 10 else ''}; version {step.version} "
+                                     "not published")
+            current = c.execute(select(runs.c.version).where(runs.c.id == 1)).scalar_one()
+            if step.version != current + 1:
+                raise StoreError(f"run store {self.url}: version {step.version} published after {current}")
+            n = len(rows)
+            c.execute(insert(versions).values(
+                version=step.version, path=step.path, checksum=step.checksum, created_at=time.time(),
+                step_started_at=step.step_started_at, duration_s=step.duration_s, num_trajectories=n,
+                consumed_tokens=sum(r.num_generated for r in rows),
+                reward_mean=sum(r.reward for r in rows) / n if n else None,
+                success_rate=sum(r.success for r in rows) / n if n else None,
+                max_staleness=max((step.version - 1 - r.min_version for r in rows), default=None),
+                ras=step.ras, tprm_s=step.tprm_s, ra2p_mode=step.ra2p_mode, loss=step.loss))
+            c.execute(update(trajectories).where(trajectories.c.id.in_(ids)).values(
+                state=TrajectoryState.CONSUMED.value, consumed_version=step.version))
+            gids = select(trajectories.c.group_id).where(trajectories.c.id.in_(ids)).distinct()
+            c.execute(update(task_groups).where(task_groups.c.id.in_(gids)).values(state=GroupState.CONSUMED.value))
+            c.execute(update(runs).where(runs.c.id == 1).values(version=step.version, updated_at=time.time()))
+
+        self.tx.write(write)
+
+    def register_initial_version(self, path: str, checksum: str) -> None:
+        """Version 0: the initial weights every rank starts from."""
+        row = dict(version=0, path=path, checksum=checksum, created_at=time.time(), num_trajectories=0,
+                   consumed_tokens=0)
+        self.tx.write(lambda c: c.execute(insert(versions).values(**row)))
+
+    def record_microbatches(self, version: int, trainer_rank: int, batches: Sequence[dict[str, Any]]) -> None:
+        rows = [dict(version=version, trainer_rank=trainer_rank, trajectory_ids=json.dumps(b["trajectory_ids"]),
+                     num_tokens=b["num_tokens"], ready_at=b["ready_at"], started_at=b.get("started_at"),
+                     done_at=b.get("done_at")) for b in batches]
+        if rows:
+            self.tx.write(lambda c: c.execute(insert(microbatches), rows))
+
+    # ---- liveness ------------------------------------------------------------------------
+    def reclaim_expired(self, timeout_s: float, *, now: float | None = None) -> ReclaimResult:
+        """Mark ranks silent for `timeout_s` dead and return their claims to the pool."""
+        def write(c: Connection) -> ReclaimResult:
+            t = now if now is not None else time.time()
+            dead = [r for (r,) in c.execute(select(ranks.c.rank).where(
+                ranks.c.state.in_([RankState.RUNNING.value, RankState.STARTING.value]),
+                ranks.c.heartbeat_at < t - timeout_s))]
+            if not dead:
+                return ReclaimResult([], 0, 0)
+            c.execute(update(ranks).where(ranks.c.rank.in_(dead)).values(state=RankState.DEAD.value))
+            n_tasks = c.execute(update(tasks).where(tasks.c.owner_rank.in_(dead),
+                                                    tasks.c.state == TaskState.RUNNING.value).values(
+                state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t)).rowcount
+            n_traj = _return_trajectories(c, dead)
+            c.execute(insert(events), [dict(ts=t, rank=r, source="store", kind="rank_dead",
+                                            message=f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
+                                                    "its claims returned to the pool") for r in dead])
+            return ReclaimResult(dead, n_tasks, n_traj)
+
+        return self.tx.write(write)
+
+    def record_event(self, source: str, kind: str, message: str, *, rank: int | None = None,
+                     data: dict | None = None) -> None:
+        row = dict(ts=time.time(), rank=rank, source=source, kind=kind, message=message,
+                   data=json.dumps(data) if data else None)
+        self.tx.write(lambda c: c.execute(insert(events).values(**row)))
+
+    # ---- reading -------------------------------------------------------------------------
+    def view(self, name: str) -> list[dict[str, Any]]:
+        if name not in VIEWS:
+            raise StoreError(f"unknown view {name!r} (views: {', '.join(VIEWS)})")
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(text(f"SELECT * FROM {name}")).mappings()])
+
+    def buffer_state(self) -> dict[str, Any]:
+        return self.view("buffer_state")[0]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return self.view("step_summary")
+
+
+# ---- helpers running inside a transaction ----------------------------------------------------
+def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None, version: int | None = None) -> None:
+    values: dict[str, Any] = dict(heartbeat_at=now)
+    if role is not None:
+        values["role"] = role.value
+    if version is not None:
+        values["version"] = version
+    c.execute(update(ranks).where(ranks.c.rank == rank, ranks.c.state != RankState.DEAD.value).values(**values))
+
+
+def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTrajectory], now: float) -> tuple[int, int]:
+    accepted = dropped = 0
+    touched_groups: set[int] = set()
+    for t in finished:
+        row = c.execute(select(tasks.c.group_id, tasks.c.kind).where(
+            tasks.c.id == t.task_id, tasks.c.owner_rank == rank, tasks.c.state == TaskState.RUNNING.value)).first()
+        if row is None:  # reclaimed meanwhile (this rank was presumed dead): another rank redoes it
+            dropped += 1
+            continue
+        gen_versions = [v for v, m in zip(t.token_versions, t.loss_mask) if m]
+        c.execute(insert(trajectories).values(
+            task_id=t.task_id, group_id=row.group_id, kind=row.kind, rank=rank, state=TrajectoryState.WAITING.value,
+            token_ids=codec.pack_ints(t.token_ids), loss_mask=codec.pack_mask(t.loss_mask),
+            logprobs=codec.pack_floats(t.logprobs), token_versions=codec.pack_ints(t.token_versions),
+            num_tokens=len(t.token_ids), num_generated=sum(1 for m in t.loss_mask if m), num_turns=t.num_turns,
+            reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
+            max_version=max(gen_versions, default=0), finished_at=now))
+        c.execute(update(tasks).where(tasks.c.id == t.task_id).values(state=TaskState.DONE.value, updated_at=now))
+        touched_groups.add(row.group_id)
+        accepted += 1
+    for gid in touched_groups:
+        _maybe_complete_group(c, gid, now)
+    return accepted, dropped
+
+
+def _maybe_complete_group(c: Connection, gid: int, now: float) -> None:
+    group = c.execute(select(task_groups).where(task_groups.c.id == gid)).mappings().one()
+    if group["state"] != GroupState.OPEN.value:
+        return
+    rows = c.execute(select(trajectories.c.id, trajectories.c.reward).where(trajectories.c.group_id == gid)
+                     .order_by(trajectories.c.id)).all()
+    if len(rows) < group["size"]:
+        return
+    if group["kind"] == TaskKind.EVAL.value:
+        c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(
+            state=TrajectoryState.EVAL.value, ready_at=now))
+        state = GroupState.EVALUATED
+    else:
+        for (tid, _), adv in zip(rows, group_advantages([r for _, r in rows])):
+            c.execute(update(trajectories).where(trajectories.c.id == tid).values(
+                advantage=adv, state=TrajectoryState.READY.value, ready_at=now))
+        state = GroupState.READY
+    c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=state.value, completed_at=now))
+
+
+def _fail_group(c: Connection, gid: int) -> None:
+    c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=GroupState.FAILED.value))
+    c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
+    c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == TaskState.PENDING.value).values(
+        state=TaskState.FAILED.value, last_error="another task of its group failed for good"))
+
+
+def _return_trajectories(c: Connection, owners: list[int]) -> int:
+    claimed = select(trajectories.c.group_id).where(trajectories.c.claim_owner.in_(owners),
+                                                    trajectories.c.state == TrajectoryState.CLAIMED.value).distinct()
+    c.execute(update(task_groups).where(task_groups.c.id.in_(claimed)).values(state=GroupState.READY.value))
+    return c.execute(update(trajectories).where(trajectories.c.claim_owner.in_(owners),
+                                                trajectories.c.state == TrajectoryState.CLAIMED.value).values(
+        state=TrajectoryState.READY.value, claim_owner=None, claim_token=None, claimed_at=None)).rowcount
+
+
+def _ready(r: Any) -> ReadyTrajectory:
+    return ReadyTrajectory(
+        id=r["id"], group_id=r["group_id"], rank=r["rank"], token_ids=codec.unpack_ints(r["token_ids"]),
+        loss_mask=codec.unpack_mask(r["loss_mask"]), logprobs=codec.unpack_floats(r["logprobs"]),
+        token_versions=codec.unpack_ints(r["token_versions"]), reward=r["reward"], advantage=r["advantage"],
+        num_tokens=r["num_tokens"], num_generated=r["num_generated"], min_version=r["min_version"],
+        ready_at=r["ready_at"])

@@ -1,0 +1,220 @@
+"""The run store's tables and the SQL views people query with the sqlite3 shell.
+
+Times are Unix seconds (REAL). Token arrays are little-endian packed BLOBs
+(see `codec.py`); their lengths are kept in plain columns so SQL can sum them.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BLOB,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", Integer, primary_key=True),  # one row per run store: id 1
+    Column("name", String, nullable=False),
+    Column("system", String, nullable=False),
+    Column("state", String, nullable=False),  # RunState
+    Column("version", Integer, nullable=False, default=0),  # last published weights version
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float),
+    Column("message", Text),
+    Column("config_yaml", Text, nullable=False),
+)
+
+ranks = Table(
+    "ranks",
+    metadata,
+    Column("rank", Integer, primary_key=True),
+    Column("role", String, nullable=False),  # Role
+    Column("state", String, nullable=False),  # RankState
+    Column("version", Integer, nullable=False, default=0),  # weights version the rank runs
+    Column("host", String),
+    Column("pid", Integer),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat_at", Float, nullable=False),
+)
+
+control = Table(
+    "control",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),  # the role holds from this version on
+    Column("rank", Integer, nullable=False),
+    Column("role", String, nullable=False),
+    Column("ra2p_mode", String),
+    Column("reason", Text),
+    Column("created_at", Float, nullable=False),
+    UniqueConstraint("version", "rank", name="uq_control_version_rank"),
+)
+
+task_groups = Table(
+    "task_groups",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("kind", String, nullable=False),  # TaskKind
+    Column("prompt_seed", Integer, nullable=False),
+    Column("size", Integer, nullable=False),
+    Column("eval_version", Integer),  # for evaluation groups: the version they evaluate
+    Column("state", String, nullable=False),  # GroupState
+    Column("created_at", Float, nullable=False),
+    Column("completed_at", Float),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("group_id", Integer, ForeignKey("task_groups.id"), nullable=False),
+    Column("index_in_group", Integer, nullable=False),
+    Column("kind", String, nullable=False),
+    Column("seed", Integer, nullable=False),
+    Column("state", String, nullable=False),  # TaskState
+    Column("owner_rank", Integer),
+    Column("claim_token", String),
+    Column("claimed_at", Float),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("last_error", Text),
+    Index("ix_tasks_state", "state", "id"),
+    Index("ix_tasks_owner", "owner_rank", "state"),
+)
+
+trajectories = Table(
+    "trajectories",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("task_id", Integer, ForeignKey("tasks.id"), nullable=False, unique=True),
+    Column("group_id", Integer, ForeignKey("task_groups.id"), nullable=False),
+    Column("kind", String, nullable=False),
+    Column("rank", Integer, nullable=False),  # rollout rank that produced it
+    Column("state", String, nullable=False),  # TrajectoryState
+    Column("token_ids", BLOB, nullable=False),
+    Column("loss_mask", BLOB, nullable=False),
+    Column("logprobs", BLOB, nullable=False),
+    Column("token_versions", BLOB, nullable=False),
+    Column("num_tokens", Integer, nullable=False),
+    Column("num_generated", Integer, nullable=False),
+    Column("num_turns", Integer, nullable=False),
+    Column("reward", Float, nullable=False),
+    Column("success", Integer, nullable=False),
+    Column("advantage", Float),
+    Column("min_version", Integer, nullable=False),
+    Column("max_version", Integer, nullable=False),
+    Column("finished_at", Float, nullable=False),
+    Column("ready_at", Float),
+    Column("claim_owner", Integer),
+    Column("claim_token", String),
+    Column("claimed_at", Float),
+    Column("consumed_version", Integer),
+    Index("ix_traj_state", "state", "group_id"),
+)
+
+microbatches = Table(
+    "microbatches",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),  # the version this step produced
+    Column("trainer_rank", Integer, nullable=False),
+    Column("trajectory_ids", Text, nullable=False),  # JSON list
+    Column("num_tokens", Integer, nullable=False),
+    Column("ready_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("done_at", Float),
+)
+
+versions = Table(
+    "versions",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("path", Text, nullable=False),
+    Column("checksum", String, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("step_started_at", Float),
+    Column("duration_s", Float),
+    Column("num_trajectories", Integer, nullable=False, default=0),
+    Column("consumed_tokens", Integer, nullable=False, default=0),  # generated tokens trained on
+    Column("reward_mean", Float),
+    Column("success_rate", Float),
+    Column("max_staleness", Integer),
+    Column("ras", Integer),
+    Column("tprm_s", Float),
+    Column("ra2p_mode", String),
+    Column("loss", Float),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("rank", Integer),
+    Column("source", String, nullable=False),  # control, rank, trainer, store, ...
+    Column("kind", String, nullable=False),
+    Column("message", Text, nullable=False),
+    Column("data", Text),  # JSON
+    Index("ix_events_ts", "ts"),
+)
+
+metrics = Table(
+    "metrics",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("version", Integer),
+    Column("rank", Integer),
+    Column("role", String),
+    Column("name", String, nullable=False),
+    Column("value", Float, nullable=False),
+    Index("ix_metrics_name", "name", "ts"),
+)
+
+# SQL views: `sqlite3 RUN_DIR/run.db 'select * from step_summary'`. Documented in docs/run-store.md.
+VIEWS: dict[str, str] = {
+    "step_summary": """
+        SELECT v.version, v.duration_s, v.num_trajectories, v.consumed_tokens,
+               CASE WHEN v.duration_s > 0 THEN v.consumed_tokens / v.duration_s END AS goodput_tok_s,
+               v.reward_mean, v.success_rate, v.max_staleness, v.ras, v.tprm_s, v.ra2p_mode, v.loss
+        FROM versions v WHERE v.version > 0 ORDER BY v.version""",
+    "rank_roles": """
+        SELECT r.rank, r.role, r.state, r.version, r.host, r.pid,
+               ((julianday('now') - 2440587.5) * 86400.0) - r.heartbeat_at AS heartbeat_age_s,
+               (SELECT c.role FROM control c WHERE c.rank = r.rank ORDER BY c.version DESC LIMIT 1)
+                   AS planned_role,
+               (SELECT c.version FROM control c WHERE c.rank = r.rank ORDER BY c.version DESC LIMIT 1)
+                   AS planned_from_version
+        FROM ranks r ORDER BY r.rank""",
+    "buffer_state": """
+        SELECT
+          (SELECT count(*) FROM tasks WHERE state = 'pending') AS tasks_pending,
+          (SELECT count(*) FROM tasks WHERE state = 'running') AS tasks_running,
+          (SELECT count(*) FROM tasks WHERE state = 'done') AS tasks_done,
+          (SELECT count(*) FROM tasks WHERE state = 'failed') AS tasks_failed,
+          (SELECT count(*) FROM trajectories WHERE state = 'waiting') AS traj_waiting_group,
+          (SELECT count(*) FROM trajectories WHERE state = 'ready') AS traj_ready,
+          (SELECT count(*) FROM trajectories WHERE state = 'claimed') AS traj_claimed,
+          (SELECT count(*) FROM trajectories WHERE state = 'consumed') AS traj_consumed,
+          (SELECT coalesce(sum(num_tokens), 0) FROM trajectories WHERE state = 'ready') AS ready_tokens,
+          (SELECT count(*) FROM task_groups WHERE state = 'ready') AS groups_ready""",
+    "eval_summary": """
+        SELECT g.eval_version, count(*) AS num_tasks, avg(t.reward) AS reward_mean,
+               avg(t.success) AS success_rate
+        FROM trajectories t JOIN task_groups g ON g.id = t.group_id
+        WHERE g.kind = 'eval' GROUP BY g.eval_version ORDER BY g.eval_version""",
+}
