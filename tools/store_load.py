@@ -85,7 +85,8 @@ def writer(spec: LoadSpec, rank: int, out: str) -> None:
         commits += 1
     s.set_rank_state(rank, RankState.STOPPED)
     Path(out).write_text(json.dumps({"role": "writer", "rank": rank, "claims": claims, "commits": commits,
-                                     "seconds": time.time() - start, "retries": s.tx.num_retries}))
+                                     "seconds": time.time() - start, "t_ready": start, "t_end": time.time(),
+                                     "retries": s.tx.num_retries}))
 
 
 def claimer(spec: LoadSpec, rank: int, out: str) -> None:
@@ -123,8 +124,8 @@ def claimer(spec: LoadSpec, rank: int, out: str) -> None:
                     raise
     s.set_rank_state(rank, RankState.STOPPED)
     Path(out).write_text(json.dumps({"role": "claimer", "rank": rank, "claimed": claimed, "versions": published,
-                                     "commits": commits, "seconds": time.time() - start,
-                                     "retries": s.tx.num_retries}))
+                                     "commits": commits, "seconds": time.time() - start, "t_ready": start,
+                                     "t_end": time.time(), "retries": s.tx.num_retries}))
 
 
 def reader(spec: LoadSpec, rank: int, out: str) -> None:

@@ -1,0 +1,88 @@
+"""Run directory layout, and `tiderl status` on a store with a known story."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiderl.cli import main
+from tiderl.config import load_job
+from tiderl.paths import RunPaths
+from tiderl.rundir import RunDirError, create_run, open_run
+from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, StepRecord, TaskKind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_create_run_lays_out_the_directory(tmp_path: Path) -> None:
+    cfg = load_job(ROOT / "jobs" / "quickstart.yaml", ["trainer.num_steps=3"])
+    paths, store = create_run(cfg, tmp_path / "r")
+    for p in (paths.db, paths.config, paths.weights, paths.ckpt, paths.logs):
+        assert p.exists(), p
+    assert load_job(paths.config) == cfg
+    assert store.run_info()["state"] == "starting"
+    with pytest.raises(RunDirError, match="already holds a run"):
+        create_run(cfg, tmp_path / "r")
+
+
+def test_weight_versions_ignore_half_written_dirs(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path).create()
+    for name in ("v0", "v2", "v10", "v3.tmp", "x"):
+        (paths.weights / name).mkdir()
+    assert paths.weight_versions() == [0, 2, 10]
+
+
+def test_open_run_without_store(tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="no run store"):
+        open_run(tmp_path)
+
+
+def _story(run_dir: Path) -> None:
+    cfg = load_job(ROOT / "jobs" / "quickstart.yaml")
+    _, s = create_run(cfg, run_dir)
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ROLLOUT)
+    s.register_rank(1, Role.ACTOR)
+    s.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ACTOR})
+    s.set_run_state(RunState.RUNNING)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
+    claims = s.claim_tasks(0, 2)
+    s.report(RankReport(rank=0, finished=[
+        FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
+                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1,
+                           reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
+        metrics=[MetricPoint("rwt_s", 1.5), MetricPoint("twt_s", 0.25)]))
+    got = s.claim_ready_groups(1, 4)
+    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
+                                 step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
+                      owner=1)
+
+
+def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _story(tmp_path / "r")
+    assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "running" and doc["version"] == 1
+    assert doc["consumed_tokens"] == 6 and doc["goodput_tok_s"] > 0
+    assert doc["rwt_s"] == 1.5 and doc["twt_s"] == 0.25
+    assert [(r["rank"], r["role"]) for r in doc["ranks"]] == [(0, "rollout"), (1, "actor")]
+    (step,) = doc["steps"]
+    assert step == {"version": 1, "success_rate": 0.5, "reward_mean": 0.5, "consumed_tokens": 6, "duration_s": 3.0,
+                    "goodput_tok_s": 2.0, "ras": 1, "tprm_s": 0.5, "ra2p_mode": "colocated", "max_staleness": 0,
+                    "eval": False}
+    assert doc["buffer"]["tasks_pending"] == 2 and doc["buffer"]["traj_consumed"] == 2
+
+
+def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _story(tmp_path / "r")
+    assert main(["status", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "run quickstart (tiderl): running" in out
+    assert "colocated" in out and "rollout" in out and "tasks pending 2" in out
+
+
+def test_status_of_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", str(tmp_path)]) == 2
+    assert "no run store" in capsys.readouterr().err
