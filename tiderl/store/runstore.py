@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, select, text, update
+from sqlalchemy import Connection, and_, bindparam, func, insert, select, text, update
 
 from tiderl.advantage import group_advantages
 from tiderl.config.store import StoreConfig
@@ -99,6 +99,8 @@ class RunStore:
                 cur.close()
             finally:
                 raw.close()
+            # Pooled connections chose their `synchronous` level under the old journal mode.
+            self.engine.dispose()
 
         def create(conn: Connection) -> None:
             metadata.create_all(conn)
@@ -383,48 +385,56 @@ def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None
 
 
 def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTrajectory], now: float) -> tuple[int, int]:
-    accepted = dropped = 0
-    touched_groups: set[int] = set()
+    """Insert the trajectories of tasks `rank` still owns; drop the rest (reclaimed meanwhile)."""
+    if not finished:
+        return 0, 0
+    owned = {r.id: r for r in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.kind).where(
+        tasks.c.id.in_([t.task_id for t in finished]), tasks.c.owner_rank == rank,
+        tasks.c.state == TaskState.RUNNING.value))}
+    rows = []
     for t in finished:
-        row = c.execute(select(tasks.c.group_id, tasks.c.kind).where(
-            tasks.c.id == t.task_id, tasks.c.owner_rank == rank, tasks.c.state == TaskState.RUNNING.value)).first()
-        if row is None:  # reclaimed meanwhile (this rank was presumed dead): another rank redoes it
-            dropped += 1
+        task = owned.pop(t.task_id, None)  # pop: a task reported twice in one tick counts once
+        if task is None:
             continue
         gen_versions = [v for v, m in zip(t.token_versions, t.loss_mask) if m]
-        c.execute(insert(trajectories).values(
-            task_id=t.task_id, group_id=row.group_id, kind=row.kind, rank=rank, state=TrajectoryState.WAITING.value,
+        rows.append(dict(
+            task_id=t.task_id, group_id=task.group_id, kind=task.kind, rank=rank, state=TrajectoryState.WAITING.value,
             token_ids=codec.pack_ints(t.token_ids), loss_mask=codec.pack_mask(t.loss_mask),
             logprobs=codec.pack_floats(t.logprobs), token_versions=codec.pack_ints(t.token_versions),
-            num_tokens=len(t.token_ids), num_generated=sum(1 for m in t.loss_mask if m), num_turns=t.num_turns,
+            num_tokens=len(t.token_ids), num_generated=len(gen_versions), num_turns=t.num_turns,
             reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
             max_version=max(gen_versions, default=0), finished_at=now))
-        c.execute(update(tasks).where(tasks.c.id == t.task_id).values(state=TaskState.DONE.value, updated_at=now))
-        touched_groups.add(row.group_id)
-        accepted += 1
-    for gid in touched_groups:
-        _maybe_complete_group(c, gid, now)
-    return accepted, dropped
+    if rows:
+        c.execute(insert(trajectories), rows)
+        c.execute(update(tasks).where(tasks.c.id.in_([r["task_id"] for r in rows])).values(
+            state=TaskState.DONE.value, updated_at=now))
+        _complete_groups(c, {r["group_id"] for r in rows}, now)
+    return len(rows), len(finished) - len(rows)
 
 
-def _maybe_complete_group(c: Connection, gid: int, now: float) -> None:
-    group = c.execute(select(task_groups).where(task_groups.c.id == gid)).mappings().one()
-    if group["state"] != GroupState.OPEN.value:
-        return
-    rows = c.execute(select(trajectories.c.id, trajectories.c.reward).where(trajectories.c.group_id == gid)
-                     .order_by(trajectories.c.id)).all()
-    if len(rows) < group["size"]:
-        return
-    if group["kind"] == TaskKind.EVAL.value:
-        c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(
-            state=TrajectoryState.EVAL.value, ready_at=now))
-        state = GroupState.EVALUATED
-    else:
-        for (tid, _), adv in zip(rows, group_advantages([r for _, r in rows])):
-            c.execute(update(trajectories).where(trajectories.c.id == tid).values(
-                advantage=adv, state=TrajectoryState.READY.value, ready_at=now))
-        state = GroupState.READY
-    c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=state.value, completed_at=now))
+def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
+    """Groups among `gids` whose every task has a trajectory: write advantages, mark them ready."""
+    counts = (select(trajectories.c.group_id, func.count().label("n")).where(trajectories.c.group_id.in_(gids))
+              .group_by(trajectories.c.group_id).subquery())
+    complete = c.execute(select(task_groups.c.id, task_groups.c.kind).join(
+        counts, counts.c.group_id == task_groups.c.id).where(
+        task_groups.c.state == GroupState.OPEN.value, counts.c.n >= task_groups.c.size)).all()
+    ready_rows = []
+    for gid, kind in complete:
+        if kind == TaskKind.EVAL.value:
+            c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(
+                state=TrajectoryState.EVAL.value, ready_at=now))
+            state = GroupState.EVALUATED
+        else:
+            rows = c.execute(select(trajectories.c.id, trajectories.c.reward).where(trajectories.c.group_id == gid)
+                             .order_by(trajectories.c.id)).all()
+            advantages = group_advantages([r for _, r in rows])
+            ready_rows += [{"tid": tid, "adv": adv} for (tid, _), adv in zip(rows, advantages)]
+            state = GroupState.READY
+        c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=state.value, completed_at=now))
+    if ready_rows:
+        c.execute(update(trajectories).where(trajectories.c.id == bindparam("tid")).values(
+            advantage=bindparam("adv"), state=TrajectoryState.READY.value, ready_at=now), ready_rows)
 
 
 def _fail_group(c: Connection, gid: int) -> None:
