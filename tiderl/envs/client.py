@@ -1,0 +1,283 @@
+"""Async client of the env service, used by rollout ranks.
+
+One `aiohttp.ClientSession` (a pooled connector) per client; every call has a
+timeout; errors are `EnvServiceError`s naming the server URL and the session.
+
+Retries are bounded (`max_retries`) and happen only where they are safe:
+- any endpoint, when the connection could not be opened (the request never left)
+  or the server answered 429/503 (it refused before changing state);
+- /health, /pause, /resume and /end also on timeouts and dropped connections
+  (they are idempotent: /end replays its first answer).
+/start and /observation are never retried once the request may have reached the
+server: a retried /observation could apply an action twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tiderl.envs.protocol import TOKEN_HEADER
+
+
+class EnvServiceError(Exception):
+    """A request to an env server failed; names the server, endpoint and session."""
+
+    def __init__(
+        self, url: str, endpoint: str, message: str, *, session_id: str | None = None,
+        status: int | None = None, code: str | None = None,
+    ) -> None:
+        self.url = url
+        self.endpoint = endpoint
+        self.session_id = session_id
+        self.status = status
+        self.code = code
+        self.message = message
+        where = f"env server {url}{endpoint}"
+        if session_id is not None:
+            where += f" (session {session_id})"
+        what = f"{status} {code}: " if status is not None else ""
+        super().__init__(f"{where}: {what}{message}")
+
+
+class EnvBadRequestError(EnvServiceError):
+    """400: the request or the env options were refused."""
+
+
+class EnvAuthError(EnvServiceError):
+    """401: missing or wrong token."""
+
+
+class EnvNotFoundError(EnvServiceError):
+    """404: unknown environment or session."""
+
+
+class EnvConflictError(EnvServiceError):
+    """409: the session is paused, ended, done, or busy."""
+
+
+class EnvBusyError(EnvServiceError):
+    """429/503: the server is at capacity or shutting down (still so after the retries)."""
+
+
+class EnvFailedError(EnvServiceError):
+    """5xx: the environment or the server failed."""
+
+
+class EnvConnectionError(EnvServiceError):
+    """No answer: connection refused or dropped, or timeout."""
+
+
+_BY_STATUS: dict[int, type[EnvServiceError]] = {
+    400: EnvBadRequestError, 401: EnvAuthError, 404: EnvNotFoundError, 409: EnvConflictError,
+    413: EnvBadRequestError, 429: EnvBusyError, 503: EnvBusyError,
+}
+_IDEMPOTENT = frozenset({"/health", "/pause", "/resume", "/end"})
+
+
+@dataclass(frozen=True)
+class StartResult:
+    session_id: str
+    observation: str
+    done: bool
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EndResult:
+    reward: float
+    info: dict[str, Any]
+
+
+class EnvClient:
+    """Client of one env server. Use as `async with EnvClient(url) as client:`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        max_connections: int = 512,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EnvClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {TOKEN_HEADER: f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                timeout=self.timeout,
+                headers=headers,
+            )
+        return self._session
+
+    async def _request(
+        self, method: str, endpoint: str, body: dict[str, Any] | None = None, session_id: str | None = None
+    ) -> dict[str, Any]:
+        attempt = 0
+        while True:
+            try:
+                return await self._request_once(method, endpoint, body, session_id)
+            except EnvServiceError as e:
+                if attempt >= self.max_retries or not self._is_retryable(e, endpoint):
+                    raise
+                attempt += 1
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+
+    @staticmethod
+    def _is_retryable(e: EnvServiceError, endpoint: str) -> bool:
+        if isinstance(e, EnvBusyError):
+            return True
+        if isinstance(e, EnvConnectionError):
+            return e.code == "connect_failed" or endpoint in _IDEMPOTENT
+        return False
+
+    async def _request_once(
+        self, method: str, endpoint: str, body: dict[str, Any] | None, session_id: str | None
+    ) -> dict[str, Any]:
+        url = self.url + endpoint
+        try:
+            async with self._http().request(method, url, json=body) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    data = None
+                if resp.status == 200 and isinstance(data, dict):
+                    return data
+                message = data.get("error", "") if isinstance(data, dict) else (await resp.text())[:200]
+                code = data.get("code") if isinstance(data, dict) else None
+                cls = _BY_STATUS.get(resp.status, EnvFailedError if resp.status >= 500 else EnvServiceError)
+                raise cls(self.url, endpoint, message or resp.reason or "", session_id=session_id,
+                          status=resp.status, code=code)
+        except aiohttp.ClientConnectorError as e:
+            raise EnvConnectionError(self.url, endpoint, f"cannot connect: {e}", session_id=session_id,
+                                     code="connect_failed") from e
+        except asyncio.TimeoutError as e:
+            raise EnvConnectionError(self.url, endpoint, f"no answer within {self.timeout.total} s",
+                                     session_id=session_id, code="timeout") from e
+        except aiohttp.ClientError as e:
+            raise EnvConnectionError(self.url, endpoint, f"{type(e).__name__}: {e}", session_id=session_id,
+                                     code="connection_lost") from e
+
+    async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
+        data = await self._request("POST", "/start", {"env": env, "seed": seed, "options": options or {}})
+        return StartResult(data["session_id"], data["observation"], bool(data["done"]), data.get("info", {}))
+
+    async def step(self, session_id: str, action: str) -> StepResult:
+        """One environment step (POST /observation)."""
+        data = await self._request("POST", "/observation", {"session_id": session_id, "action": action}, session_id)
+        return StepResult(data["observation"], float(data["reward"]), bool(data["done"]), data.get("info", {}))
+
+    async def pause(self, session_id: str) -> str:
+        data = await self._request("POST", "/pause", {"session_id": session_id}, session_id)
+        return str(data["state"])
+
+    async def resume(self, session_id: str) -> str:
+        data = await self._request("POST", "/resume", {"session_id": session_id}, session_id)
+        return str(data["state"])
+
+    async def end(self, session_id: str) -> EndResult:
+        data = await self._request("POST", "/end", {"session_id": session_id}, session_id)
+        return EndResult(float(data["reward"]), data.get("info", {}))
+
+    async def health(self) -> dict[str, Any]:
+        return await self._request("GET", "/health")
+
+
+class EnvPool:
+    """Clients of several env servers behind one interface: `start` places a session on
+    the server with the fewest sessions this pool holds there; later calls on that
+    session go to the same server."""
+
+    def __init__(self, urls: list[str] | tuple[str, ...], **client_kwargs: Any) -> None:
+        if not urls:
+            raise ValueError("EnvPool needs at least one env server URL")
+        self.clients = [EnvClient(url, **client_kwargs) for url in urls]
+        self._owner: dict[str, EnvClient] = {}
+        self._load = {id(c): 0 for c in self.clients}
+
+    async def __aenter__(self) -> EnvPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    async def health(self) -> list[dict[str, Any]]:
+        """Every server's /health, in the order of the URLs."""
+        return list(await asyncio.gather(*(client.health() for client in self.clients)))
+
+    def client_of(self, session_id: str) -> EnvClient:
+        client = self._owner.get(session_id)
+        if client is None:
+            raise KeyError(f"session {session_id} was not started through this pool (or has ended)")
+        return client
+
+    async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
+        client = min(self.clients, key=lambda c: self._load[id(c)])
+        self._load[id(client)] += 1
+        try:
+            result = await client.start(env, seed, options)
+        except BaseException:
+            self._load[id(client)] -= 1
+            raise
+        self._owner[result.session_id] = client
+        return result
+
+    async def step(self, session_id: str, action: str) -> StepResult:
+        return await self.client_of(session_id).step(session_id, action)
+
+    async def pause(self, session_id: str) -> str:
+        return await self.client_of(session_id).pause(session_id)
+
+    async def resume(self, session_id: str) -> str:
+        return await self.client_of(session_id).resume(session_id)
+
+    async def end(self, session_id: str) -> EndResult:
+        client = self.client_of(session_id)
+        try:
+            result = await client.end(session_id)
+        except (EnvNotFoundError, EnvConflictError):
+            self._forget(session_id, client)  # the server no longer holds it (e.g. reaped)
+            raise
+        self._forget(session_id, client)
+        return result
+
+    def _forget(self, session_id: str, client: EnvClient) -> None:
+        del self._owner[session_id]
+        self._load[id(client)] -= 1

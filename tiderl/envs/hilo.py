@@ -1,0 +1,122 @@
+"""`hilo`: guess a secret integer in a range from higher/lower feedback.
+
+The quickstart's task: small enough that a tiny model with a tokenizer trained on
+the spot learns it within minutes. Every text is short and regular.
+
+Texts (with the default options low=1, high=16, max_turns=6):
+- first observation: `guess a number 1-16`
+- action: a decimal integer, e.g. `8` (surrounding whitespace is ignored; nothing else
+  is accepted: `8.`, `eight` or `I guess 8` are bad actions)
+- observation after a guess: `higher` (the secret is greater than the guess),
+  `lower` (the secret is smaller) or `correct` (found: the episode ends)
+- observation after a bad action: `not a number, guess 1-16` (it costs a turn)
+- the episode also ends after `max_turns` actions; the last observation is then the
+  usual feedback word (`higher`/`lower`/`not a number, guess 1-16`) with done=true
+  and info `out_of_turns: true`.
+
+Rewards: the step that finds the secret has reward 1.0, every other step 0.0; the
+final reward is 1.0 if the secret was found, else 0.0. With option `shaped: true`
+a find after t turns scores `1 - (t - 1) / (2 * max_turns)` (faster is better;
+always >= 0.5) and a miss still scores 0.
+
+Info: `turn` (actions taken), `max_turns`; when done also `found`, `secret`.
+
+The secret is `random.Random(seed).randint(low, high)`. `expert_action()` gives the
+binary-search guess (midpoint of the interval the feedback so far allows), which
+finds any secret in 1-16 within 5 turns: use it for demonstrations.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepResult, read_options
+
+_INTEGER = re.compile(r"[+-]?\d{1,12}")
+
+DEFAULTS: dict[str, Any] = {"low": 1, "high": 16, "max_turns": 6, "shaped": False}
+
+
+class HiloEnv(Environment):
+    name = "hilo"
+
+    def __init__(self) -> None:
+        self.low = 1
+        self.high = 16
+        self.max_turns = 6
+        self.shaped = False
+        self.secret = 0
+        self.turn = 0
+        self.found = False
+        self.done = False
+        self.is_reset = False
+        # The interval of secrets still consistent with the feedback so far.
+        self.lo_known = 1
+        self.hi_known = 16
+
+    def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        opts = read_options(self.name, options, DEFAULTS)
+        if opts["low"] > opts["high"]:
+            raise EnvOptionError(f"hilo: low ({opts['low']}) must be <= high ({opts['high']})")
+        if opts["max_turns"] < 1:
+            raise EnvOptionError(f"hilo: max_turns must be >= 1, got {opts['max_turns']}")
+        self.low, self.high = opts["low"], opts["high"]
+        self.max_turns, self.shaped = opts["max_turns"], opts["shaped"]
+        self.secret = random.Random(seed).randint(self.low, self.high)
+        self.turn = 0
+        self.found = False
+        self.done = False
+        self.is_reset = True
+        self.lo_known, self.hi_known = self.low, self.high
+        return self.prompt(), self._info()
+
+    def prompt(self) -> str:
+        return f"guess a number {self.low}-{self.high}"
+
+    def step(self, action: str) -> StepResult:
+        if not self.is_reset:
+            raise EnvActionError("hilo: step before reset")
+        if self.done:
+            raise EnvActionError("hilo: step after the episode is done")
+        self.turn += 1
+        text = action.strip()
+        if not _INTEGER.fullmatch(text):
+            observation = f"not a number, guess {self.low}-{self.high}"
+        else:
+            guess = int(text)
+            if guess == self.secret:
+                observation = "correct"
+                self.found = True
+            elif guess < self.secret:
+                observation = "higher"
+                self.lo_known = max(self.lo_known, guess + 1)
+            else:
+                observation = "lower"
+                self.hi_known = min(self.hi_known, guess - 1)
+        self.done = self.found or self.turn >= self.max_turns
+        info = self._info()
+        if self.done and not self.found:
+            info["out_of_turns"] = True
+        reward = self.final_reward() if self.found else 0.0
+        return StepResult(observation, reward, self.done, info)
+
+    def final_reward(self) -> float:
+        if not self.found:
+            return 0.0
+        if self.shaped:
+            return 1.0 - (self.turn - 1) / (2 * self.max_turns)
+        return 1.0
+
+    def expert_action(self) -> str:
+        """The binary-search guess for the current state (for demonstrations)."""
+        return str((self.lo_known + self.hi_known) // 2)
+
+    def _info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"turn": self.turn, "max_turns": self.max_turns}
+        if self.done:
+            info["found"] = self.found
+            info["secret"] = self.secret
+        return info

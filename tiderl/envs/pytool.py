@@ -1,0 +1,133 @@
+"""`pytool`: reasoning tasks where the agent may run Python code before answering.
+
+Tasks come from `reasoning-gym` (procedural generators with exact verifiers), one
+task per seed: `reasoning_gym.create_dataset(dataset, seed=seed, size=1, **dataset_config)[0]`.
+Each turn the agent either runs code or answers:
+
+- first observation: the task's question, then the line
+  `run code with a ```python block, or reply answer: YOUR ANSWER`
+- action with a fenced block (```python ... ``` or ``` ... ```): the code runs in the
+  sandbox (`tiderl.envs.sandbox`: own process, CPU/memory/output/wall limits, scratch
+  directory, empty environment); the observation is `exit CODE` (or `timed out`,
+  `output limit`) on the first line, then stdout and stderr, cut to 1500 characters
+- action `answer: TEXT` (case-insensitive): the episode ends; reward 1.0 if the
+  dataset's verifier scores TEXT as exactly right, else 0.0 (option `graded: true`
+  gives the verifier's score in [0, 1] instead); observation `correct` or `wrong`
+- anything else: `run code with a ```python block, or reply answer: YOUR ANSWER`
+- after `max_turns` actions without an answer the episode ends with reward 0.
+
+Options: `dataset` (default `basic_arithmetic`), `dataset_config` (keyword arguments
+of the reasoning-gym dataset config), `max_turns` (default 4), `graded` (false).
+Code runs take real, uneven time: the class is `blocking`, so the server runs its
+steps in worker threads.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepResult, read_options
+from tiderl.envs.sandbox import SandboxLimits, SandboxResult, run_python
+
+HINT = "run code with a ```python block, or reply answer: YOUR ANSWER"
+MAX_OBSERVATION_CHARS = 1500
+DEFAULTS: dict[str, Any] = {"dataset": "basic_arithmetic", "dataset_config": {}, "max_turns": 4, "graded": False}
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+_ANSWER = re.compile(r"\s*answer\s*:\s*(.*)", re.DOTALL | re.IGNORECASE)
+_import_lock = threading.Lock()
+
+
+def _reasoning_gym() -> Any:
+    with _import_lock:  # the first import is slow and not safe from several threads at once
+        import reasoning_gym
+
+    return reasoning_gym
+
+
+def format_run(result: SandboxResult) -> str:
+    if result.timed_out:
+        head = "timed out"
+    elif result.output_truncated:
+        head = "output limit"
+    else:
+        head = f"exit {result.exit_code}"
+    text = f"{head}\n{result.stdout}{result.stderr}".rstrip("\n")
+    if len(text) > MAX_OBSERVATION_CHARS:
+        text = text[: MAX_OBSERVATION_CHARS - 12] + "\n[truncated]"
+    return text
+
+
+class PyToolEnv(Environment):
+    name = "pytool"
+    blocking = True
+    limits = SandboxLimits(cpu_s=5, wall_s=10.0, memory_mb=512, output_bytes=16 * 1024, max_processes=8)
+
+    def __init__(self) -> None:
+        self.entry: dict[str, Any] = {}
+        self.dataset: Any = None
+        self.max_turns = 4
+        self.graded = False
+        self.turn = 0
+        self.num_code_runs = 0
+        self.score = 0.0
+        self.done = False
+        self.is_reset = False
+
+    def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        opts = read_options(self.name, options, DEFAULTS)
+        if opts["max_turns"] < 1:
+            raise EnvOptionError(f"pytool: max_turns must be >= 1, got {opts['max_turns']}")
+        rg = _reasoning_gym()
+        try:
+            self.dataset = rg.create_dataset(opts["dataset"], seed=seed, size=1, **opts["dataset_config"])
+        except (ValueError, TypeError, KeyError, AssertionError) as e:
+            raise EnvOptionError(f"pytool: dataset {opts['dataset']!r} with config {opts['dataset_config']}: {e}") from e
+        self.entry = self.dataset[0]
+        self.max_turns, self.graded = opts["max_turns"], opts["graded"]
+        self.turn = self.num_code_runs = 0
+        self.score = 0.0
+        self.done = False
+        self.is_reset = True
+        return f"{self.entry['question']}\n{HINT}", self._info(opts["dataset"])
+
+    def step(self, action: str) -> StepResult:
+        if not self.is_reset or self.done:
+            raise EnvActionError("pytool: step before reset or after the episode is done")
+        self.turn += 1
+        answer = _ANSWER.match(action)
+        code = _CODE_BLOCK.search(action)
+        info: dict[str, Any]
+        if answer is not None and code is None:
+            text = answer.group(1).strip()
+            score = float(self.dataset.score_answer(text, self.entry) or 0.0)
+            self.score = score if self.graded else float(score >= 1.0)
+            self.done = True
+            info = self._info()
+            info.update(correct=score >= 1.0, expected=str(self.entry["answer"]))
+            return StepResult("correct" if score >= 1.0 else "wrong", self.score, True, info)
+        if code is not None:
+            result = run_python(code.group(1), self.limits)
+            self.num_code_runs += 1
+            observation = format_run(result)
+            info = self._info()
+            info.update(exit_code=result.exit_code, run_wall_s=round(result.wall_s, 3))
+        else:
+            observation = HINT
+            info = self._info()
+        if self.turn >= self.max_turns:
+            self.done = True
+            info.update(out_of_turns=True, correct=False, expected=str(self.entry["answer"]))
+        return StepResult(observation, 0.0, self.done, info)
+
+    def final_reward(self) -> float:
+        return self.score
+
+    def _info(self, dataset: str | None = None) -> dict[str, Any]:
+        info: dict[str, Any] = {"turn": self.turn, "max_turns": self.max_turns, "code_runs": self.num_code_runs}
+        if dataset is not None:
+            info["dataset"] = dataset
+        return info

@@ -1,0 +1,161 @@
+"""The session table of one env server: states, capacity, idle reaping.
+
+No HTTP and no I/O; the clock is injected so the timing rules are tested directly.
+
+Invariants:
+1. At most `max_sessions` sessions are live (active, paused or done) or being started.
+2. A paused session is never idle: its inactivity clock stops at /pause and restarts
+   from zero at /resume.
+3. A session is reaped only if it is not paused, has no request in progress, and has
+   seen no request for longer than `idle_timeout_s`.
+4. An ended session (by /end, reaping or an environment failure) is remembered by id,
+   so requests naming it get "ended" (409) with the reason rather than "unknown" (404).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from tiderl.envs.base import Environment
+from tiderl.envs.protocol import ErrorCode, ProtocolError
+
+
+class SessionState(Enum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    DONE = "done"  # the episode finished; the session waits for /end
+
+
+@dataclass
+class Session:
+    session_id: str
+    env_name: str
+    env: Environment
+    seed: int
+    state: SessionState
+    created_s: float
+    last_active_s: float
+    num_steps: int = 0
+    is_busy: bool = False
+    is_episode_done: bool = False
+    # The state to return to on /resume (ACTIVE or DONE).
+    state_before_pause: SessionState = SessionState.ACTIVE
+
+
+@dataclass(frozen=True)
+class EndedSession:
+    reason: str  # "ended" | "reaped" | "failed: ..."
+    end_result: dict[str, Any] | None = None  # the /end answer, replayed if /end is repeated
+
+
+@dataclass
+class SessionTable:
+    max_sessions: int
+    idle_timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+    max_ended_kept: int = 65536
+    sessions: dict[str, Session] = field(default_factory=dict)
+    ended: OrderedDict[str, EndedSession] = field(default_factory=OrderedDict)
+    num_starting: int = 0
+    num_started: int = 0
+    num_reaped: int = 0
+    num_ended: int = 0
+    num_failed: int = 0
+
+    def reserve(self) -> None:
+        """Claim a slot for a session being started; AT_CAPACITY if none is free."""
+        if len(self.sessions) + self.num_starting >= self.max_sessions:
+            raise ProtocolError(
+                ErrorCode.AT_CAPACITY,
+                f"server at capacity: {len(self.sessions)} live sessions, max_sessions={self.max_sessions}",
+            )
+        self.num_starting += 1
+
+    def release(self) -> None:
+        """Give back a reserved slot whose session failed to start."""
+        self.num_starting -= 1
+
+    def add(self, env_name: str, env: Environment, seed: int) -> Session:
+        """Turn a reserved slot into a live session."""
+        self.num_starting -= 1
+        now = self.clock()
+        session = Session(
+            session_id=uuid.uuid4().hex,
+            env_name=env_name,
+            env=env,
+            seed=seed,
+            state=SessionState.ACTIVE,
+            created_s=now,
+            last_active_s=now,
+        )
+        self.sessions[session.session_id] = session
+        self.num_started += 1
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        ended = self.ended.get(session_id)
+        if ended is not None:
+            raise ProtocolError(ErrorCode.SESSION_ENDED, f"session {session_id} has ended ({ended.reason})")
+        raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {session_id}")
+
+    def touch(self, session: Session) -> None:
+        session.last_active_s = self.clock()
+
+    def pause(self, session: Session) -> None:
+        if session.state is not SessionState.PAUSED:
+            session.state_before_pause = session.state
+            session.state = SessionState.PAUSED
+        self.touch(session)
+
+    def resume(self, session: Session) -> None:
+        if session.state is SessionState.PAUSED:
+            session.state = session.state_before_pause
+        self.touch(session)
+
+    def remove(self, session: Session, reason: str, end_result: dict[str, Any] | None = None) -> None:
+        del self.sessions[session.session_id]
+        self.ended[session.session_id] = EndedSession(reason, end_result)
+        while len(self.ended) > self.max_ended_kept:
+            self.ended.popitem(last=False)
+        if reason == "ended":
+            self.num_ended += 1
+        elif reason == "reaped":
+            self.num_reaped += 1
+        else:
+            self.num_failed += 1
+
+    def idle_sessions(self) -> list[Session]:
+        """Sessions to reap now (invariant 3)."""
+        deadline = self.clock() - self.idle_timeout_s
+        return [
+            s
+            for s in self.sessions.values()
+            if s.state is not SessionState.PAUSED and not s.is_busy and s.last_active_s < deadline
+        ]
+
+    def counts(self) -> dict[str, int]:
+        by_state = {state: 0 for state in SessionState}
+        for s in self.sessions.values():
+            by_state[s.state] += 1
+        return {
+            "active": by_state[SessionState.ACTIVE],
+            "paused": by_state[SessionState.PAUSED],
+            "done": by_state[SessionState.DONE],
+            "sessions": len(self.sessions),
+            "starting": self.num_starting,
+            "max_sessions": self.max_sessions,
+            "capacity_left": self.max_sessions - len(self.sessions) - self.num_starting,
+            "num_started": self.num_started,
+            "num_ended": self.num_ended,
+            "num_reaped": self.num_reaped,
+            "num_failed": self.num_failed,
+        }
