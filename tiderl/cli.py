@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
     "status": ("tiderl.status", "Show a run's state, version, ranks, buffer and goodput."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
+    "init-model": ("tiderl.rollout.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
 }
 
 EXIT_CONFIG_ERROR = 2

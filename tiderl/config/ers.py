@@ -23,7 +23,12 @@ class ErsConfig:
         "start and evaluation is exempt: it only adds rollout capacity).",
     )
     min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks ERS keeps.")
-    min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks a role map may have (the actor group is fixed).")
+    min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks ERS keeps.")
+    elastic_actors: bool = option(
+        False,
+        help="Let ERS also move data-parallel actor ranks to and from rollout (the actor group is rebuilt "
+        "at that boundary); false: only dedicated ref ranks move and the actor group is fixed.",
+    )
     max_ref_ranks: int | None = option(
         None, ge=0, help="Most dedicated ref ranks ERS provisions for the decoupled RA2P mode. null: no limit."
     )

@@ -30,6 +30,28 @@ class RolloutConfig:
     temperature: float = option(1.0, ge=0.0, help="Sampling temperature of training tasks.")
     eval_every_steps: int = option(0, ge=0, help="Run evaluation tasks every N versions (0: never).")
     eval_groups: int = option(4, ge=0, help="Evaluation prompts per evaluation round.")
-    kv_cache_gib: float = option(
-        0.25, gt=0, help="KV cache size of one CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE), GiB."
+    kv_cache_gib: int = option(
+        1, ge=1, help="KV cache size of one CPU vLLM engine in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer)."
     )
+    kv_cache_blocks: int | None = option(
+        None,
+        ge=2,
+        help="Override the engine's KV cache to this many blocks of `kv_block_size` tokens (a small "
+        "cache creates real pressure with the tiny model). null: sized by `kv_cache_gib` (or GPU memory).",
+    )
+    kv_block_size: int = option(
+        32, ge=16, help="KV block size in tokens (vLLM's CPU attention needs a multiple of 32)."
+    )
+    eval_temperature: float = option(0.0, ge=0.0, help="Sampling temperature of evaluation tasks (0: greedy).")
+    ctb_weight_eval: float = option(1000.0, ge=0.0, help="CTB priority weight of evaluation tasks (Table 1, tier 1).")
+    ctb_weight_group: float = option(
+        100.0, ge=0.0, help="CTB priority weight of the task's GRPO group completion ratio (tier 2)."
+    )
+    ctb_weight_active: float = option(10.0, ge=0.0, help="CTB priority weight of a task that is generating (tier 3).")
+    ctb_weight_context: float = option(
+        1.0, ge=0.0, help="CTB priority weight of context length relative to `model.max_context_tokens` (tier 4)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_block_size % 16:
+            raise ValueError(f"kv_block_size: must be a multiple of 16, got {self.kv_block_size}")

@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, func, insert, select, text, update
 
-from tiderl.advantage import group_advantages
+from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
 from tiderl.store import codec
 from tiderl.store.engine import StoreError, Transactor, choose_journal_mode, make_engine

@@ -1,0 +1,116 @@
+"""GRPO loss math against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from tiderl.trainer.grpo import clipped_policy_loss, grpo_loss, kl_penalty, token_logprobs
+
+
+def _case(estimator: str, kl_coef: float = 0.1):
+    lp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[0.0, -1.2, -1.0]])
+    ref = torch.tensor([[-0.5, -1.0, -2.5]])
+    adv = torch.tensor([2.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    parts = grpo_loss(lp, old, ref, adv, mask, clip_eps=0.2, kl_coef=kl_coef, kl_estimator=estimator, normalizer=2.0)
+    return lp, parts
+
+
+def test_loss_k1_matches_hand_computation():
+    # token0: ratio 1, pg -2, k1 0.5 -> -1.95; token1: ratio e^0.2 = 1.2214 clipped to 1.2,
+    # pg -2.4, k1 0 -> -2.4; token2 masked. (-1.95 - 2.4) / 2 = -2.175
+    lp, parts = _case("k1")
+    assert parts.loss.item() == pytest.approx(-2.175, abs=1e-6)
+    assert parts.pg_sum == pytest.approx(-4.4, abs=1e-6)
+    assert parts.kl_sum == pytest.approx(0.5, abs=1e-6)
+    assert parts.clipped_sum == 1.0
+    assert parts.num_tokens == 2
+    assert parts.ratio_sum == pytest.approx(1.0 + math.exp(0.2), abs=1e-6)
+
+
+def test_loss_k3_matches_hand_computation():
+    # k3 token0: exp(-0.5) + 0.5 - 1 = 0.1065307; (-2 + 0.1*0.1065307 - 2.4) / 2
+    _, parts = _case("k3")
+    assert parts.loss.item() == pytest.approx((-4.4 + 0.1 * (math.exp(-0.5) - 0.5)) / 2, abs=1e-6)
+    assert parts.kl_sum == pytest.approx(math.exp(-0.5) - 0.5, abs=1e-6)
+
+
+def test_gradient_matches_hand_computation():
+    # token0 unclipped: d(-r A)/dlp = -r A = -2, plus kl_coef * dk1/dlp = 0.1; / normalizer 2.
+    # token1 clipped: the pg term has no gradient, only the KL term: 0.1 / 2. token2 masked.
+    lp, parts = _case("k1")
+    parts.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-0.95, 0.05, 0.0], abs=1e-6)
+
+
+def test_negative_advantage_takes_pessimistic_branch():
+    # ratio 0.5 with A = -1: unclipped 0.5, clipped 0.8 -> 0.8 and counted as clipped
+    loss, ratio, clipped = clipped_policy_loss(
+        torch.tensor([math.log(0.5)]), torch.tensor([0.0]), torch.tensor([-1.0]), 0.2
+    )
+    assert loss.item() == pytest.approx(0.8)
+    assert ratio.item() == pytest.approx(0.5)
+    assert bool(clipped.item())
+
+
+def test_kl_estimators():
+    lp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -2.0])
+    assert kl_penalty(lp, ref, "k1").tolist() == pytest.approx([0.5, 0.0])
+    k3 = kl_penalty(lp, ref, "k3")
+    assert k3.tolist() == pytest.approx([math.exp(-0.5) + 0.5 - 1.0, 0.0])
+    assert bool((kl_penalty(torch.randn(100), torch.randn(100), "k3") >= 0).all())
+    with pytest.raises(ValueError, match="unknown estimator"):
+        kl_penalty(lp, ref, "k2")
+
+
+def test_masked_tokens_do_not_change_the_loss():
+    lp = torch.tensor([[0.0, -1.0]])
+    base = grpo_loss(lp, lp, lp, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]),
+                     clip_eps=0.2, kl_coef=0.1, kl_estimator="k3", normalizer=1.0)
+    lp2 = torch.tensor([[0.0, -7.0]])
+    other = grpo_loss(lp2, torch.tensor([[0.0, 3.0]]), torch.tensor([[0.0, 9.0]]), torch.tensor([1.0]),
+                      torch.tensor([[1.0, 0.0]]), clip_eps=0.2, kl_coef=0.1, kl_estimator="k3", normalizer=1.0)
+    assert base.loss.item() == pytest.approx(other.loss.item())
+
+
+def test_split_micro_batches_sum_to_global_token_mean():
+    torch.manual_seed(0)
+    lp, old, ref = torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5)
+    adv, mask = torch.randn(4), (torch.rand(4, 5) > 0.3).float()
+    n = float(mask.sum())
+    kw = dict(clip_eps=0.2, kl_coef=0.05, kl_estimator="k3", normalizer=n)
+    whole = grpo_loss(lp, old, ref, adv, mask, **kw).loss
+    parts = sum(grpo_loss(lp[s], old[s], ref[s], adv[s], mask[s], **kw).loss for s in (slice(0, 1), slice(1, 4)))
+    assert whole.item() == pytest.approx(parts.item(), abs=1e-5)
+
+
+def test_token_logprobs_shift():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = math.log(3.0)  # position 0 predicts token 1 = id 2 with p = 3/6
+    ids = torch.tensor([[1, 2, 3]])
+    out = token_logprobs(logits, ids)
+    assert out.shape == (1, 2)
+    assert out[0, 0].item() == pytest.approx(math.log(0.5))
+    assert out[0, 1].item() == pytest.approx(math.log(0.25))
+
+
+def test_bad_shapes_and_missing_ref_are_named():
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        grpo_loss(lp, torch.zeros(1, 3), None, torch.zeros(1), lp, clip_eps=0.2, kl_coef=0.0,
+                  kl_estimator="k1", normalizer=1.0)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        grpo_loss(lp, lp, None, torch.zeros(1), lp, clip_eps=0.2, kl_coef=0.1, kl_estimator="k1", normalizer=1.0)
+    with pytest.raises(ValueError, match="normalizer"):
+        grpo_loss(lp, lp, None, torch.zeros(1), lp, clip_eps=0.2, kl_coef=0.0, kl_estimator="k1", normalizer=0.0)
+
+
+def test_kl_is_reported_but_not_penalised_when_kl_coef_is_zero():
+    lp, _ = _case("k1")
+    parts = grpo_loss(lp, torch.tensor([[0.0, -1.2, -1.0]]), torch.tensor([[-0.5, -1.0, -2.5]]), torch.tensor([2.0]),
+                      torch.tensor([[1.0, 1.0, 0.0]]), clip_eps=0.2, kl_coef=0.0, kl_estimator="k1", normalizer=2.0)
+    assert parts.loss.item() == pytest.approx(-2.2, abs=1e-6)
+    assert parts.kl_sum == pytest.approx(0.5, abs=1e-6)

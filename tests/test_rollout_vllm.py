@@ -1,0 +1,123 @@
+"""The vLLM engine on the tiny model: ids in, ids + logprobs out, cache counters, reload.
+
+One engine for the module (its start-up dominates): 32 blocks of 32 tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.engine import EngineError, SamplingSpec
+from tiderl.rollout.tiny_model import default_model_dir, init_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return init_model(default_model_dir("hilo"))
+
+
+@pytest.fixture(scope="module")
+def fmt(model_dir: Path) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    return ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path):
+    from tiderl.rollout.vllm_engine import VllmEngine
+
+    eng = VllmEngine(model_dir, num_kv_blocks=32, block_size=32, max_model_len=992, max_num_seqs=64)
+    yield eng
+    eng.close()
+
+
+def long_prompt(fmt: ChatFormat) -> list[int]:
+    ids = fmt.prompt_ids("guess a number 1-16")
+    for guess, answer in (("8", "higher"), ("12", "lower"), ("10", "higher"), ("11", "lower")):
+        ids += fmt.encode(guess) + [fmt.end_of_turn_id] + fmt.env_turn_ids(answer)
+    return ids
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_returns_ids_and_their_logprobs(engine, fmt: ChatFormat, model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert engine.kv_capacity_tokens == 31 * 32 and engine.kv_block_tokens == 32
+    prompt = long_prompt(fmt)
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, stop_token_ids=(fmt.end_of_turn_id,), seed=5)
+    async def four():
+        return await asyncio.gather(*(engine.generate(prompt, spec) for _ in range(4)))
+
+    gens = run(four())
+    for g in gens:
+        assert len(g.token_ids) == len(g.logprobs) >= 1 and all(lp <= 0 for lp in g.logprobs)
+        assert g.weights_version == 0 and g.num_prompt_tokens == len(prompt)
+        assert (g.finish_reason == "stop") == (g.token_ids[-1] == fmt.end_of_turn_id)
+    # The rollout logprobs are the policy's: transformers scores the same ids alike.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = gens[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + list(g.token_ids)])).logits[0]
+    ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    ref = ref[torch.arange(len(g.token_ids)), torch.tensor(g.token_ids)]
+    assert torch.allclose(ref, torch.tensor(g.logprobs), atol=2e-3), (ref, g.logprobs)
+
+
+def test_prefix_cache_counters_see_a_repeated_context(engine, fmt: ChatFormat) -> None:
+    prompt = long_prompt(fmt)
+    greedy = SamplingSpec(max_new_tokens=4, temperature=0.0, stop_token_ids=(fmt.end_of_turn_id,))
+    before = run(engine.stats())
+    first = run(engine.generate(prompt, greedy))
+    second = run(engine.generate(prompt, greedy))
+    delta = run(engine.stats()).minus(before)
+    assert second.token_ids == first.token_ids
+    assert second.num_cached_tokens >= 32 * (len(prompt) // 32 - 1) > 0
+    assert delta.prefix_cache_queries >= 2 * len(prompt) - second.num_cached_tokens
+    assert delta.prefix_cache_hits >= second.num_cached_tokens
+    assert delta.generation_tokens == len(first.token_ids) + len(second.token_ids)
+
+
+def test_reload_weights_in_place_and_drop_the_cache(engine, fmt: ChatFormat, model_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = long_prompt(fmt)
+    greedy = SamplingSpec(max_new_tokens=4, temperature=0.0, stop_token_ids=(fmt.end_of_turn_id,))
+    original = run(engine.generate(prompt, greedy))
+    # A trainer-style weights dir: model.safetensors + config + tokenizer.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    v1 = tmp_path / "weights" / "v1"
+    model.save_pretrained(v1, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, v1 / name)
+
+    run(engine.reload_weights(v1, version=1))
+    assert engine.weights_version == 1
+    changed = run(engine.generate(prompt, greedy))
+    assert changed.weights_version == 1
+    assert changed.num_cached_tokens == 0  # the old weights' cache was dropped
+    assert changed.logprobs != original.logprobs
+
+    run(engine.reload_weights(model_dir, version=2))
+    back = run(engine.generate(prompt, greedy))
+    assert back.token_ids == original.token_ids
+    assert back.logprobs == pytest.approx(original.logprobs, abs=1e-4)
+
+
+def test_reload_from_a_dir_without_weights_is_a_clear_error(engine, tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="no \\*.safetensors"):
+        run(engine.reload_weights(tmp_path, version=9))

@@ -1,0 +1,55 @@
+"""Step plans: every trajectory trained exactly once, placement per RA2P mode."""
+
+import pytest
+
+from tiderl.trainer.plan import Ra2pMode, plan_step
+from tiderl.trainer.synthetic import random_samples
+
+SAMPLES = random_samples(5, 4, min_tokens=8, max_tokens=80, seed=7)
+
+
+def _members(plan):
+    return [t for mb in plan.micro_batches for t in mb.trajectory_ids]
+
+
+@pytest.mark.parametrize("mode", list(Ra2pMode))
+@pytest.mark.parametrize("num_actors", [1, 2, 3])
+def test_every_trajectory_exactly_once_and_every_share_placed(mode, num_actors):
+    plan = plan_step(SAMPLES, version=4, mode=mode, num_actors=num_actors, micro_batch_tokens=160)
+    assert sorted(_members(plan)) == sorted(s.trajectory_id for s in SAMPLES)
+    placed = sorted(i for a in plan.assignment for i in a)
+    assert placed == list(range(len(plan.micro_batches)))
+    assert sorted(plan.ref_order) == placed
+    assert plan.normalizer == sum(s.num_model_tokens for s in SAMPLES)
+    assert [mb.index for mb in plan.micro_batches] == placed
+
+
+def test_colocated_balances_tokens_across_ranks():
+    plan = plan_step(SAMPLES, version=0, mode=Ra2pMode.COLOCATED, num_actors=2, micro_batch_tokens=160)
+    loads = [sum(int(plan.micro_batches[i].attention_mask.sum()) for i in a) for a in plan.assignment]
+    assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in SAMPLES)
+
+
+def test_decoupled_feeds_the_smallest_sequence_last():
+    plan = plan_step(SAMPLES, version=0, mode=Ra2pMode.DECOUPLED, num_actors=2, micro_batch_tokens=160)
+    last = plan.micro_batches[plan.ref_order[-1]]
+    assert last.input_ids.shape[0] == 1
+    assert int(last.attention_mask.sum()) == min(s.num_tokens for s in SAMPLES)
+
+
+def test_ready_times_order_the_feed():
+    ready = [0.0] * 10 + [5.0] * 10
+    plan = plan_step(SAMPLES, version=0, mode=Ra2pMode.VANILLA_STREAM, num_actors=1, micro_batch_tokens=160,
+                     sample_ready_s=ready)
+    times = [plan.ready_at_s[i] for i in plan.ref_order]
+    assert times == sorted(times) and times[0] == 0.0 and times[-1] == 5.0
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="no samples"):
+        plan_step([], version=0, mode=Ra2pMode.COLOCATED, num_actors=1, micro_batch_tokens=64)
+    with pytest.raises(ValueError, match="ready times"):
+        plan_step(SAMPLES, version=0, mode=Ra2pMode.COLOCATED, num_actors=1, micro_batch_tokens=64,
+                  sample_ready_s=[0.0])
+    with pytest.raises(ValueError, match="unknown RA2P mode 'fast'"):
+        Ra2pMode.parse("fast")

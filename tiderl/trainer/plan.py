@@ -1,0 +1,129 @@
+"""A step's plan: its micro-batches, which actor rank runs each, and in what order.
+
+Built from the step's samples by the same deterministic functions on every
+trainer rank, so all ranks agree without exchanging the plan. RA2P's
+dispatchers (``tiderl.policy.ra2p``) decide the placement:
+
+- colocated: sequences are spread over the actor ranks longest first in a
+  zig-zag (``zigzag_dispatch``), so every rank gets nearly the same number of
+  tokens, then each rank packs its own sequences into micro-batches by the
+  per-rank token budget;
+- decoupled: global micro-batches (budget: per-rank budget x actor ranks) are
+  formed smallest last (``smallest_last_microbatches``: the final micro-batch,
+  whose forward and backward nothing can overlap, is the cheapest); each is
+  split across the actor ranks by zig-zag into one share per rank; the ref
+  rank feeds the shares in that order;
+- vanilla streaming: global micro-batches by first-fit decreasing, split the
+  same way, in ready order.
+
+A *share* (one rank's part of a global micro-batch, one forward pass) is the
+unit the executors run; :class:`StepPlan` lists shares.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiderl.policy import ra2p
+from tiderl.trainer.batch import MicroBatch, TrainSample, collate
+from tiderl.trainer.microbatch import form_micro_batches
+
+
+class Ra2pMode(str, enum.Enum):
+    DECOUPLED = "decoupled"
+    COLOCATED = "colocated"
+    VANILLA_STREAM = "vanilla_stream"
+    VANILLA_STREAM_OFFLOAD = "vanilla_stream_offload"
+
+    @classmethod
+    def parse(cls, name: str) -> "Ra2pMode":
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown RA2P mode {name!r} (known: {known})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    version: int
+    mode: Ra2pMode
+    micro_batches: tuple[MicroBatch, ...]  # shares
+    assignment: tuple[tuple[int, ...], ...]  # per actor index: micro-batch indices, execution order
+    ref_order: tuple[int, ...]  # order the ref rank(s) feed the pipeline (decoupled)
+    ready_at_s: tuple[float, ...]  # per micro-batch, seconds after the step start
+    normalizer: float  # model tokens of the whole global batch (the GRPO loss divisor)
+
+    @property
+    def num_actors(self) -> int:
+        return len(self.assignment)
+
+
+def _micro_batches(
+    samples: Sequence[TrainSample], groups: list[list[int]], ready: Sequence[float], pad_id: int
+) -> tuple[list[MicroBatch], list[float]]:
+    mbs, ready_at = [], []
+    for members in groups:
+        mbs.append(collate([samples[i] for i in members], index=len(mbs), pad_id=pad_id))
+        ready_at.append(max(ready[i] for i in members))
+    return mbs, ready_at
+
+
+def plan_step(
+    samples: Sequence[TrainSample],
+    *,
+    version: int,
+    mode: Ra2pMode,
+    num_actors: int,
+    micro_batch_tokens: int,
+    sample_ready_s: Sequence[float] | None = None,
+    pad_id: int = 0,
+) -> StepPlan:
+    """Micro-batches of ``samples`` and their placement on ``num_actors`` actor ranks for ``mode``."""
+    if not samples:
+        raise ValueError("plan_step: no samples")
+    if num_actors < 1:
+        raise ValueError(f"plan_step: num_actors must be >= 1, got {num_actors}")
+    ready = list(sample_ready_s) if sample_ready_s is not None else [0.0] * len(samples)
+    if len(ready) != len(samples):
+        raise ValueError(f"plan_step: {len(ready)} ready times for {len(samples)} samples")
+    counts = [s.num_tokens for s in samples]
+    groups: list[list[int]] = []  # sample indices of each share
+    owner: list[int] = []  # actor index of each share
+    if mode is Ra2pMode.COLOCATED:
+        for rank, members in enumerate(ra2p.zigzag_dispatch(counts, num_actors)):
+            for local in form_micro_batches([counts[i] for i in members], micro_batch_tokens):
+                groups.append([members[j] for j in local])
+                owner.append(rank)
+    else:
+        budget = micro_batch_tokens * num_actors
+        if mode is Ra2pMode.DECOUPLED:
+            global_mbs = [list(g) for g in ra2p.smallest_last_microbatches(counts, budget, num_actors)]
+        else:
+            global_mbs = form_micro_batches(counts, budget)
+        # A micro-batch cannot be fed before it is ready; the stable sort keeps the dispatch order otherwise.
+        global_mbs.sort(key=lambda members: max(ready[i] for i in members))
+        for members in global_mbs:
+            # Each global micro-batch is split across the actor ranks (data parallel), balanced by zig-zag.
+            for rank, local in enumerate(ra2p.zigzag_dispatch([counts[i] for i in members], num_actors)):
+                if local:
+                    groups.append([members[j] for j in local])
+                    owner.append(rank)
+    mbs, ready_at = _micro_batches(samples, groups, ready, pad_id)
+    # Shares were created in feed order; on each rank, run them in ready order (stable).
+    feed = sorted(range(len(mbs)), key=lambda i: ready_at[i])
+    assignment = [[i for i in feed if owner[i] == r] for r in range(num_actors)]
+    normalizer = float(sum(s.num_model_tokens for s in samples))
+    if normalizer <= 0:
+        raise ValueError("plan_step: the samples hold no model tokens (every loss mask is 0)")
+    return StepPlan(
+        version=version,
+        mode=mode,
+        micro_batches=tuple(mbs),
+        assignment=tuple(tuple(a) for a in assignment),
+        ref_order=tuple(feed),
+        ready_at_s=tuple(ready_at),
+        normalizer=normalizer,
+    )

@@ -1,0 +1,210 @@
+"""Weight publishing and optimizer checkpoints: atomic directories on the shared filesystem.
+
+Weights version N lives in ``weights/vN/``: ``config.json``, safetensors
+weights, the tokenizer files of the base model, and ``SHA256SUMS`` (one
+``<hex>  <file>`` line per file). It is written into ``weights/.vN.tmp-*``
+and renamed into place with ``os.replace``, so a reader sees either no
+``vN`` or a complete one. Only the last ``keep_versions`` versions stay.
+
+A checkpoint (``ckpt/stepN/``: weights + optimizer state + trainer state) is
+written the same way every ``checkpoint_every`` steps; resuming loads the
+newest complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiderl.trainer.backend import ActorBackend
+
+CHECKSUM_FILE = "SHA256SUMS"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_STATE = "optimizer.pt"
+MODEL_STATE = "model.pt"
+# Files of a model directory that are weights or config (written by the backend), not tokenizer.
+_MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|.*\.safetensors\.index\.json|"
+                          r".*\.bin|" + CHECKSUM_FILE + r"|tiderl-model\.json)$")
+_VERSION = re.compile(r"^v(\d+)$")
+_STEP = re.compile(r"^step(\d+)$")
+
+
+class ChecksumError(RuntimeError):
+    """A published weights directory does not match its SHA256SUMS."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedVersion:
+    version: int
+    path: Path
+    checksum: str  # sha256 of the SHA256SUMS file: one digest for the whole version
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_checksums(directory: Path) -> str:
+    lines = [f"{sha256_file(p)}  {p.name}" for p in sorted(directory.iterdir()) if p.is_file() and p.name != CHECKSUM_FILE]
+    text = "\n".join(lines) + "\n"
+    (directory / CHECKSUM_FILE).write_text(text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def verify(directory: Path) -> str:
+    """Check every file against SHA256SUMS; returns the version checksum. Raises ChecksumError."""
+    sums = directory / CHECKSUM_FILE
+    if not sums.is_file():
+        raise ChecksumError(f"{directory}: no {CHECKSUM_FILE}")
+    text = sums.read_text()
+    for line in text.splitlines():
+        digest, _, name = line.partition("  ")
+        if not (directory / name).is_file():
+            raise ChecksumError(f"{directory}: {name} listed in {CHECKSUM_FILE} is missing")
+        if sha256_file(directory / name) != digest:
+            raise ChecksumError(f"{directory}: {name} does not match its checksum")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_dir(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    for p in tmp.iterdir():
+        with p.open("rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        # Re-publishing the same version after a crash between rename and the version row.
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def versions_in(root: Path, pattern: re.Pattern[str] = _VERSION) -> list[int]:
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir())
+
+
+class WeightPublisher:
+    """Writes ``weights/v{N}/`` after each optimizer step and prunes old versions."""
+
+    def __init__(self, weights_root: Path, tokenizer_dir: Path, keep_versions: int) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.root = Path(weights_root)
+        self.tokenizer_files = [
+            p for p in sorted(Path(tokenizer_dir).iterdir()) if p.is_file() and not _MODEL_FILES.match(p.name)
+        ]
+        self.keep_versions = keep_versions
+
+    def publish(self, actor: ActorBackend, version: int) -> PublishedVersion:
+        final = self.root / f"v{version}"
+        tmp = _atomic_dir(final)
+        try:
+            actor.save_weights(tmp)
+            for p in self.tokenizer_files:
+                shutil.copy2(p, tmp / p.name)
+            checksum = _write_checksums(tmp)
+            _commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.prune()
+        return PublishedVersion(version=version, path=final, checksum=checksum)
+
+    def prune(self) -> list[int]:
+        """Delete all but the newest ``keep_versions`` versions and stale tmp dirs; returns the deleted."""
+        versions = versions_in(self.root)
+        doomed = versions[: max(0, len(versions) - self.keep_versions)]
+        for v in doomed:
+            shutil.rmtree(self.root / f"v{v}", ignore_errors=True)
+        return doomed
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    step: int
+    version: int
+    path: Path
+    extra: dict[str, Any]
+
+
+class Checkpointer:
+    """Optimizer checkpoints in ``ckpt/step{N}/``: every ``every`` steps, the newest ``keep`` kept."""
+
+    def __init__(self, ckpt_root: Path, every: int, keep: int = 2) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError(f"checkpoint every/keep must be >= 1, got {every}/{keep}")
+        self.root = Path(ckpt_root)
+        self.every = every
+        self.keep = keep
+
+    def is_due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None = None) -> Path:
+        final = self.root / f"step{step}"
+        tmp = _atomic_dir(final)
+        try:
+            state = actor.checkpoint_state()
+            torch.save(state["model"], tmp / MODEL_STATE)
+            torch.save(state["optimizer"], tmp / OPTIMIZER_STATE)
+            meta = {"step": step, "version": version, "extra": extra or {}}
+            (tmp / TRAINER_STATE).write_text(json.dumps(meta, sort_keys=True))
+            _write_checksums(tmp)
+            _commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in versions_in(self.root, _STEP)[: -self.keep]:
+            shutil.rmtree(self.root / f"step{old}", ignore_errors=True)
+        return final
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose files match their checksums (a damaged one is skipped)."""
+        for step in reversed(versions_in(self.root, _STEP)):
+            path = self.root / f"step{step}"
+            try:
+                verify(path)
+            except ChecksumError:
+                continue
+            meta = json.loads((path / TRAINER_STATE).read_text())
+            return Checkpoint(step=meta["step"], version=meta["version"], path=path, extra=meta["extra"])
+        return None
+
+    def restore(self, actor: ActorBackend, ckpt: Checkpoint) -> None:
+        """Weights and optimizer state of ``ckpt``."""
+        actor.load_checkpoint_state({
+            "model": torch.load(ckpt.path / MODEL_STATE, map_location="cpu", weights_only=True),
+            "optimizer": torch.load(ckpt.path / OPTIMIZER_STATE, map_location="cpu", weights_only=True),
+        })
+
+    def restore_optimizer(self, actor: ActorBackend, ckpt: Checkpoint) -> None:
+        """Only the optimizer state of ``ckpt`` (the weights come from a published version)."""
+        actor.load_checkpoint_state(
+            {"optimizer": torch.load(ckpt.path / OPTIMIZER_STATE, map_location="cpu", weights_only=True)}
+        )

@@ -1,0 +1,208 @@
+"""Trainer ranks: the actor and ref loops, fed by a step source and publishing through a sink.
+
+One step on an actor rank: take the step's input from the source (every
+rank of the trainer group gets the same input), plan it (deterministic, so
+all ranks agree), run this rank's share in the step's RA2P mode, optimizer
+step; then actor 0 publishes weights version k+1, hands the result to the
+sink (the run store commits the version row) and checkpoints every M steps.
+A ref rank (decoupled mode) plans the same step and serves ref_logprobs.
+
+The source and the sink are the only contact with the rest of the run, so
+the run store plugs in with a few lines (claim ready groups -> StepInput;
+StepResult -> version row).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from tiderl.config.trainer import TrainerConfig
+from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
+from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
+from tiderl.trainer.plan import Ra2pMode, StepPlan, plan_step
+from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify, versions_in
+from tiderl.trainer.step import LossConfig, StepStats
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """What one step trains on: complete groups' samples, the mode, optional ready times."""
+
+    version: int  # weights version being trained; the step publishes version + 1
+    samples: tuple[TrainSample, ...]
+    mode: Ra2pMode
+    sample_ready_s: tuple[float, ...] | None = None  # seconds after the step start; None: all ready
+
+
+class StepSource(Protocol):
+    def next_step(self, version: int) -> StepInput | None:
+        """The input of the step that trains ``version``; None when training is over."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    stats: StepStats
+    published: PublishedVersion
+    trajectory_ids: tuple[int | str, ...]
+    mode: Ra2pMode
+    checkpoint: Path | None
+
+
+class VersionSink(Protocol):
+    def publish(self, result: StepResult) -> None:
+        """Record a published version (e.g. commit its version row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    version: int
+    weights_path: Path  # where the actor's weights come from
+    checkpoint: Checkpoint | None  # optimizer state (None: fresh AdamW moments)
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether the optimizer state belongs to exactly these weights."""
+        return self.checkpoint is not None and self.checkpoint.version == self.version
+
+
+def find_resume_point(base_model: Path, weights_root: Path, ckpt_root: Path, keep_checkpoints: int = 2) -> ResumePoint:
+    """Continue from the newest published version that verifies, with the newest optimizer checkpoint.
+
+    Weights are published every step and checkpoints every M steps, so the
+    newest weights are never older than the checkpoint; when the checkpoint is
+    older, its AdamW moments are reused for the newer weights (no step is
+    redone, so no trajectory is trained twice).
+    """
+    ckpt = Checkpointer(ckpt_root, every=1, keep=keep_checkpoints).latest()
+    for v in reversed(versions_in(weights_root)):
+        path = weights_root / f"v{v}"
+        try:
+            verify(path)
+        except ChecksumError:
+            continue
+        return ResumePoint(version=v, weights_path=path, checkpoint=ckpt)
+    return ResumePoint(version=0, weights_path=base_model, checkpoint=None)
+
+
+def loss_config(config: TrainerConfig) -> LossConfig:
+    return LossConfig(clip_eps=config.clip_eps, kl_coef=config.kl_coef, kl_estimator=config.kl_estimator)
+
+
+def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id: int = 0) -> StepPlan:
+    return plan_step(
+        inp.samples,
+        version=inp.version,
+        mode=inp.mode,
+        num_actors=len(comm.actor_ranks),
+        micro_batch_tokens=config.micro_batch_tokens,
+        sample_ready_s=inp.sample_ready_s,
+        pad_id=pad_id,
+    )
+
+
+class ActorRank:
+    """An actor rank for one layout; holds the reference model too when it may run colocated."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        comm: TrainerComm,
+        *,
+        base_model: Path,
+        weights_root: Path,
+        ckpt_root: Path,
+        with_ref: bool,
+        device: str = "cpu",
+        resume: bool = True,
+    ) -> None:
+        self.config = config
+        self.comm = comm
+        point = (
+            find_resume_point(base_model, weights_root, ckpt_root, config.keep_checkpoints)
+            if resume
+            else ResumePoint(0, base_model, None)
+        )
+        self.resumed_from = point
+        self.version = point.version
+        optim = OptimConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip)
+        self.actor: ActorBackend = make_backend(
+            config.backend, "actor", point.weights_path, device=device, optim=optim, dp_group=comm.dp_group
+        )
+        self.ref: RefBackend | None = None
+        if with_ref:
+            self.ref = make_backend(config.backend, "ref", base_model, device=device)
+            self.ref.offload()  # colocation: one model on the device at a time
+        self.checkpointer = Checkpointer(ckpt_root, config.checkpoint_every, config.keep_checkpoints)
+        if point.checkpoint is not None:
+            self.checkpointer.restore_optimizer(self.actor, point.checkpoint)
+        self.publisher = WeightPublisher(weights_root, base_model, config.keep_versions)
+        self.steps_done = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.comm.actor_index == 0
+
+    def train_step(self, inp: StepInput, sink: VersionSink | None = None) -> StepResult | StepStats:
+        """Train one step; the leader publishes and returns a StepResult, the others their StepStats."""
+        if inp.version != self.version:
+            raise ValueError(f"step input trains version {inp.version}, this rank holds version {self.version}")
+        started = time.perf_counter()
+        plan = build_plan(inp, self.config, self.comm)
+        stats = run_actor(
+            plan, self.actor, self.ref, self.comm, loss_config(self.config),
+            max_aggregate=self.config.max_aggregate, started=started,
+        )
+        self.version += 1
+        self.steps_done += 1
+        if not self.is_leader:
+            return stats
+        published = self.publisher.publish(self.actor, self.version)
+        ckpt = None
+        if self.checkpointer.is_due(self.version):
+            ckpt = self.checkpointer.save(self.actor, step=self.version, version=self.version)
+        result = StepResult(
+            stats=stats,
+            published=published,
+            trajectory_ids=tuple(s.trajectory_id for s in inp.samples),
+            mode=inp.mode,
+            checkpoint=ckpt,
+        )
+        if sink is not None:
+            sink.publish(result)
+        return result
+
+    def run(self, source: StepSource, sink: VersionSink | None, num_steps: int) -> list[StepResult | StepStats]:
+        out = []
+        while self.steps_done < num_steps:
+            inp = source.next_step(self.version)
+            if inp is None:
+                break
+            out.append(self.train_step(inp, sink))
+        return out
+
+
+class RefRank:
+    """A decoupled-mode reference rank serving the actor group."""
+
+    def __init__(self, config: TrainerConfig, comm: TrainerComm, *, base_model: Path, device: str = "cpu") -> None:
+        self.config = config
+        self.comm = comm
+        self.ref: RefBackend = make_backend(config.backend, "ref", base_model, device=device)
+
+    def serve_step(self, inp: StepInput) -> RefStats:
+        return run_ref(build_plan(inp, self.config, self.comm), self.ref, self.comm)
+
+    def run(self, source: StepSource, start_version: int, num_steps: int) -> list[RefStats]:
+        out = []
+        version = start_version
+        for _ in range(num_steps):
+            inp = source.next_step(version)
+            if inp is None:
+                break
+            out.append(self.serve_step(inp))
+            version += 1
+        return out

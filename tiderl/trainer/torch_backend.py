@@ -1,0 +1,198 @@
+"""PyTorch + transformers trainer backend (CPU with gloo here, CUDA with NCCL on GPUs).
+
+Data parallelism is explicit: gradients are accumulated locally over all
+micro-batches of a step and reduced once, by SUM, in :meth:`TorchActor.step`
+(the GRPO loss is already divided by the global token count, see
+``grpo.py``). Ranks may therefore hold different numbers of micro-batches,
+which is what RA2P's dispatchers produce.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats, RefBackend
+from tiderl.trainer.batch import MicroBatch
+from tiderl.trainer.grpo import token_logprobs
+
+
+class HostSwap:
+    """Moves a module's weights between the device and a host-side copy.
+
+    Offload copies every parameter and buffer into host buffers (pinned on
+    CUDA) and releases the device storage; onload allocates device storage and
+    copies back. On a CPU-only machine the "device" is host memory too, but
+    the copies and (de)allocations are real, so the measured cost is the
+    memory-bandwidth part of a swap.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self._module = module
+        self._device = device
+        self._tensors = {name: t for name, t in module.named_parameters()}
+        self._tensors.update({f"buffer:{n}": b for n, b in module.named_buffers()})
+        pin = device.type == "cuda"
+        self._host = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for n, t in self._tensors.items()}
+        self._resident = True
+
+    @property
+    def is_resident(self) -> bool:
+        return self._resident
+
+    def offload(self) -> float:
+        if not self._resident:
+            return 0.0
+        t0 = time.perf_counter()
+        for name, t in self._tensors.items():
+            self._host[name].copy_(t.data, non_blocking=True)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        for t in self._tensors.values():
+            t.data = torch.empty(0, dtype=t.dtype, device=self._device)
+        self._resident = False
+        return time.perf_counter() - t0
+
+    def onload(self) -> float:
+        if self._resident:
+            return 0.0
+        t0 = time.perf_counter()
+        for name, t in self._tensors.items():
+            host = self._host[name]
+            t.data = torch.empty(host.shape, dtype=host.dtype, device=self._device)
+            t.data.copy_(host, non_blocking=True)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._resident = True
+        return time.perf_counter() - t0
+
+
+def _load(model_path: Path, device: torch.device) -> torch.nn.Module:
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"trainer backend: {model_path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.to(device)
+
+
+def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    out = model(
+        input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False
+    )
+    return token_logprobs(out.logits, mb.input_ids.to(device))
+
+
+class TorchRef(RefBackend):
+    def __init__(self, model_path: Path, device: torch.device) -> None:
+        self.device = device
+        self.model = _load(model_path, device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._swap = HostSwap(self.model, device)
+
+    @property
+    def is_resident(self) -> bool:
+        return self._swap.is_resident
+
+    def offload(self) -> float:
+        return self._swap.offload()
+
+    def onload(self) -> float:
+        return self._swap.onload()
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if not self.is_resident:
+            raise RuntimeError("reference model is offloaded; onload() it before a forward pass")
+        return _logprobs(self.model, mb, self.device).cpu()
+
+
+class TorchActor(ActorBackend):
+    def __init__(
+        self,
+        model_path: Path,
+        device: torch.device,
+        optim: OptimConfig,
+        dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.device = device
+        self.optim_config = optim
+        self.dp_group = dp_group
+        self.model = _load(model_path, device).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, eps=optim.eps
+        )
+        self._swap = HostSwap(self.model, device)
+
+    @property
+    def is_resident(self) -> bool:
+        return self._swap.is_resident
+
+    def offload(self) -> float:
+        return self._swap.offload()
+
+    def onload(self) -> float:
+        return self._swap.onload()
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        if not self.is_resident:
+            raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
+        return _logprobs(self.model, mb, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _reduce_gradients(self) -> None:
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        # One flat buffer: one collective per step instead of one per tensor.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def step(self) -> OptimStats:
+        if not self.is_resident:
+            raise RuntimeError("actor model is offloaded; onload() it before the optimizer step")
+        self._reduce_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return OptimStats(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+
+    def save_weights(self, directory: Path) -> None:
+        if not self.is_resident:
+            raise RuntimeError("actor model is offloaded; onload() it before saving weights")
+        self.model.save_pretrained(directory)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def make(
+    role: str,
+    model_path: Path,
+    *,
+    device: str = "cpu",
+    optim: OptimConfig | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> TorchRef | TorchActor:
+    dev = torch.device(device)
+    if role == "ref":
+        return TorchRef(model_path, dev)
+    return TorchActor(model_path, dev, optim or OptimConfig(), dp_group)
