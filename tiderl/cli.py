@@ -14,6 +14,7 @@ from tiderl.config import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
     "status": ("tiderl.status", "Show a run's state, version, ranks, buffer and goodput."),
+    "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
     "init-model": ("tiderl.rollout.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
 }

@@ -1,0 +1,74 @@
+"""`tiderl sim WORKLOAD.yaml CLUSTER.yaml --system NAME|all`: the cluster-scale
+simulator (docs/simulator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", help="Workload file (e.g. jobs/sim/text-agentic.workload.yaml).")
+    parser.add_argument("cluster", help="Cluster file (e.g. jobs/sim/h100x32.cluster.yaml).")
+    parser.add_argument(
+        "--system",
+        default="tiderl",
+        help="sync, async, stream, stream+ra2p, stream+ra2p+ers, tiderl, tiderl-noers; NAME@F fixes the "
+        "rollout fraction; `all` runs every system and the ablations (default: tiderl).",
+    )
+    parser.add_argument("--steps", type=int, default=100, help="Training steps to simulate (default 100).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the task sampling (default 0).")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    parser.add_argument("--plot", metavar="FILE.png", help="Draw goodput, RWT/TWT and the role timeline.")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="Simulations run in parallel (default: CPUs)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiderl.sim import report
+    from tiderl.sim.spec import load_cluster, load_workload
+    from tiderl.sim.systems import UnknownSystemError, parse_system
+
+    if args.steps < 1:
+        print("tiderl sim: --steps must be >= 1", file=sys.stderr)
+        return 2
+    load_workload(args.workload)  # fail early, with the file and key, on a bad file
+    cluster = load_cluster(args.cluster)
+    fractions = cluster.training.rollout_fraction_sweep
+    default = cluster.training.default_rollout_fraction
+
+    if args.system == "all":
+        systems = report.all_systems(default, fractions)
+        results = report.run_many(args.workload, args.cluster, systems, args.steps, args.seed, args.jobs)
+        out = report.compare(results, default)
+        if args.plot:
+            report.plot(results, args.plot)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(report.format_report(out))
+        return 0
+
+    try:
+        system = parse_system(args.system)
+    except UnknownSystemError as e:
+        print(f"tiderl sim: {e}", file=sys.stderr)
+        return 2
+    if not system.sweep and not system.synchronous and system.rollout_fraction is None:
+        system = replace(system, rollout_fraction=default)
+    runs = report.expand(system, fractions)
+    results = report.run_many(args.workload, args.cluster, runs, args.steps, args.seed, args.jobs)
+    result = report.best_of(results) if len(results) > 1 else results[0]
+    if args.plot:
+        report.plot(results, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(report.format_table(results))
+        if len(results) > 1:
+            print(f"best: {result['system']}")
+    return 0

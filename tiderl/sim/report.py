@@ -1,0 +1,202 @@
+"""Running sets of systems (sweeps, `all`) and turning results into tables,
+ratios and plots."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from tiderl.sim.simulator import Simulation
+from tiderl.sim.spec import load_cluster, load_workload
+from tiderl.sim.systems import SYSTEMS, System
+
+# The paper's figures the `all` report is compared with (text-only workloads, section 6).
+PAPER = {
+    "tiderl_over_verl": 5.6,
+    "tiderl_over_areal": 1.8,
+    "tiderl_over_streamrl": 7.0,
+    "ablation_table2": {"stream": 20.2, "stream+ra2p": 23.1, "stream+ra2p+ers": 31.8, "tiderl": 33.3},
+    "ers_wait_reduction": [0.686, 0.776],
+}
+
+
+def run_one(workload_path: str, cluster_path: str, system: System, steps: int, seed: int) -> dict:
+    sim = Simulation(load_workload(workload_path), load_cluster(cluster_path), system, steps=steps, seed=seed)
+    return sim.run()
+
+
+def _job(args: tuple) -> dict:
+    return run_one(*args)
+
+
+def run_many(workload_path: str, cluster_path: str, systems: list[System], steps: int, seed: int,
+             jobs: int) -> list[dict]:
+    work = [(workload_path, cluster_path, s, steps, seed) for s in systems]
+    if jobs <= 1 or len(work) == 1:
+        return [_job(w) for w in work]
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
+        return pool.map(_job, work, chunksize=1)
+
+
+def expand(system: System, fractions: tuple[float, ...]) -> list[System]:
+    """A fixed-partition system without @F becomes its sweep."""
+    if system.synchronous or system.rollout_fraction is not None or not system.sweep:
+        return [system]
+    return [replace(system, rollout_fraction=f) for f in fractions]
+
+
+def best_of(results: list[dict]) -> dict:
+    best = max(results, key=lambda r: r["goodput_tok_s"])
+    out = dict(best)
+    out["sweep"] = [
+        {"rollout_fraction": r["rollout_fraction"], "goodput_tok_s": r["goodput_tok_s"],
+         "rwt_s": r["rwt_s"], "twt_s": r["twt_s"]}
+        for r in results
+    ]
+    return out
+
+
+def all_systems(default_fraction: float, fractions: tuple[float, ...]) -> list[System]:
+    out = [SYSTEMS["sync"]]
+    for name in ("async", "stream", "tiderl-noers"):
+        out += expand(SYSTEMS[name], fractions)
+    for name in ("stream+ra2p", "stream+ra2p+ers", "tiderl"):
+        out.append(replace(SYSTEMS[name], rollout_fraction=default_fraction))
+    if default_fraction not in fractions:
+        out.append(replace(SYSTEMS["stream"], rollout_fraction=default_fraction))
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def compare(results: list[dict], default_fraction: float) -> dict:
+    """The `all` report: each system, ratios to TideRL, the ablation chain, ERS's waits."""
+    by_label = {r["system"]: r for r in results}
+
+    def group(name: str) -> list[dict]:
+        return [r for r in results if r["system"].split("@")[0] == name]
+
+    tiderl = next(r for r in results if r["system"].startswith("tiderl@"))
+    sync = by_label["sync"]
+    best_async = best_of(group("async"))
+    best_stream = best_of(group("stream"))
+    tg = tiderl["goodput_tok_s"]
+    at = f"@{default_fraction:g}"
+    chain = ["stream" + at, "stream+ra2p" + at, "stream+ra2p+ers" + at, "tiderl" + at]
+    ablation = []
+    prev = None
+    for label in chain:
+        g = by_label[label]["goodput_tok_s"]
+        ablation.append({"system": label, "goodput_tok_s": g,
+                         "improvement": round(g / prev - 1, 3) if prev else None})
+        prev = g
+    waits = tiderl["rwt_s"] + tiderl["twt_s"]
+    fixed = group("tiderl-noers")
+    reductions = {r["system"]: round(1 - waits / (r["rwt_s"] + r["twt_s"]), 3)
+                  for r in fixed if r["rwt_s"] + r["twt_s"] > 0}
+    best_fixed = max(fixed, key=lambda r: r["goodput_tok_s"]) if fixed else None
+    return {
+        "ratios": {
+            "tiderl_over_sync": _ratio(tg, sync["goodput_tok_s"]),
+            "tiderl_over_async_best": _ratio(tg, best_async["goodput_tok_s"]),
+            "tiderl_over_stream_best": _ratio(tg, best_stream["goodput_tok_s"]),
+            "tiderl_over_upper_bound": _ratio(tg, tiderl["upper_bound_tok_s"]),
+            "async_best": best_async["system"],
+            "stream_best": best_stream["system"],
+        },
+        "ablation": ablation,
+        "ers_wait_reduction": {
+            "tiderl_rwt_plus_twt_s": round(waits, 1),
+            "vs_fixed_partition": reductions,
+            "vs_best_fixed_partition": reductions.get(best_fixed["system"]) if best_fixed else None,
+            "best_fixed_partition": best_fixed["system"] if best_fixed else None,
+        },
+        "paper": PAPER,
+        "systems": {r["system"]: {**r, "ratio_to_tiderl": _ratio(r["goodput_tok_s"], tg)} for r in results},
+    }
+
+
+def format_table(results: list[dict], reference: float | None = None) -> str:
+    head = f"{'system':24} {'goodput tok/s':>13} {'vs tiderl':>9} {'bound':>9} {'RWT GPU-s':>10} " \
+           f"{'TWT GPU-s':>10} {'KV hit':>7} {'step s':>7} {'stale':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = f"{r['goodput_tok_s'] / reference:.2f}" if reference else "-"
+        hit = f"{r['kv_hit_rate']:.3f}" if r["kv_hit_rate"] is not None else "-"
+        lines.append(
+            f"{r['system']:24} {r['goodput_tok_s']:>13,.0f} {ratio:>9} {r['upper_bound_tok_s']:>9,.0f} "
+            f"{r['rwt_s']:>10,.0f} {r['twt_s']:>10,.0f} {hit:>7} {r['step_time_s']:>7.1f} "
+            f"{r['mean_staleness']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def format_report(report: dict) -> str:
+    systems = list(report["systems"].values())
+    tiderl_g = next(r["goodput_tok_s"] for r in systems if r["system"].startswith("tiderl@"))
+    out = [format_table(systems, tiderl_g), ""]
+    r, p = report["ratios"], report["paper"]
+    out.append("TideRL goodput ratios (simulated | paper):")
+    out.append(f"  / sync (VeRL-like)          {r['tiderl_over_sync']:>6} | {p['tiderl_over_verl']}")
+    out.append(f"  / async best ({r['async_best']:>12}) {r['tiderl_over_async_best']:>6} | {p['tiderl_over_areal']}")
+    out.append(f"  / stream best ({r['stream_best']:>11}) {r['tiderl_over_stream_best']:>6} | >{p['tiderl_over_streamrl']}")
+    out.append(f"  / physical upper bound      {r['tiderl_over_upper_bound']:>6} | -")
+    out.append("")
+    out.append("Ablation (cumulative, like Table 2; paper's improvements: +10.4%, +35.7%, +4.8%):")
+    for row in report["ablation"]:
+        imp = f"{row['improvement']:+.1%}" if row["improvement"] is not None else "baseline"
+        out.append(f"  {row['system']:24} {row['goodput_tok_s']:>10,.0f} tok/s  {imp}")
+    e = report["ers_wait_reduction"]
+    out.append("")
+    out.append(f"RWT+TWT of TideRL: {e['tiderl_rwt_plus_twt_s']:,.0f} GPU-s; reduction vs the fixed partitions "
+               "with the same CTB+RA2P (paper: 68.6-77.6%):")
+    for label, red in e["vs_fixed_partition"].items():
+        mark = "  <- best goodput" if label == e["best_fixed_partition"] else ""
+        out.append(f"  vs {label:22} {red:+.1%}{mark}")
+    return "\n".join(out)
+
+
+def plot(results: list[dict], path: str | Path) -> None:
+    """Goodput, RWT/TWT and the role timeline of TideRL (or of the only system)."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    labels = [r["system"] for r in results]
+    x = range(len(results))
+    ax = axes[0]
+    ax.bar(x, [r["goodput_tok_s"] for r in results], color="tab:blue", label="goodput")
+    ax.plot(x, [r["upper_bound_tok_s"] for r in results], "k_", markersize=18, label="upper bound")
+    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("trajectory tokens consumed / s")
+    ax.set_title("Goodput")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    rwt = [r["rwt_s"] / 3600 for r in results]
+    twt = [r["twt_s"] / 3600 for r in results]
+    ax.bar(x, rwt, color="tab:orange", label="RWT")
+    ax.bar(x, twt, bottom=rwt, color="tab:green", label="TWT")
+    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("GPU-hours")
+    ax.set_title("Rollout / Training wait")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    focus = next((r for r in results if r["system"].startswith("tiderl@")), results[0])
+    tl = focus["roles_timeline"]
+    versions = [e["version"] for e in tl]
+    for role, color in (("rollout", "tab:blue"), ("actor", "tab:red"), ("ref", "tab:purple")):
+        ax.step(versions, [e[role] for e in tl], where="post", label=role, color=color)
+    ax.set_xlabel("version")
+    ax.set_ylabel("ranks")
+    ax.set_title(f"Roles: {focus['system']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

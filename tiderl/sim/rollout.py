@@ -1,0 +1,474 @@
+"""The rollout side of the simulation: tasks, groups, rollout ranks, the
+feeder (staleness bound) and the two task schedulers.
+
+- ``vanilla`` (request level): a task goes to the rollout rank with the
+  fewest tasks, up to the engine's ``max_num_seqs``; the engine's own cache
+  policy decides what stays resident.
+- ``ctb``: on the triggers of Algorithm 1 (a turn starts, a task ends, new
+  groups or orphaned tasks appear, a sync boundary) the rank's state goes
+  through :func:`tiderl.policy.ctb.decide`, the very function the real
+  rollout ranks call, and its decisions are applied (requests aborted,
+  contexts marked kept or evictable, tasks started).
+
+A task's life: assigned -> environment `/start` -> turns of (prefill +
+decode on the engine, then an environment step) -> done. A group whose
+tasks are all done becomes ready for the trainer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+
+from tiderl.policy.ctb import (
+    AdmissionLimits,
+    CandidateGroup,
+    CtbTask,
+    PriorityWeights,
+    RankView,
+    TaskState,
+    decide,
+)
+from tiderl.sim.costs import Costs
+from tiderl.sim.engine import Engine
+from tiderl.sim.workload import TaskPlan
+
+Schedule = Callable[..., None]
+
+
+class Stage(enum.Enum):
+    QUEUED = 0
+    STARTING = 1
+    ACTIVE = 2
+    WAITING_ENV = 3
+    PAUSED = 4
+    DONE = 5
+
+
+_CTB_STATE = {
+    Stage.STARTING: TaskState.WAITING_ENV,
+    Stage.WAITING_ENV: TaskState.WAITING_ENV,
+    Stage.ACTIVE: TaskState.ACTIVE,
+    Stage.PAUSED: TaskState.PAUSED,
+}
+
+
+class SimGroup:
+    __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version")
+
+    def __init__(self, gid: int, tasks: list[SimTask], is_eval: bool, task_type: str, version: int) -> None:
+        self.id = gid
+        self.tasks = tasks
+        self.is_eval = is_eval
+        self.done = 0
+        self.ready_s = 0.0
+        self.remaining: deque[SimTask] = deque(tasks)
+        self.task_type = task_type
+        self.probe_tokens = tasks[0].footprint
+        self.version = version
+
+    @property
+    def seq_tokens(self) -> list[int]:
+        return [t.plan.total_tokens for t in self.tasks]
+
+    @property
+    def version_start(self) -> int:
+        return min(t.version_start for t in self.tasks)
+
+
+class SimTask:
+    __slots__ = (
+        "id", "group", "plan", "is_eval", "turn", "ctx", "gen_left", "stage", "rank", "env_pending",
+        "footprint", "reserve", "version_start", "view", "view_key", "env_started",
+    )
+
+    def __init__(self, tid: int, plan: TaskPlan, is_eval: bool, reserve: int) -> None:
+        self.id = tid
+        self.group: SimGroup = None  # type: ignore[assignment]
+        self.plan = plan
+        self.is_eval = is_eval
+        self.turn = 0
+        self.ctx = plan.prompt_tokens
+        self.gen_left = plan.gen_tokens[0]
+        self.stage = Stage.QUEUED
+        self.rank: RolloutRank | None = None
+        self.env_pending = False
+        self.env_started = False
+        self.reserve = reserve
+        self.footprint = self.ctx + reserve
+        self.version_start = -1
+        self.view: CtbTask | None = None
+        self.view_key: tuple = ()
+
+
+class RolloutRank:
+    __slots__ = ("index", "engine", "tasks", "paused", "used", "num_resident", "epoch", "next_t", "acct_t",
+                 "acct_state")
+
+    def __init__(self, index: int, engine: Engine, t: float) -> None:
+        self.index = index
+        self.engine = engine
+        self.tasks: set[SimTask] = set()  # resident and paused-here tasks
+        self.paused: set[SimTask] = set()  # paused-here tasks
+        self.used = 0  # resident footprint, tokens
+        self.num_resident = 0
+        self.epoch = 0
+        self.next_t = float("inf")
+        self.acct_t = t
+        self.acct_state = "idle"
+
+
+class RolloutSide:
+    """Rollout ranks plus the task pool. The simulator drives it through
+    `release_*`, `dispatch`, `flush_all`, `add_rank`/`remove_rank`."""
+
+    def __init__(
+        self,
+        costs: Costs,
+        schedule: Schedule,
+        on_group_done: Callable[[float, SimGroup], None],
+        *,
+        ctb: bool,
+        env_concurrency: int,
+        weights: PriorityWeights,
+    ) -> None:
+        self.costs = costs
+        self.schedule = schedule
+        self.on_group_done = on_group_done
+        self.ctb = ctb
+        self.env_concurrency = env_concurrency
+        self.weights = weights
+        self.ranks: dict[int, RolloutRank] = {}
+        self.candidates: deque[SimGroup] = deque()
+        self.orphans: list[SimTask] = []
+        self.tasks: dict[int, SimTask] = {}
+        self.env_active = 0
+        self.version = 0
+        self.accounts = {"busy": 0.0, "rwt": 0.0, "idle": 0.0, "stall": 0.0, "off": 0.0}
+        self.off = False  # sync systems: the rollout ranks are training
+        self.retired = {"query": 0.0, "hit": 0.0, "prefill": 0.0, "decode": 0.0, "preempt": 0}
+        self.allowance_left = 0  # groups the staleness bound still lets the feeder release
+
+    # -- ranks -------------------------------------------------------------------------------
+    def add_rank(self, t: float, index: int, stall_s: float) -> None:
+        engine = Engine(self.costs, self.costs.kv_capacity_tokens)
+        engine.busy_until = t + stall_s
+        engine.t = t
+        rank = RolloutRank(index, engine, t)
+        self.ranks[index] = rank
+        self._account(rank, t)
+        if stall_s > 0:
+            self.schedule(t + stall_s, self._stall_end, rank)
+
+    def remove_rank(self, t: float, index: int) -> None:
+        """The rank leaves rollout: its tasks become orphans, resumed elsewhere with a fresh prefill."""
+        rank = self.ranks[index]
+        self._account(rank, t, force=True)
+        for task, ctx, left in rank.engine.flush(t, 0.0):
+            task.ctx, task.gen_left = ctx, left
+        self._retire(rank.engine)
+        for task in list(rank.tasks):
+            if task.stage is not Stage.PAUSED:
+                self.env_active -= 1
+            task.stage = Stage.PAUSED
+            task.rank = None
+            task.view = None
+            self.orphans.append(task)
+        del self.ranks[index]
+
+    def _retire(self, engine: Engine) -> None:
+        r = self.retired
+        r["query"] += engine.query_tokens
+        r["hit"] += engine.hit_tokens
+        r["prefill"] += engine.prefill_tokens
+        r["decode"] += engine.decode_tokens
+        r["preempt"] += engine.preemptions
+
+    def counters(self) -> dict[str, float]:
+        out = dict(self.retired)
+        for rank in self.ranks.values():
+            e = rank.engine
+            out["query"] += e.query_tokens
+            out["hit"] += e.hit_tokens
+            out["prefill"] += e.prefill_tokens
+            out["decode"] += e.decode_tokens
+            out["preempt"] += e.preemptions
+        return out
+
+    def flush_all(self, t: float, stall_s: float) -> None:
+        """A weight sync: every engine drops its cache, interrupted requests are re-prefilled."""
+        for rank in self.ranks.values():
+            self._account(rank, t)
+            for task, ctx, left in rank.engine.flush(t, stall_s):
+                task.ctx, task.gen_left = ctx, left
+                rank.engine.submit(t, task, ctx, left, self.ctb)
+            self._reschedule(rank)
+            self._account(rank, t)
+            if stall_s > 0:
+                self.schedule(t + stall_s, self._stall_end, rank)
+
+    # -- feeder ------------------------------------------------------------------------------
+    def release(self, t: float, groups: list[SimGroup], front: bool = False) -> None:
+        for g in groups:
+            for task in g.tasks:
+                self.tasks[task.id] = task
+        if front:
+            self.candidates.extendleft(reversed(groups))
+        else:
+            self.candidates.extend(groups)
+        self.account_all(t)
+        self.dispatch(t)
+
+    def blocked(self) -> bool:
+        """Nothing left that a rollout rank could start or resume."""
+        return not self.candidates and not self.orphans
+
+    def dispatch(self, t: float) -> None:
+        if self.ctb:
+            for rank in sorted(self.ranks.values(), key=lambda r: r.used):
+                self._ctb_pass(t, rank)
+        else:
+            self._vanilla_fill(t)
+        self.account_all(t)
+
+    # -- accounting --------------------------------------------------------------------------
+    def _account(self, rank: RolloutRank, t: float, force: bool = False) -> None:
+        """Close the rank's current accounting interval if its state changes at t (or if forced)."""
+        if self.off:
+            state = "off"
+        elif t < rank.engine.busy_until:
+            state = "stall"
+        elif rank.engine.has_work():
+            state = "busy"
+        else:
+            state = "rwt" if self.blocked() else "idle"
+        if force or state != rank.acct_state:
+            self.accounts[rank.acct_state] += t - rank.acct_t
+            rank.acct_t = t
+            rank.acct_state = state
+
+    def account_all(self, t: float, force: bool = False) -> None:
+        for rank in self.ranks.values():
+            self._account(rank, t, force)
+
+    # -- engine events -----------------------------------------------------------------------
+    def _reschedule(self, rank: RolloutRank) -> None:
+        nt = rank.engine.next_event_s()
+        if nt == rank.next_t:
+            return
+        rank.epoch += 1
+        rank.next_t = nt
+        if nt < float("inf"):
+            self.schedule(nt, self._tick, rank, rank.epoch)
+
+    def _stall_end(self, t: float, rank: RolloutRank) -> None:
+        if self.ranks.get(rank.index) is rank:
+            self._account(rank, t)
+
+    def _tick(self, t: float, rank: RolloutRank, epoch: int) -> None:
+        if epoch != rank.epoch or self.ranks.get(rank.index) is not rank:
+            return
+        rank.next_t = float("inf")
+        for task in rank.engine.pop_finished(t):
+            task.ctx += task.gen_left
+            task.gen_left = 0
+            task.stage = Stage.WAITING_ENV
+            task.env_pending = True
+            self.schedule(t + task.plan.env_latency_s[task.turn], self._env_return, task)
+        self._reschedule(rank)
+        self._account(rank, t)
+
+    def _submit(self, t: float, task: SimTask) -> None:
+        rank = task.rank
+        rank.engine.submit(t, task, task.ctx, task.gen_left, self.ctb)
+        task.stage = Stage.ACTIVE
+        self._reschedule(rank)
+        self._account(rank, t)
+
+    def _env_start(self, t: float, task: SimTask) -> None:
+        task.env_pending = False
+        task.env_started = True
+        if task.stage is Stage.STARTING:
+            self._submit(t, task)
+
+    def _env_return(self, t: float, task: SimTask) -> None:
+        task.env_pending = False
+        plan = task.plan
+        if task.turn == plan.num_turns - 1:
+            self._finish(t, task)
+            return
+        task.ctx += plan.obs_tokens[task.turn]
+        task.turn += 1
+        task.gen_left = plan.gen_tokens[task.turn]
+        self._set_footprint(task, task.ctx + task.reserve)
+        if task.stage is not Stage.WAITING_ENV:
+            return  # paused: the turn starts when CTB resumes it
+        rank = task.rank
+        if self.ctb:
+            self._ctb_pass(t, rank)
+        if task.stage is Stage.WAITING_ENV:
+            self._submit(t, task)
+
+    def _set_footprint(self, task: SimTask, footprint: int) -> None:
+        if task.rank is not None and task.stage is not Stage.PAUSED:
+            task.rank.used += footprint - task.footprint
+        task.footprint = footprint
+
+    def _finish(self, t: float, task: SimTask) -> None:
+        rank = task.rank
+        group = task.group
+        paused = task.stage is Stage.PAUSED
+        if rank is not None:
+            rank.tasks.discard(task)
+            rank.paused.discard(task)
+            rank.engine.set_kept(task, False)
+            if not paused:
+                rank.used -= task.footprint
+                rank.num_resident -= 1
+        elif task in self.orphans:
+            self.orphans.remove(task)
+        if not paused:
+            self.env_active -= 1
+        task.stage = Stage.DONE
+        task.rank = None
+        del self.tasks[task.id]
+        group.done += 1
+        for sibling in group.tasks:
+            sibling.view = None
+        if group.done == len(group.tasks):
+            group.ready_s = t
+            self.on_group_done(t, group)
+        if rank is not None and self.ranks.get(rank.index) is rank:
+            if self.ctb:
+                self._ctb_pass(t, rank)
+            else:
+                self._vanilla_fill(t)
+            self._account(rank, t)
+
+    # -- placement ---------------------------------------------------------------------------
+    def _place(self, t: float, task: SimTask, rank: RolloutRank) -> None:
+        """Make `task` resident on `rank`: a new task starts its environment, a paused one resumes."""
+        task.rank = rank
+        task.view = None
+        rank.tasks.add(task)
+        rank.paused.discard(task)
+        rank.used += task.footprint
+        rank.num_resident += 1
+        self.env_active += 1
+        if task.stage is Stage.QUEUED:
+            task.stage = Stage.STARTING
+            task.version_start = self.version
+            task.env_pending = True
+            self.schedule(t + task.plan.start_latency_s, self._env_start, task)
+            return
+        rank.engine.set_kept(task, self.ctb)
+        if task.env_pending:
+            task.stage = Stage.WAITING_ENV if task.env_started else Stage.STARTING
+        else:
+            task.stage = Stage.WAITING_ENV
+            self._submit(t, task)
+
+    def _pause(self, t: float, task: SimTask) -> None:
+        rank = task.rank
+        if task.stage is Stage.ACTIVE:
+            state = rank.engine.abort(task)
+            if state is not None:
+                task.ctx, task.gen_left = state
+            self._reschedule(rank)
+        rank.engine.set_kept(task, False)
+        rank.used -= task.footprint
+        rank.num_resident -= 1
+        self.env_active -= 1
+        task.stage = Stage.PAUSED
+        task.view = None
+        rank.paused.add(task)
+
+    def _take_new(self) -> SimTask | None:
+        while self.candidates:
+            group = self.candidates[0]
+            if group.remaining:
+                task = group.remaining.popleft()
+                if not group.remaining:
+                    self.candidates.popleft()
+                return task
+            self.candidates.popleft()
+        return None
+
+    def _vanilla_fill(self, t: float) -> None:
+        if not self.ranks:
+            return
+        cap = self.costs.max_num_seqs
+        while (self.orphans or self.candidates) and self.env_active < self.env_concurrency:
+            rank = min(self.ranks.values(), key=lambda r: (r.num_resident, r.index))
+            if rank.num_resident >= cap:
+                return
+            task = self.orphans.pop(0) if self.orphans else self._take_new()
+            if task is None:
+                return
+            self._place(t, task, rank)
+
+    # -- CTB ---------------------------------------------------------------------------------
+    def _view(self, task: SimTask, is_home: bool) -> CtbTask:
+        group = task.group
+        completion = group.done / len(group.tasks)
+        key = (task.stage, task.footprint, completion, is_home)
+        if task.view is None or task.view_key != key:
+            task.view = CtbTask(
+                task_id=task.id,
+                group_id=group.id,
+                state=_CTB_STATE[task.stage],
+                footprint_tokens=task.footprint,
+                context_tokens=task.ctx,
+                is_eval=task.is_eval,
+                group_completion=completion,
+                task_type=group.task_type,
+                is_home=is_home,
+            )
+            task.view_key = key
+        return task.view
+
+    def _ctb_needs_pass(self, rank: RolloutRank) -> bool:
+        budget = self.costs.kv_capacity_tokens
+        if rank.used > budget:
+            return True
+        headroom = budget - rank.used
+        if self.env_active >= self.env_concurrency:
+            return False
+        for task in rank.paused:
+            if task.footprint <= headroom:
+                return True
+        if any(o.footprint <= headroom for o in self.orphans[:64]):
+            return True
+        return bool(self.candidates) and self.candidates[0].probe_tokens <= headroom
+
+    def _ctb_pass(self, t: float, rank: RolloutRank) -> None:
+        if not self._ctb_needs_pass(rank):
+            return
+        views = [self._view(task, True) for task in rank.tasks]
+        orphans = self.orphans[:64]
+        views += [self._view(task, False) for task in orphans]
+        candidates = [
+            CandidateGroup(g.id, tuple(x.id for x in g.remaining), g.probe_tokens, g.is_eval, g.task_type)
+            for g in list(self.candidates)[:8]
+        ]
+        free_env = max(0, self.env_concurrency - self.env_active)
+        limits = AdmissionLimits(max_resident_tasks=min(self.costs.max_num_seqs, rank.num_resident + free_env))
+        decision = decide(RankView(self.costs.kv_capacity_tokens, tuple(views)), candidates, limits, self.weights)
+        for tid in decision.pause:
+            self._pause(t, self.tasks[tid])
+        for tid in decision.resume:
+            task = self.tasks[tid]
+            if task.rank is None:
+                self.orphans.remove(task)
+            self._place(t, task, rank)
+        for tid in decision.admit:
+            task = self.tasks[tid]
+            group = task.group
+            if group.remaining[0] is not task:
+                raise AssertionError("CTB admits the tasks of a group in order")
+            group.remaining.popleft()
+            if not group.remaining:
+                self.candidates.remove(group)
+            self._place(t, task, rank)
+        self._account(rank, t)

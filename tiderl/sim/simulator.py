@@ -1,0 +1,434 @@
+"""The discrete-event simulation of one system on one workload and cluster.
+
+One event heap (time, sequence, callback). The rollout side
+(:mod:`tiderl.sim.rollout`) and the trainer (:mod:`tiderl.sim.trainer`)
+schedule their own events; this module owns the step boundaries:
+
+- asynchronous systems: the trainer consumes ``fetch`` ready groups per step,
+  then the optimizer step; the publish of version k+1 waits for the
+  evaluation tasks of version k (anchored weights); at the publish the ERS
+  plan (if any) changes roles, every rollout engine reloads weights (stall +
+  cache flush + interrupted requests re-prefilled), the staleness bound lets
+  the feeder release ``groups_per_step`` more groups
+  (released <= (version + max_staleness + 1) x B_ideal, AReaL's rule);
+- ``sync``: every GPU rolls out the whole batch (and evaluation rounds), then
+  switches to training (offload/onload of states), trains, switches back.
+
+No speedup is written into the model: goodput, waits and hit rates come out
+of these mechanics and the costs of :mod:`tiderl.sim.costs`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from tiderl.policy import ers
+from tiderl.policy.ctb import PriorityWeights
+from tiderl.policy.ers import ErsLimits, ErsSignals, Role
+from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
+from tiderl.sim.costs import derive_costs
+from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
+from tiderl.sim.spec import ClusterSpec, WorkloadSpec
+from tiderl.sim.systems import System
+from tiderl.sim.trainer import StepStats, Trainer
+from tiderl.sim.workload import TaskSampler
+
+
+class SimulationStalled(RuntimeError):
+    """The event heap ran dry before the last step: a mechanic deadlocked."""
+
+
+@dataclass(slots=True)
+class StepRecord:
+    version: int
+    end_s: float
+    duration_s: float
+    rollout_ranks: int
+    actor_ranks: int
+    ref_ranks: int
+    mode: str
+    fetch_groups: int
+    consumed_tokens: int
+    ras: int
+    tprm_s: float | None
+    compute_s: float
+    predicted_decoupled_s: float | None
+    predicted_colocated_s: float | None
+    twt_gpu_s: float
+    eval_block_s: float
+    ers_reason: str | None
+    ready_groups: int = 0
+    hol_s: float = 0.0
+
+
+class Simulation:
+    def __init__(
+        self,
+        workload: WorkloadSpec,
+        cluster: ClusterSpec,
+        system: System,
+        *,
+        steps: int,
+        seed: int,
+        rollout_fraction: float | None = None,
+    ) -> None:
+        self.workload = workload
+        self.cluster = cluster
+        self.system = system
+        self.steps = steps
+        self.costs = derive_costs(cluster)
+        self.num_gpus = cluster.num_gpus
+        self.b_ideal = workload.groups_per_step
+        self.b_min = max(1, math.ceil(cluster.training.min_batch_fraction * self.b_ideal))
+        self.staleness = 0 if system.synchronous else cluster.training.max_staleness
+        self.sampler = TaskSampler(workload, seed)
+        self.reserve = {t.name: round(t.gen_tokens_per_turn) for t in workload.task_types}
+        self.heap: list = []
+        self.seq = 0
+        self.done = False
+        self.version = 0
+        self.buffer: deque[SimGroup] = deque()
+        self.rollout = RolloutSide(
+            self.costs,
+            self.schedule,
+            self._group_done,
+            ctb=system.ctb,
+            env_concurrency=cluster.env_concurrency,
+            weights=PriorityWeights(context_scale_tokens=workload.max_context_tokens),
+        )
+        self.trainer = Trainer(
+            self.costs, system.trainer, cluster.training.micro_batch_tokens, self.schedule, self._compute_done
+        )
+        fraction = rollout_fraction or system.rollout_fraction or cluster.training.default_rollout_fraction
+        self.rollout_fraction = None if system.synchronous else fraction
+        num_rollout = min(self.num_gpus - 1, max(1, round(fraction * self.num_gpus)))
+        self.roles: list[Role] = [Role.ROLLOUT] * num_rollout + [Role.ACTOR] * (self.num_gpus - num_rollout)
+        if system.synchronous:
+            self.roles = [Role.ROLLOUT] * self.num_gpus
+        e = cluster.ers
+        self.ers_limits = ErsLimits(
+            groups_min=self.b_min,
+            groups_ideal=self.b_ideal,
+            enabled=system.ers,
+            hol_tau=e.hol_tau,
+            max_moves_per_step=e.max_moves_per_step,
+            min_rollout_ranks=e.min_rollout_ranks,
+            min_actor_ranks=e.min_actor_ranks,
+            max_ref_ranks=e.max_ref_ranks,
+            elastic_actors=e.elastic_actors,
+        )
+        self.history_steps = e.history_steps
+        self.mode = Ra2pMode.COLOCATED
+        self.fetch = self.b_ideal
+        self.last_rollout_change = 0
+        self.next_group = {False: 0, True: 0}
+        self.next_task = 0
+        self.train_released = 0
+        self.eval_outstanding = 0
+        self.publish_waiting = False
+        self.opt_done_s = 0.0
+        self.last_publish_s = 0.0
+        self.phase = "rollout"
+        self.phase_done = 0
+        self.ers_reason: str | None = None
+        # Results.
+        self.records: list[StepRecord] = []
+        self.timeline: list[dict] = []
+        self.step_stats: list[StepStats] = []
+        self.consumed_tasks: list[SimTask] = []
+        self.eval_tasks_done: list[SimTask] = []
+        self.staleness_seen: list[int] = []
+        self.twt_gpu_s = 0.0
+        self.eval_block_gpu_s = 0.0
+        self.regroup_gpu_s = 0.0
+        self.rwt_at_publish = 0.0
+        self.end_s = 0.0
+
+    # -- event loop --------------------------------------------------------------------------
+    def schedule(self, t: float, fn: Callable[..., None], *args: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, fn, args))
+
+    def run(self) -> dict:
+        wall = time.perf_counter()
+        self._start()
+        while self.heap and not self.done:
+            t, _, fn, args = heapq.heappop(self.heap)
+            fn(t, *args)
+        if not self.done:
+            raise SimulationStalled(
+                f"{self.system.label}: no event left at version {self.version} "
+                f"(buffer {len(self.buffer)} groups, candidates {len(self.rollout.candidates)}, "
+                f"orphans {len(self.rollout.orphans)}, live tasks {len(self.rollout.tasks)})"
+            )
+        return self.result(time.perf_counter() - wall)
+
+    def _start(self) -> None:
+        t = 0.0
+        for i, role in enumerate(self.roles):
+            if role is Role.ROLLOUT:
+                self.rollout.add_rank(t, i, 0.0)
+        if self.system.synchronous:
+            self._sync_start_version(t)
+            return
+        if self.system.ers:
+            self._apply_plan(t, ers.plan(self.roles, self._signals(t, None), self.ers_limits), stall_s=0.0)
+        self._record_roles(t)
+        self._release(t)
+        self._begin_step(t)
+
+    # -- tasks -------------------------------------------------------------------------------
+    def _new_groups(self, count: int, is_eval: bool) -> list[SimGroup]:
+        size = self.workload.eval_group_size if is_eval else self.workload.group_size
+        groups = []
+        for _ in range(count):
+            index = self.next_group[is_eval]
+            self.next_group[is_eval] += 1
+            plans = self.sampler.group(index, self.version, size, is_eval)
+            tasks = []
+            for plan in plans:
+                tasks.append(SimTask(self.next_task, plan, is_eval, self.reserve[plan.task_type]))
+                self.next_task += 1
+            group = SimGroup(("e" if is_eval else "t", index), tasks, is_eval, plans[0].task_type, self.version)
+            for task in tasks:
+                task.group = group
+            groups.append(group)
+        return groups
+
+    def _eval_due(self, version: int) -> bool:
+        w = self.workload
+        return w.eval_every_steps > 0 and w.eval_groups > 0 and version % w.eval_every_steps == 0
+
+    def _release(self, t: float) -> None:
+        """Release what the staleness bound allows, plus this version's evaluation round."""
+        if self._eval_due(self.version):
+            self.eval_outstanding = self.workload.eval_groups
+            self.rollout.release(t, self._new_groups(self.workload.eval_groups, True), front=True)
+        # Groups in flight (released, not yet consumed) <= (max_staleness + 1) x fetch size: AReaL's
+        # (version + s + 1) x B rule when every step consumes B_ideal, and still a bound in versions
+        # when ERS's adaptive retention fetches fewer groups per step.
+        consumed = len(self.consumed_tasks) // self.workload.group_size
+        allowed = consumed + (self.staleness + 1) * self.fetch - self.train_released
+        if allowed > 0:
+            self.train_released += allowed
+            self.rollout.release(t, self._new_groups(allowed, False))
+
+    def _group_done(self, t: float, group: SimGroup) -> None:
+        if group.is_eval:
+            self.eval_tasks_done.extend(group.tasks)
+            self.eval_outstanding -= 1
+            if self.eval_outstanding == 0:
+                if self.system.synchronous and self.phase == "eval":
+                    self._sync_rollout_phase(t)
+                elif self.publish_waiting:
+                    self._publish(t)
+            return
+        self.buffer.append(group)
+        if self.system.synchronous:
+            self.phase_done += 1
+            if self.phase_done == self.b_ideal:
+                self.rollout.off = True
+                self.rollout.account_all(t)
+                self.schedule(t + self.costs.phase_switch_s, self._sync_train)
+            return
+        self._offer(t)
+
+    def _offer(self, t: float) -> None:
+        for group in self.trainer.offer(t, self.buffer):
+            self.consumed_tasks.extend(group.tasks)
+            self.staleness_seen.append(self.version - group.version_start)
+
+    # -- asynchronous steps ------------------------------------------------------------------
+    def _num(self, role: Role) -> int:
+        return sum(1 for r in self.roles if r is role)
+
+    def _begin_step(self, t: float) -> None:
+        self.trainer.begin_step(t, self._num(Role.ACTOR), self._num(Role.REF), self.mode, self.fetch)
+        self._offer(t)
+
+    def _compute_done(self, t: float) -> None:
+        self.schedule(t + self.costs.optimizer_s(self._num(Role.ACTOR)), self._optimized)
+
+    def _optimized(self, t: float) -> None:
+        self.opt_done_s = t
+        if self.system.synchronous:
+            self._sync_publish(t)
+        elif self.eval_outstanding > 0:
+            self.publish_waiting = True  # the evaluation round holds the version's weights
+        else:
+            self._publish(t)
+
+    def _stage_times(self) -> StageTimes:
+        seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
+        mean_len = sum(seqs) / len(seqs)
+        fwd = self.cluster.training.micro_batch_tokens / mean_len * self.costs.forward_s(round(mean_len))
+        return StageTimes(t_ref_s=fwd, t_act_f_s=fwd, t_act_b_s=2 * fwd, t_swap_s=self.costs.swap_s)
+
+    def _signals(self, t: float, stats: StepStats | None) -> ErsSignals:
+        cap = self.cluster.training.micro_batch_tokens * max(1, self._num(Role.ACTOR))
+        ready_tokens = sum(sum(g.seq_tokens) for g in self.buffer)
+        history = tuple(r.duration_s for r in self.records[-self.history_steps:])
+        seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
+        per_step = math.ceil(self.b_ideal * self.workload.group_size * (sum(seqs) / len(seqs)) / cap)
+        return ErsSignals(
+            ras_microbatches=math.ceil(ready_tokens / cap),
+            ready_groups=len(self.buffer),
+            hol_latency_s=t - self.buffer[0].ready_s if self.buffer else 0.0,
+            tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s) if stats else None,
+            step_history_s=history,
+            is_eval_next=self._eval_due(self.version + 1) if stats else self._eval_due(0),
+            fetch_groups=self.fetch,
+            last_rollout_change=self.last_rollout_change,
+            stage_times=self._stage_times(),
+            microbatches_per_step=per_step,
+            rollout_idle_ranks=self._rollout_idle_ranks(t),
+        )
+
+    def _rollout_idle_ranks(self, t: float) -> float:
+        """Mean rollout ranks idle behind the staleness bound since the last publish."""
+        self.rollout.account_all(t, force=True)
+        rwt = self.rollout.accounts["rwt"]
+        idle = (rwt - self.rwt_at_publish) / max(t - self.last_publish_s, 1e-9)
+        self.rwt_at_publish = rwt
+        return idle
+
+    def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
+        before = self._num(Role.ROLLOUT)
+        for move in plan.moves:
+            if move.from_role is Role.ROLLOUT:
+                self.rollout.remove_rank(t, move.rank)
+            elif move.to_role is Role.ROLLOUT:
+                self.rollout.add_rank(t, move.rank, stall_s)
+        self.roles = list(plan.roles)
+        self.mode = plan.mode
+        self.fetch = plan.fetch_groups
+        self.last_rollout_change = self._num(Role.ROLLOUT) - before
+        self.ers_reason = plan.reason.value
+
+    def _publish(self, t: float) -> None:
+        self.publish_waiting = False
+        stats = self.trainer.finish_step()
+        self.step_stats.append(stats)
+        block = t - self.opt_done_s
+        self.eval_block_gpu_s += block * (stats.num_actors + stats.num_refs)
+        self.twt_gpu_s += stats.twt_gpu_s + block * (stats.num_actors + stats.num_refs)
+        self.ers_reason = None
+        self._record_step(t, stats, block)
+        signals = self._signals(t, stats)
+        self.records[-1].ready_groups = signals.ready_groups
+        self.records[-1].hol_s = signals.hol_latency_s
+        plan = ers.plan(self.roles, signals, self.ers_limits) if self.system.ers else None
+        self.version += 1
+        self.rollout.version = self.version
+        self.last_publish_s = t
+        if self.version >= self.steps:
+            self._end(t)
+            return
+        sync_s = self.costs.weight_sync_s
+        self.rollout.flush_all(t, sync_s)
+        restart_s = sync_s
+        if plan is not None:
+            actors = self._num(Role.ACTOR)
+            self._apply_plan(t, plan, sync_s)
+            self.records[-1].ers_reason = plan.reason.value
+            if self._num(Role.ACTOR) != actors:
+                restart_s = max(sync_s, self.costs.regroup_s(self._num(Role.ACTOR)))
+                self.regroup_gpu_s += restart_s * self._num(Role.ACTOR)
+        self._record_roles(t)
+        self._release(t)
+        self.rollout.dispatch(t)
+        self.schedule(t + restart_s, self._begin_step)
+
+    # -- synchronous system ------------------------------------------------------------------
+    def _sync_start_version(self, t: float) -> None:
+        self.rollout.off = False
+        self.rollout.account_all(t)
+        self._record_roles(t)
+        if self._eval_due(self.version):
+            self.phase = "eval"
+            self.eval_outstanding = self.workload.eval_groups
+            self.rollout.release(t, self._new_groups(self.workload.eval_groups, True), front=True)
+        else:
+            self._sync_rollout_phase(t)
+
+    def _sync_rollout_phase(self, t: float) -> None:
+        self.phase = "rollout"
+        self.phase_done = 0
+        self.train_released += self.b_ideal
+        self.rollout.release(t, self._new_groups(self.b_ideal, False))
+
+    def _sync_train(self, t: float) -> None:
+        self.phase = "train"
+        self.trainer.begin_step(t, self.num_gpus, 0, Ra2pMode.COLOCATED, self.b_ideal)
+        self._offer(t)
+
+    def _sync_publish(self, t: float) -> None:
+        stats = self.trainer.finish_step()
+        self.step_stats.append(stats)
+        self.twt_gpu_s += stats.twt_gpu_s
+        self.ers_reason = None
+        self._record_step(t, stats, 0.0)
+        self.version += 1
+        self.rollout.version = self.version
+        self.last_publish_s = t
+        if self.version >= self.steps:
+            self._end(t)
+            return
+        # Back to rollout: the engines wake with the new weights and an empty cache.
+        self.rollout.flush_all(t, self.costs.phase_switch_s)
+        self.schedule(t + self.costs.phase_switch_s, self._sync_start_version)
+
+    # -- records -----------------------------------------------------------------------------
+    def _record_roles(self, t: float) -> None:
+        if self.system.synchronous:
+            entry = {"version": self.version, "t_s": round(t, 3), "rollout": self.num_gpus,
+                     "actor": self.num_gpus, "ref": 0, "mode": "time-shared"}
+        else:
+            entry = {"version": self.version, "t_s": round(t, 3), "rollout": self._num(Role.ROLLOUT),
+                     "actor": self._num(Role.ACTOR), "ref": self._num(Role.REF), "mode": self.mode.value}
+        self.timeline.append(entry)
+
+    def _record_step(self, t: float, stats: StepStats, block: float) -> None:
+        ready = stats.ready_rel_s
+        prediction = None
+        if ready:
+            prediction = choose_mode(ready, self._stage_times(), stats.num_actors, max(1, stats.num_refs))
+        self.records.append(
+            StepRecord(
+                version=self.version,
+                end_s=t,
+                duration_s=t - self.last_publish_s,
+                rollout_ranks=self._num(Role.ROLLOUT) if not self.system.synchronous else self.num_gpus,
+                actor_ranks=stats.num_actors,
+                ref_ranks=stats.num_refs,
+                mode=stats.mode.value,
+                fetch_groups=stats.fetch_groups,
+                consumed_tokens=stats.consumed_tokens,
+                ras=sum(1 for a in ready if a <= 0),
+                tprm_s=time_per_ready_microbatch_s(ready),
+                compute_s=stats.compute_done_s - stats.start_s,
+                predicted_decoupled_s=prediction.decoupled_s if prediction else None,
+                predicted_colocated_s=prediction.colocated_s if prediction else None,
+                twt_gpu_s=stats.twt_gpu_s + block * (stats.num_actors + stats.num_refs),
+                eval_block_s=block,
+                ers_reason=None,
+            )
+        )
+
+    def _end(self, t: float) -> None:
+        self.rollout.account_all(t, force=True)
+        self.end_s = t
+        self.done = True
+
+    def result(self, wall_s: float) -> dict:
+        from tiderl.sim.metrics import summarize
+
+        return summarize(self, wall_s)
+
+    def step_rows(self) -> list[dict]:
+        return [asdict(r) for r in self.records]

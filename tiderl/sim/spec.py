@@ -1,0 +1,191 @@
+"""Workload and cluster files of `tiderl sim`: typed, frozen, validated sections
+built with the project's config machinery (errors name the file and the key).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+
+from tiderl.config.schema import ConfigError, build, option, section
+
+
+@section
+class Drift:
+    """A quantity that drifts linearly from `start` to `end` over the workload's `drift_steps`."""
+
+    start: float = option(help="Value at step 0.")
+    end: float = option(help="Value at step `drift_steps` and later.")
+
+    def at(self, step: int, drift_steps: int) -> float:
+        frac = min(1.0, max(0.0, step / drift_steps)) if drift_steps > 0 else 1.0
+        return self.start + (self.end - self.start) * frac
+
+
+@section
+class LatencyDist:
+    """A lognormal latency given by its mean and 99th percentile, in seconds."""
+
+    mean_s: float = option(gt=0, help="Mean latency, seconds.")
+    p99_s: float = option(gt=0, help="99th-percentile latency, seconds (> mean).")
+
+    def __post_init__(self) -> None:
+        if self.p99_s <= self.mean_s:
+            raise ValueError(f"p99_s: must be > mean_s ({self.mean_s}), got {self.p99_s}")
+
+    def lognormal_params(self) -> tuple[float, float]:
+        """(mu, sigma) of the lognormal with this mean and p99."""
+        # mean = exp(mu + s^2/2), p99 = exp(mu + 2.326 s) -> s^2/2 - 2.326 s + ln(p99/mean) = 0
+        z = 2.3263478740408408
+        c = math.log(self.p99_s / self.mean_s)
+        disc = z * z - 2 * c
+        sigma = z - math.sqrt(disc) if disc > 0 else z
+        return math.log(self.mean_s) - sigma * sigma / 2, sigma
+
+
+@section
+class TaskType:
+    name: str = option(help="Task family (e.g. `webshop`).")
+    share: float = option(gt=0, help="Share of groups of this type (normalised over the types).")
+    prompt_tokens: int = option(ge=1, help="Tokens of the first prompt (system prompt + instruction).")
+    turns_mean: Drift = option(help="Mean turns per task over training.")
+    turns_min: int = option(1, ge=1, help="Fewest turns of a task.")
+    turns_max: int = option(ge=1, help="Turn limit of a task.")
+    tokens_mean: Drift = option(
+        help="Mean tokens of a whole trajectory (prompt + generated + observations) over training."
+    )
+    gen_tokens_per_turn: float = option(gt=0, help="Mean tokens the model generates in one turn.")
+    gen_tokens_sigma: float = option(0.5, ge=0, help="Lognormal sigma of the generated tokens per turn.")
+    obs_tokens_sigma: float = option(0.5, ge=0, help="Lognormal sigma of the observation tokens per turn.")
+    env_latency: LatencyDist = option(help="Latency of one environment step (`/observation`).")
+    env_start: LatencyDist = option(help="Latency of starting an environment session (`/start`).")
+
+    def __post_init__(self) -> None:
+        if self.turns_max < self.turns_min:
+            raise ValueError(f"turns_max: must be >= turns_min ({self.turns_min}), got {self.turns_max}")
+        for label, value in (("start", self.turns_mean.start), ("end", self.turns_mean.end)):
+            if not self.turns_min <= value <= self.turns_max:
+                raise ValueError(f"turns_mean: {label} must lie in [turns_min, turns_max], got {value}")
+
+
+@section
+class WorkloadSpec:
+    name: str = option(help="Workload name.")
+    group_size: int = option(ge=1, help="GRPO group size G: tasks per prompt.")
+    groups_per_step: int = option(ge=1, help="Groups one training step consumes: B_ideal.")
+    eval_every_steps: int = option(0, ge=0, help="Evaluate every N versions, version 0 included (0: never).")
+    eval_groups: int = option(0, ge=0, help="Evaluation prompts per evaluation round.")
+    eval_group_size: int = option(1, ge=1, help="Tasks per evaluation prompt.")
+    max_context_tokens: int = option(ge=64, help="Context limit of one task; a task reaching it ends.")
+    drift_steps: int = option(100, ge=1, help="Steps over which the drifting statistics move from start to end.")
+    task_types: tuple[TaskType, ...] = option(help="Task families of the mix.")
+
+    def __post_init__(self) -> None:
+        if not self.task_types:
+            raise ValueError("task_types: at least one task type is required")
+
+
+@section
+class GpuSpec:
+    name: str = option(help="Accelerator model.")
+    memory_gb: float = option(gt=0, help="Device memory, GB (1e9 bytes).")
+    hbm_tb_s: float = option(gt=0, help="Memory bandwidth, TB/s.")
+    bf16_tflops: float = option(gt=0, help="Dense BF16 peak, TFLOP/s.")
+    pcie_gb_s: float = option(gt=0, help="Host link bandwidth per direction, GB/s.")
+    nvlink_gb_s: float = option(gt=0, help="GPU-GPU bandwidth inside a node per direction, GB/s.")
+    internode_gb_s: float = option(gt=0, help="Network bandwidth per GPU between nodes, GB/s.")
+    gpus_per_node: int = option(ge=1, help="GPUs per node.")
+
+
+@section
+class ModelSpec:
+    name: str = option(help="Policy model.")
+    params_b: float = option(gt=0, help="Parameters, billions.")
+    layers: int = option(ge=1, help="Transformer layers.")
+    hidden: int = option(ge=1, help="Hidden size.")
+    kv_heads: int = option(ge=1, help="Key/value heads (GQA).")
+    head_dim: int = option(ge=1, help="Head dimension.")
+    bytes_per_param: float = option(2.0, gt=0, help="Bytes per weight (BF16: 2).")
+    train_state_bytes_per_param: float = option(
+        16.0, gt=0, help="Actor training state per parameter (BF16 weights, FP32 grads and Adam state)."
+    )
+
+
+@section
+class EfficiencySpec:
+    decode_mbu: float = option(gt=0, le=1, help="Share of memory bandwidth a decode iteration achieves.")
+    rollout_mfu: float = option(gt=0, le=1, help="Share of peak FLOP/s for rollout prefill/decode compute.")
+    train_mfu: float = option(gt=0, le=1, help="Share of peak FLOP/s for training forward/backward.")
+    link_efficiency: float = option(gt=0, le=1, help="Share of nominal PCIe/NVLink/network bandwidth achieved.")
+    decode_step_overhead_s: float = option(ge=0, help="Fixed CPU/launch cost of one engine iteration, s.")
+
+
+@section
+class RolloutSpec:
+    gpu_memory_utilization: float = option(gt=0, le=1, help="vLLM share of device memory.")
+    activation_reserve_gb: float = option(ge=0, help="Memory vLLM keeps for activations/graphs, GB.")
+    max_num_seqs: int = option(ge=1, help="vLLM: most sequences in one batch.")
+    prefill_chunk_tokens: int = option(ge=1, help="vLLM: tokens per iteration (chunked prefill budget).")
+    weight_reload_s: float = option(ge=0, help="Engine-side cost of loading new weights, beyond the transfer, s.")
+    kv_capacity_tokens: int | None = option(None, ge=1, help="Override the derived KV capacity per rank.")
+
+
+@section
+class TrainingSpec:
+    micro_batch_tokens: int = option(ge=1, help="Tokens of one actor rank's share of a micro-batch.")
+    max_staleness: int = option(ge=0, help="Staleness bound in versions (async systems).")
+    min_batch_fraction: float = option(gt=0, le=1, help="B_min = ceil(fraction x B_ideal).")
+    switch_overhead_s: float = option(ge=0, help="Fixed cost of one ref/actor switch beyond the transfer, s.")
+    communicator_init_s: float = option(
+        ge=0, help="Rebuilding the actor group's communicators when a rank joins or leaves it, s."
+    )
+    swap_s: float | None = option(None, ge=0, help="Override the derived ref/actor swap time.")
+    weight_sync_s: float | None = option(None, ge=0, help="Override the derived weight-sync time.")
+    optimizer_s: float | None = option(None, ge=0, help="Override the derived optimizer-step time.")
+    default_rollout_fraction: float = option(gt=0, le=1, help="Rollout share of fixed partitions (and TideRL's start).")
+    rollout_fraction_sweep: tuple[float, ...] = option(help="Rollout shares swept for fixed-partition systems.")
+
+
+@section
+class ErsSpec:
+    hol_tau: float = option(1.0, gt=0, help="HoL threshold in mean step times.")
+    max_moves_per_step: int = option(1, ge=0, help="Most role moves per boundary (preemptive rollout exempt).")
+    min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks.")
+    min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks.")
+    max_ref_ranks: int | None = option(None, ge=0, help="Most ref ranks. null: no limit.")
+    elastic_actors: bool = option(True, help="Actor ranks may move to/from rollout (group rebuild per move).")
+    history_steps: int = option(5, ge=1, help="Steps in the mean step time.")
+
+
+@section
+class ClusterSpec:
+    name: str = option(help="Cluster name.")
+    num_gpus: int = option(ge=2, help="GPUs (ranks) of the job.")
+    env_concurrency: int = option(ge=1, help="Environment sessions the env cluster runs at once.")
+    gpu: GpuSpec = option(help="Accelerator.")
+    model: ModelSpec = option(help="Policy model (rollout, actor and ref share the architecture).")
+    efficiency: EfficiencySpec = option(help="Achieved shares of the hardware peaks.")
+    rollout: RolloutSpec = option(help="Rollout engine.")
+    training: TrainingSpec = option(help="Trainer.")
+    ers: ErsSpec = option(default_factory=ErsSpec, help="ERS planner limits.")
+
+
+def _load(cls: type, path: str | Path) -> object:
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(source, "", "file not found") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(source, "", f"not valid YAML: {e}") from e
+    return build(cls, data, source)
+
+
+def load_workload(path: str | Path) -> WorkloadSpec:
+    return _load(WorkloadSpec, path)  # type: ignore[return-value]
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    return _load(ClusterSpec, path)  # type: ignore[return-value]

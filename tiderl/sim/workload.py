@@ -1,0 +1,129 @@
+"""Sampling the tasks of a workload: per group a task type, per task a number
+of turns, tokens generated and observed per turn, and environment latencies.
+
+Turns follow a geometric distribution shifted to `turns_min` and capped at
+`turns_max` (a few tasks wander until the turn limit: the long tail), whose
+parameter is solved so the capped mean equals the workload's mean. The
+observation tokens per turn are set so the mean trajectory length matches the
+workload's `tokens_mean`. A task whose context would pass the context limit
+ends there. Every group draws from its own random stream seeded by (seed,
+group index), so two systems simulated with one seed see the same tasks
+(up to the drift step at which a group starts).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from dataclasses import dataclass
+
+from tiderl.sim.spec import TaskType, WorkloadSpec
+
+
+@dataclass(slots=True)
+class TaskPlan:
+    task_type: str
+    prompt_tokens: int
+    gen_tokens: list[int]
+    """Tokens generated in each turn."""
+    obs_tokens: list[int]
+    """Observation tokens appended after each turn but the last."""
+    env_latency_s: list[float]
+    """Environment latency after each turn (the last one returns the reward)."""
+    start_latency_s: float
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.gen_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + sum(self.gen_tokens) + sum(self.obs_tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def geometric_p(mean: float, lo: int, hi: int) -> float:
+    """p of a geometric on {lo, lo+1, ...} capped at hi whose capped mean is `mean`."""
+    if mean <= lo or hi <= lo:
+        return 1.0
+
+    def capped_mean(p: float) -> float:
+        q = 1 - p
+        return lo + sum(q**k for k in range(1, hi - lo + 1))
+
+    a, b = 1e-6, 1.0
+    if capped_mean(a) < mean:
+        return a  # the cap cannot reach that mean: as spread out as possible
+    for _ in range(60):
+        mid = (a + b) / 2
+        if capped_mean(mid) > mean:
+            a = mid
+        else:
+            b = mid
+    return (a + b) / 2
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    if sigma <= 0:
+        return mean
+    return math.exp(math.log(mean) - sigma * sigma / 2 + sigma * rng.gauss(0.0, 1.0))
+
+
+class TaskSampler:
+    def __init__(self, workload: WorkloadSpec, seed: int) -> None:
+        self.workload = workload
+        self.seed = seed
+        total = sum(t.share for t in workload.task_types)
+        self._cum: list[tuple[float, TaskType]] = []
+        acc = 0.0
+        for t in workload.task_types:
+            acc += t.share / total
+            self._cum.append((acc, t))
+
+    def group(self, group_index: int, step: int, size: int, is_eval: bool) -> list[TaskPlan]:
+        rng = random.Random(f"{self.seed}:{'eval' if is_eval else 'train'}:{group_index}")
+        u = rng.random()
+        task_type = next((t for acc, t in self._cum if u <= acc), self._cum[-1][1])
+        return [self._task(rng, task_type, step) for _ in range(size)]
+
+    def _task(self, rng: random.Random, tt: TaskType, step: int) -> TaskPlan:
+        w = self.workload
+        turns_mean = tt.turns_mean.at(step, w.drift_steps)
+        tokens_mean = tt.tokens_mean.at(step, w.drift_steps)
+        p = geometric_p(turns_mean, tt.turns_min, tt.turns_max)
+        turns = tt.turns_min
+        while turns < tt.turns_max and rng.random() > p:
+            turns += 1
+        obs_mean = (tokens_mean - tt.prompt_tokens - turns_mean * tt.gen_tokens_per_turn) / max(turns_mean - 1, 1)
+        obs_mean = max(obs_mean, 1.0)
+        lat_mu, lat_sigma = tt.env_latency.lognormal_params()
+        start_mu, start_sigma = tt.env_start.lognormal_params()
+        ctx = tt.prompt_tokens
+        gen: list[int] = []
+        obs: list[int] = []
+        lat: list[float] = []
+        for i in range(turns):
+            g = max(1, round(_lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
+            o = max(1, round(_lognormal(rng, obs_mean, tt.obs_tokens_sigma)))
+            latency = math.exp(lat_mu + lat_sigma * rng.gauss(0.0, 1.0))
+            if ctx + g >= w.max_context_tokens:
+                g = max(1, w.max_context_tokens - ctx)
+                gen.append(g)
+                lat.append(latency)
+                break
+            ctx += g
+            gen.append(g)
+            lat.append(latency)
+            if i == turns - 1 or ctx + o >= w.max_context_tokens:
+                break
+            ctx += o
+            obs.append(o)
+        return TaskPlan(
+            task_type=tt.name,
+            prompt_tokens=tt.prompt_tokens,
+            gen_tokens=gen,
+            obs_tokens=obs,
+            env_latency_s=lat,
+            start_latency_s=rng.lognormvariate(start_mu, start_sigma),
+        )
