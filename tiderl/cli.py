@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
     "init-model": ("tiderl.rollout.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
+    "run": ("tiderl.run.cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
 }
 
 EXIT_CONFIG_ERROR = 2

@@ -1,0 +1,85 @@
+"""The control plane against a real run store, with the ranks' side played through the store API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiderl.config import load_job
+from tiderl.run.control import ControlPlane
+from tiderl.run.plan_io import planned_version, read_plan
+from tiderl.rundir import create_run
+from tiderl.store import RunStore
+from tiderl.store.types import FinishedTrajectory, RankReport, Role, RunState, StepRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _store(tmp_path: Path, *sets: str) -> tuple[RunStore, object]:
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", ["trainer.groups_ideal=2", "trainer.groups_min=1",
+                                                          "trainer.num_steps=2", "rollout.eval_every_steps=2",
+                                                          "rollout.eval_groups=1", *sets])
+    _, store = create_run(config, tmp_path / "run")
+    store.register_initial_version("model", "0")
+    return store, config
+
+
+def _train_one_step(store: RunStore, version: int) -> None:
+    """Rank 1 plays every pending training task; actor 0 trains them all into version + 1."""
+    store.register_rank(1, Role.ROLLOUT)
+    store.register_rank(0, Role.ACTOR)
+    claims = [c for c in store.claim_tasks(1, 1000) if c.kind.value == "train"]
+    store.report(RankReport(rank=1, finished=[FinishedTrajectory(
+        task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
+        token_versions=[-1, version, version], num_turns=1, reward=float(c.index_in_group % 2), success=True)
+        for c in claims]))
+    got = store.claim_ready_groups(0, 100)
+    store.publish_version(StepRecord(version=version + 1, path="w", checksum="c", trajectory_ids=[t.id for t in got],
+                                     step_started_at=0.0, duration_s=1.0), owner=0)
+
+
+def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path) -> None:
+    store, config = _store(tmp_path, "system=async", "rollout.max_staleness=1")
+    plane = ControlPlane(config, store)
+    assert plane.tick()
+    plan = read_plan(store, 0)
+    assert plan is not None and plan.roles[0] is Role.ACTOR and plan.fetch_groups == 2
+    groups = store.view("buffer_state")[0]
+    # (staleness + 1) x groups_ideal training groups of group_size tasks, plus one greedy evaluation task at v0.
+    assert config.rollout.eval_temperature == 0
+    assert groups["tasks_pending"] == (1 + 1) * 2 * config.rollout.group_size + 1
+    _train_one_step(store, 0)
+    assert plane.tick()
+    assert planned_version(store) == 1
+    _train_one_step(store, 1)
+    plane.tick()
+    info = store.run_info()
+    # Version 2 is the last; its evaluation group is still open, so the run is not finished yet.
+    assert info["version"] == 2 and info["state"] != RunState.FINISHED.value
+
+
+def test_restarted_control_plane_carries_on_without_duplicates(tmp_path: Path) -> None:
+    store, config = _store(tmp_path, "system=tiderl")
+    ControlPlane(config, store).tick()
+    before = store.buffer_state()["tasks_pending"]
+    again = ControlPlane(config, RunStore(store.url))
+    again.tick()
+    assert store.buffer_state()["tasks_pending"] == before
+    assert planned_version(store) == 0
+    # ERS cold start: every spare rank rolls out, colocated.
+    plan = read_plan(store, 0)
+    assert plan is not None and plan.ra2p_mode == "colocated"
+    assert plan.ranks_with(Role.REF) == [] and plan.ranks_with(Role.ACTOR) == [0]
+
+
+def test_sync_feeds_one_batch_at_a_time(tmp_path: Path) -> None:
+    store, config = _store(tmp_path, "system=sync", "rollout.eval_every_steps=0")
+    plane = ControlPlane(config, store)
+    plane.tick()
+    plane.tick()
+    assert store.buffer_state()["tasks_pending"] == 2 * config.rollout.group_size
+    _train_one_step(store, 0)
+    plane.tick()
+    assert store.buffer_state()["tasks_pending"] == 2 * config.rollout.group_size
+    _train_one_step(store, 1)
+    assert not plane.tick()  # two steps done, no evaluation: finished
+    assert store.run_info()["state"] == RunState.FINISHED.value

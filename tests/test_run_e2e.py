@@ -1,0 +1,47 @@
+"""End-to-end: `tiderl run` of a short hilo job under each `system:` value (real vLLM, torch, HTTP, SQLite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from run_checks import check_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["trainer.num_steps=3", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
+         "rollout.eval_every_steps=0", "rollout.max_concurrency=8", "launch.num_ranks=3",
+         "launch.rollout_fraction=0.34", "trainer.checkpoint_every=2"]
+
+
+def tiderl(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tiderl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_bad_config_exits_2_and_creates_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = tiderl("run", "jobs/quickstart.yaml", "--set", "trainer.num_steps=0", "--run-dir", str(run_dir))
+    assert out.returncode == 2
+    assert "trainer.num_steps" in out.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("system", ["sync", "async", "stream", "tiderl"])
+def test_short_run_per_system(tmp_path: Path, system: str) -> None:
+    run_dir = tmp_path / "run"
+    sets = [a for s in SHORT + [f"system={system}"] for a in ("--set", s)]
+    out = tiderl("run", "jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
+    assert status["state"] == "finished" and status["version"] == 3
+    assert {"rwt_s", "twt_s", "goodput_tok_s", "ranks", "steps"} <= set(status)
+    assert status["goodput_tok_s"] > 0
+    bound = 0 if system == "sync" else 1
+    facts = check_run(run_dir, max_staleness=bound)
+    assert facts["versions"] == 3

@@ -1,0 +1,99 @@
+"""Kill and resume: SIGKILL a rank and the launcher at random points, resume, check nothing was lost or doubled."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from run_checks import check_run
+from tiderl.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ["trainer.num_steps=4", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
+       "rollout.eval_every_steps=0", "rollout.max_concurrency=8", "launch.num_ranks=2",
+       "trainer.checkpoint_every=1", "launch.heartbeat_timeout_s=20", "system=async"]
+
+
+def _launch(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tiderl", "run", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _version(run_dir: Path) -> int:
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        return int(store.run_info()["version"])
+    finally:
+        store.close()
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        return [r["pid"] for r in store.ranks() if r["pid"]]
+    finally:
+        store.close()
+
+
+def _wait_version(run_dir: Path, version: int, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (run_dir / "run.db").exists() and _version(run_dir) >= version:
+            return
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.5)
+    raise AssertionError(f"version {version} not reached in {timeout_s} s")
+
+
+def _kill_groups(pids: list[int]) -> None:
+    """What the kernel's parent-death signal does not reach (a rank's engine processes)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_kill_rank_and_launcher_then_resume(tmp_path: Path) -> None:
+    rng = random.Random(int(os.environ.get("TIDERL_TEST_SEED", time.time())))
+    run_dir = tmp_path / "run"
+    sets = [a for s in JOB for a in ("--set", s)]
+    first = _launch("jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
+    _wait_version(run_dir, 1, first, 900)
+    time.sleep(rng.uniform(0.0, 2.0))
+    victim = rng.choice(_rank_pids(run_dir))
+    os.kill(victim, signal.SIGKILL)  # a crashed rank: the launcher stops the run as failed
+    first.wait(120)
+    _kill_groups(_rank_pids(run_dir))
+    assert json.loads(_status(run_dir))["state"] == "failed"
+
+    second = _launch("--resume", str(run_dir))
+    _wait_version(run_dir, _version(run_dir) + 1, second, 900)
+    time.sleep(rng.uniform(0.0, 3.0))
+    os.kill(second.pid, signal.SIGKILL)  # the launcher dies: its children die with it
+    second.wait(30)
+    time.sleep(2)
+    _kill_groups(_rank_pids(run_dir))
+
+    third = _launch("--resume", str(run_dir))
+    out, _ = third.communicate(timeout=900)
+    assert third.returncode == 0, out[-4000:]
+    doc = json.loads(_status(run_dir))
+    assert doc["state"] == "finished" and doc["version"] == 4
+    facts = check_run(run_dir, max_staleness=1)
+    assert facts["versions"] == 4
+
+
+def _status(run_dir: Path) -> str:
+    return subprocess.run([sys.executable, "-m", "tiderl", "status", str(run_dir), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,56 @@
+"""The `system:` behaviour table (tiderl/run/systems.py): one test per invariant."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from tiderl.config.job import System
+from tiderl.run.systems import SYSTEMS, UnknownSystemError, behaviour, feed_allowance, initial_roles
+from tiderl.store.types import Role
+
+
+def test_every_config_system_has_a_behaviour_and_unknown_names_fail() -> None:
+    assert set(typing.get_args(System)) == set(SYSTEMS)
+    for name in SYSTEMS:
+        assert behaviour(name, max_staleness=2, ra2p_mode="auto").name == name
+    with pytest.raises(UnknownSystemError, match="verl"):
+        behaviour("verl", max_staleness=1, ra2p_mode="auto")
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
+def test_initial_roles_have_one_actor_and_a_rollout_rank(num_ranks: int, fraction: float) -> None:
+    roles = initial_roles(num_ranks, fraction, Role.REF)
+    assert sorted(roles) == list(range(num_ranks))
+    assert [r for r, x in roles.items() if x is Role.ACTOR] == [0]
+    assert any(x is Role.ROLLOUT for x in roles.values())
+    with pytest.raises(ValueError, match="num_ranks"):
+        initial_roles(1, fraction, Role.REF)
+
+
+def test_sync_never_tolerates_staleness() -> None:
+    assert behaviour("sync", max_staleness=3, ra2p_mode="auto").max_staleness == 0
+    for name in ("async", "stream", "tiderl"):
+        assert behaviour(name, max_staleness=3, ra2p_mode="auto").max_staleness == 3
+
+
+def test_modes_and_ers_per_system() -> None:
+    assert behaviour("tiderl", max_staleness=1, ra2p_mode="auto").uses_ers
+    assert not any(behaviour(n, max_staleness=1, ra2p_mode="auto").uses_ers for n in ("sync", "async", "stream"))
+    assert behaviour("stream", max_staleness=1, ra2p_mode="colocated").ra2p_mode == "vanilla_stream"
+    assert behaviour("async", max_staleness=1, ra2p_mode="auto").ra2p_mode == "colocated"
+    fixed = behaviour("async", max_staleness=1, ra2p_mode="decoupled")
+    assert fixed.ra2p_mode == "decoupled" and fixed.spare_role is Role.REF
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_feed_bound_keeps_at_most_staleness_plus_one_batches(staleness: int) -> None:
+    batch = 4
+    outstanding = 0
+    for _ in range(10):
+        outstanding += feed_allowance(outstanding, batch, staleness)
+        assert outstanding == (staleness + 1) * batch
+        outstanding -= 3  # a step consumed some groups
+    assert feed_allowance(100, batch, staleness) == 0

@@ -1,0 +1,83 @@
+"""What every role loop of a rank needs: the config, the run dir, the store and the boundary test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiderl.config import JobConfig, load_job
+from tiderl.paths import RunPaths, atomic_write_text
+from tiderl.run.plan_io import TERMINAL, VersionPlan, read_plan, run_position
+from tiderl.run.systems import SystemBehaviour, behaviour
+from tiderl.store import RunStore
+
+ENV_URLS_FILE = "env_urls.json"
+MODEL_FILE = "model_dir.txt"
+
+
+class RunStopped(Exception):
+    """The run reached a terminal state (finished, failed, cancelled): the rank winds down."""
+
+
+def write_run_files(paths: RunPaths, model_dir: Path, env_urls: list[str]) -> None:
+    """What the launcher hands every rank besides the config: the model and the env servers."""
+    atomic_write_text(paths.root / MODEL_FILE, str(model_dir))
+    atomic_write_text(paths.root / ENV_URLS_FILE, json.dumps(env_urls))
+
+
+@dataclass
+class RankContext:
+    rank: int
+    config: JobConfig
+    paths: RunPaths
+    store: RunStore
+    system: SystemBehaviour
+    model_dir: Path
+    env_urls: list[str]
+    poll_s: float = 0.2
+    cache: dict[str, Any] = field(default_factory=dict)  # long-lived mechanisms (engine, actor) across roles
+
+    @classmethod
+    def open(cls, run_dir: Path, rank: int) -> "RankContext":
+        paths = RunPaths(Path(run_dir))
+        config = load_job(paths.config)
+        store = RunStore.for_run_dir(paths.root, config.store)
+        system = behaviour(config.system, max_staleness=config.rollout.max_staleness,
+                           ra2p_mode=config.trainer.ra2p_mode)
+        return cls(rank=rank, config=config, paths=paths, store=store, system=system,
+                   model_dir=Path((paths.root / MODEL_FILE).read_text().strip()),
+                   env_urls=json.loads((paths.root / ENV_URLS_FILE).read_text()))
+
+    def weights_dir(self, version: int) -> Path:
+        return self.model_dir if version == 0 else self.paths.weights_version(version)
+
+    def position(self) -> int:
+        """The last published version; raises RunStopped once the run is over."""
+        state, version = run_position(self.store)
+        if state in TERMINAL:
+            raise RunStopped(state)
+        return version
+
+    async def wait_plan(self, version: int, timeout_s: float = 600.0) -> VersionPlan:
+        """The plan of `version`, once the control plane wrote it (heartbeating while waiting)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            plan = read_plan(self.store, version)
+            if plan is not None:
+                return plan
+            self.position()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: no plan for version {version} after {timeout_s:.0f} s")
+            self.store.heartbeat(self.rank)
+            await asyncio.sleep(self.poll_s)
+
+    def boundary(self, version: int) -> VersionPlan | None:
+        """The plan of the next version once it is published and planned, else None."""
+        current = self.position()
+        if current <= version:
+            return None
+        return read_plan(self.store, current)

@@ -1,0 +1,204 @@
+"""The control plane: one CPU process per run that feeds tasks, plans every version and watches ranks.
+
+    python -m tiderl.run.control RUN_DIR
+
+Each tick: observe (store: published version, buffer, heartbeats) -> decide
+(feed allowance, the plan of a newly published version: ERS for `tiderl`,
+the fixed split otherwise) -> act (add groups, write the plan, return a dead
+rank's claims) -> record (metrics, events). It keeps nothing that is not in
+the store: killed and restarted, it carries on where the store says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from sqlalchemy import Connection, func, select
+
+from tiderl.config import JobConfig, load_job
+from tiderl.paths import RunPaths
+from tiderl.policy import ers
+from tiderl.policy.ra2p import StageTimes
+from tiderl.run.plan_io import (CONTROL_RANK, TERMINAL, VersionPlan, planned_version, read_plan,
+                                run_position, write_plan)
+from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
+from tiderl.store import RunStore
+from tiderl.store.schema import metrics, task_groups, trajectories
+from tiderl.store.types import (GroupState, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind,
+                                TrajectoryState)
+
+log = logging.getLogger("tiderl.control")
+TICK_S = 0.2
+EVAL_SEED_BASE = 1_000_000_000  # evaluation prompts: a fixed set, disjoint from the training seeds
+OUTSTANDING = (GroupState.OPEN.value, GroupState.READY.value, GroupState.CLAIMED.value)
+
+
+def train_seed(job_seed: int, index: int) -> int:
+    return job_seed * 10_000_000 + index
+
+
+class ControlPlane:
+    def __init__(self, config: JobConfig, store: RunStore) -> None:
+        self.config = config
+        self.store = store
+        self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
+                                                 ra2p_mode=config.trainer.ra2p_mode)
+        self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal)
+
+    # ---- one tick --------------------------------------------------------------------------
+    def tick(self) -> bool:
+        """One pass; returns False once the run is over."""
+        state, version = run_position(self.store)
+        if state in TERMINAL:
+            return False
+        dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s)
+        if dead.dead_ranks:
+            log.warning("ranks %s missed heartbeats: %d tasks and %d trajectories back in the pool",
+                        dead.dead_ranks, dead.tasks_returned, dead.trajectories_returned)
+        planned = planned_version(self.store)
+        if planned is None or planned < version:
+            self.plan(version)
+        if version < self.config.trainer.num_steps:
+            self.feed(version)
+        self.feed_eval(version)
+        if version >= self.config.trainer.num_steps and self._evals_open() == 0:
+            self.store.set_run_state(RunState.FINISHED, f"{version} steps done")
+            log.info("run finished at version %d", version)
+            return False
+        return True
+
+    # ---- feeding ---------------------------------------------------------------------------
+    def feed(self, version: int) -> None:
+        def counts(c: Connection) -> tuple[int, int]:
+            train = task_groups.c.kind == TaskKind.TRAIN.value
+            total = c.execute(select(func.count()).where(train)).scalar_one()
+            open_ = c.execute(select(func.count()).where(train, task_groups.c.state.in_(OUTSTANDING))).scalar_one()
+            return total, open_
+
+        total, outstanding = self.store.tx.read(counts)
+        batch = self.config.trainer.groups_ideal
+        # No more groups than the remaining steps can train (generation past the end is waste).
+        remaining = (self.config.trainer.num_steps - version) * batch - outstanding
+        n = min(feed_allowance(outstanding, batch, self.system.max_staleness), max(0, remaining))
+        if n:
+            g = self.config.rollout.group_size
+            self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, total + i), g)
+                                   for i in range(n)])
+
+    def feed_eval(self, version: int) -> None:
+        every = self.config.rollout.eval_every_steps
+        if not every or version % every or version > self.config.trainer.num_steps:
+            return
+        exists = self.store.tx.read(lambda c: c.execute(select(func.count()).where(
+            task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.eval_version == version)).scalar_one())
+        if not exists and self.config.rollout.eval_groups:
+            # Greedy evaluation plays every copy of a prompt the same way: one task per prompt then.
+            size = 1 if self.config.rollout.eval_temperature == 0 else self.config.rollout.group_size
+            self.store.add_groups([NewGroup(TaskKind.EVAL, EVAL_SEED_BASE + i, size,
+                                            eval_version=version) for i in range(self.config.rollout.eval_groups)])
+
+    def _evals_open(self) -> int:
+        return self.store.tx.read(lambda c: c.execute(select(func.count()).where(
+            task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.state == GroupState.OPEN.value)).scalar_one())
+
+    # ---- planning --------------------------------------------------------------------------
+    def plan(self, version: int) -> VersionPlan:
+        cfg = self.config
+        if version == 0:
+            current = initial_roles(cfg.launch.num_ranks, cfg.launch.rollout_fraction, self.system.spare_role)
+        else:
+            current = self.store.roles_at(version - 1)
+        fetch = cfg.trainer.groups_ideal if self.system.fetch_policy != "min" else cfg.trainer.groups_min
+        mode = self.system.ra2p_mode
+        reason = "fixed"
+        if self.system.uses_ers:
+            ranks = sorted(current)
+            decision = ers.plan([ers.Role(current[r].value) for r in ranks], self.signals(version), self.limits)
+            current = {r: Role(role.value) for r, role in zip(ranks, decision.roles)}
+            fetch = decision.fetch_groups
+            mode = decision.mode.value if cfg.trainer.ra2p_mode == "auto" else cfg.trainer.ra2p_mode
+            reason = decision.reason.value
+            if decision.moves:
+                log.info("version %d: ERS %s moves %s", version, reason,
+                         ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves))
+        plan = VersionPlan(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
+        write_plan(self.store, plan, reason)
+        self._record_step(version)
+        return plan
+
+    def signals(self, version: int) -> ers.ErsSignals:
+        cfg = self.config
+        steps = self.store.steps()
+        history = tuple(float(s["duration_s"]) for s in steps[-cfg.ers.history_steps:] if s["duration_s"])
+        buf = self.store.buffer_state()
+        now = time.time()
+
+        def oldest_ready(c: Connection) -> float | None:
+            return c.execute(select(func.min(trajectories.c.ready_at)).where(
+                trajectories.c.state == TrajectoryState.READY.value)).scalar()
+
+        oldest = self.store.tx.read(oldest_ready)
+        last = steps[-1] if steps and steps[-1]["version"] == version else None
+        previous = read_plan(self.store, version - 1) if version > 0 else None
+        before = read_plan(self.store, version - 2) if version > 1 else None
+        change = 0
+        if previous is not None and before is not None:
+            change = len(previous.ranks_with(Role.ROLLOUT)) - len(before.ranks_with(Role.ROLLOUT))
+        mb_tokens = cfg.trainer.micro_batch_tokens
+        per_step = math.ceil((last["consumed_tokens"] or 0) / mb_tokens) if last else 0
+        every = cfg.rollout.eval_every_steps
+        return ers.ErsSignals(
+            ras_microbatches=int(buf["ready_tokens"]) // mb_tokens, ready_groups=int(buf["groups_ready"]),
+            hol_latency_s=max(0.0, now - oldest) if oldest else 0.0,
+            tprm_s=last["tprm_s"] if last else None, step_history_s=history,
+            is_eval_next=bool(every) and version % every == 0 and version > 0,
+            fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
+            stage_times=self._stage_times(), microbatches_per_step=max(per_step, 1 if last else 0))
+
+    def _stage_times(self) -> StageTimes | None:
+        names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")
+
+        def read(c: Connection) -> dict[str, float]:
+            out = {}
+            for n in names:
+                v = c.execute(select(metrics.c.value).where(metrics.c.name == n)
+                              .order_by(metrics.c.id.desc()).limit(1)).scalar()
+                if v is not None:
+                    out[n] = float(v)
+            return out
+
+        values = self.store.tx.read(read)
+        return StageTimes(**values) if len(values) == len(names) else None
+
+    def _record_step(self, version: int) -> None:
+        steps = [s for s in self.store.steps() if s["version"] == version]
+        if not steps or not steps[0]["goodput_tok_s"]:
+            return
+        self.store.report(RankReport(rank=CONTROL_RANK, metrics=[
+            MetricPoint("step_goodput_tok_s", steps[0]["goodput_tok_s"], version, "control")]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tiderl.run.control")
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s control %(levelname)s %(name)s: %(message)s")
+    paths = RunPaths(args.run_dir)
+    config = load_job(paths.config)
+    store = RunStore.for_run_dir(paths.root, config.store)
+    plane = ControlPlane(config, store)
+    try:
+        while plane.tick():
+            time.sleep(TICK_S)
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

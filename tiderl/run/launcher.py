@@ -1,0 +1,223 @@
+"""`tiderl run`: the whole run as local processes (env servers, control plane, ranks) under one launcher.
+
+The launcher validates the config (a bad config creates nothing), creates or
+reopens the run dir, finds or builds the model, starts the env servers
+(unless `env.servers` points at external ones), the control plane and
+`launch.num_ranks` rank processes, shows a progress line until the control
+plane declares the run finished, and stops every child on Ctrl-C, on a
+child's failure or at the end. The run state records how it ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tiderl.config import JobConfig, load_job
+from tiderl.paths import RunPaths
+from tiderl.run import procs
+from tiderl.run.context import write_run_files
+from tiderl.rundir import create_run, open_run
+from tiderl.store import RunStore
+from tiderl.store.types import RunState
+
+PROGRESS_S = 2.0
+LOG_EVERY_S = 10.0
+FINISH_GRACE_S = 15.0
+
+
+class LaunchError(RuntimeError):
+    """A process of the run failed to start or died; the message names it."""
+
+
+@dataclass
+class Launch:
+    config: JobConfig
+    paths: RunPaths
+    store: RunStore
+    resumed: bool
+
+
+def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None) -> Launch:
+    """Validate and create (or reopen) the run. Raises ConfigError before touching the disk."""
+    if resume is not None:
+        paths, _ = open_run(resume)
+        config = load_job(paths.config, overrides)
+        store = RunStore.for_run_dir(paths.root, config.store)
+        return Launch(config, paths, store, resumed=True)
+    if job is None:
+        raise LaunchError("give a job file, or --resume RUN_DIR")
+    config = load_job(job, overrides)
+    paths, store = create_run(config, run_dir)
+    return Launch(config, paths, store, resumed=False)
+
+
+def model_dir(config: JobConfig) -> Path:
+    if config.model.path is not None:
+        return Path(config.model.path)
+    from tiderl.rollout.tiny_model import TinyModelSpec, default_model_dir, init_model
+
+    return init_model(default_model_dir(config.model.init_env), TinyModelSpec(env=config.model.init_env))
+
+
+def _checksum(directory: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(directory.glob("*.safetensors")):
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def start_env_servers(launch: Launch) -> tuple[list[procs.Child], list[str]]:
+    from tiderl.envs.launch import server_argv, wait_for_url
+
+    cfg = launch.config.env
+    if cfg.servers:
+        return [], list(cfg.servers)
+    children, urls = [], []
+    for i in range(cfg.num_servers):
+        port_file = launch.paths.root / f"env{i}.port"
+        port_file.unlink(missing_ok=True)
+        child = procs.spawn(f"env{i}", server_argv(cfg, port_file), launch.paths.env_log(i))
+        children.append(child)
+        try:
+            urls.append(wait_for_url(port_file, child.proc))
+        except Exception:
+            procs.stop(children)
+            raise
+    return children, urls
+
+
+def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
+    """Run to the end; returns the exit code (0 finished, 1 failed, 130 cancelled)."""
+    cfg, paths, store = launch.config, launch.paths, launch.store
+    children: list[procs.Child] = []
+    state, message = RunState.FAILED, ""
+    try:
+        model = model_dir(cfg)
+        if not launch.resumed:
+            store.register_initial_version(str(model), _checksum(model))
+        else:
+            # Every process of the previous launch is gone: their claims go back to the pool now.
+            store.reclaim_expired(0.0)
+            shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)
+        env_children, urls = start_env_servers(launch)
+        children += env_children
+        write_run_files(paths, model, urls)
+        store.set_run_state(RunState.RUNNING, "resumed" if launch.resumed else None)
+        py = [sys.executable, "-m"]
+        children.append(procs.spawn("control", py + ["tiderl.run.control", str(paths.root)], paths.control_log()))
+        ranks = [procs.spawn(f"rank{r}", py + ["tiderl.run.rank", str(paths.root), str(r)], paths.rank_log(r),
+                             env=rank_env(r)) for r in range(cfg.launch.num_ranks)]
+        children += ranks
+        print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
+              file=out, flush=True)
+        r = cfg.rollout
+        eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
+        state, message = _watch(store, children, out, eval_tasks)
+    except KeyboardInterrupt:
+        state, message = RunState.CANCELLED, "interrupted"
+    except Exception as e:
+        state, message = RunState.FAILED, f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        current = store.run_info()["state"]
+        if current != RunState.FINISHED.value or state is not RunState.FINISHED:
+            store.set_run_state(state, message)
+        else:
+            _let_ranks_leave(children, FINISH_GRACE_S)
+        procs.stop(children)
+        print(file=out)
+        print(summary(store), file=out, flush=True)
+        store.close()
+    return {RunState.FINISHED: 0, RunState.CANCELLED: 130}.get(state, 1)
+
+
+def _let_ranks_leave(children: list[procs.Child], grace_s: float) -> None:
+    """A finished run's ranks notice it within a tick and leave on their own; wait for that a moment."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(c.exit_code is None for c in children if c.name.startswith("rank")):
+        time.sleep(0.2)
+
+
+def rank_env(rank: int) -> dict[str, str]:
+    """One CPU slot per rank: one thread, and vLLM's CPU worker pinned to the rank's core (vLLM's
+    automatic binding would pin every engine of the machine to the same core)."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(rank % (os.cpu_count() or 1))
+    return env
+
+
+def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int) -> tuple[RunState, str]:
+    from tiderl.status import collect
+
+    control = next(c for c in children if c.name == "control")
+    is_tty = out.isatty()
+    last_line, last_print = "", 0.0
+    while True:
+        time.sleep(PROGRESS_S)
+        doc = collect(store)
+        line = progress_line(doc, eval_tasks)
+        if is_tty:
+            print("\r" + line, end="", file=out, flush=True)
+        elif line != last_line and time.monotonic() - last_print >= LOG_EVERY_S:
+            # Not a terminal (a log file, CI): a new line when something changed, at most every few seconds.
+            print(line.rstrip(), file=out, flush=True)
+            last_line, last_print = line, time.monotonic()
+        if doc["state"] == RunState.FINISHED.value:
+            return RunState.FINISHED, doc["message"] or ""
+        for child in children:
+            code = child.exit_code
+            if code is not None and (child is not control or code != 0):
+                return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
+        if control.exit_code == 0:
+            return RunState(doc["state"]), doc["message"] or ""
+
+
+def progress_line(doc: dict[str, Any], eval_tasks: int = 0) -> str:
+    """One line of progress; an evaluation shows once its `eval_tasks` tasks are all done."""
+    steps = doc["steps"]
+    last = steps[-1] if steps else {}
+    evals = [e for e in doc["eval"] if e["success_rate"] is not None and e["num_tasks"] >= eval_tasks]
+    roles: dict[str, int] = {}
+    for r in doc["ranks"]:
+        roles[r["role"]] = roles.get(r["role"], 0) + 1
+    b = doc["buffer"]
+    return (f"v{doc['version']}  reward {_f(last.get('reward_mean'))}  success {_f(last.get('success_rate'))}"
+            + (f"  eval {_f(evals[-1]['success_rate'])}@v{evals[-1]['eval_version']}" if evals else "")
+            + f"  goodput {doc['goodput_tok_s']:.0f} tok/s  roles "
+            + " ".join(f"{k}:{v}" for k, v in sorted(roles.items()))
+            + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}   ")
+
+
+def summary(store: RunStore) -> str:
+    from tiderl.status import collect, render
+
+    doc = collect(store)
+    lines = [render(doc)]
+    evals = [e for e in doc["eval"] if e["success_rate"] is not None]
+    if len(evals) >= 2:
+        lines.append(f"eval success rate: {evals[0]['success_rate']:.2f} at version {evals[0]['eval_version']} -> "
+                     f"{evals[-1]['success_rate']:.2f} at version {evals[-1]['eval_version']}")
+    return "\n".join(lines)
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def status_json(run_dir: Path) -> dict[str, Any]:
+    from tiderl.status import collect
+
+    _, store = open_run(run_dir)
+    try:
+        return json.loads(json.dumps(collect(store), default=str))
+    finally:
+        store.close()

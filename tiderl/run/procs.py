@@ -1,0 +1,64 @@
+"""Child processes of a local run: each in its own process group, logs in RUN_DIR/logs, stopped cleanly.
+
+A child gets SIGKILL from the kernel if the launcher dies (PR_SET_PDEATHSIG),
+so a killed launcher leaves no rank behind; `stop` signals the whole process
+group of each child (a rank's vLLM engine-core process included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+
+def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent,
+                                env={**os.environ, **(env or {})})
+    return Child(name, proc, log_path)
+
+
+def stop(children: list[Child], grace_s: float = 10.0) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is still there after `grace_s`."""
+    for child in children:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)
+        child.proc.wait()
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except ProcessLookupError:
+        pass  # already gone, with its whole group

@@ -1,0 +1,107 @@
+"""A rank process: long-lived; at every sync boundary it reads its role and runs that role's loop.
+
+    python -m tiderl.run.rank RUN_DIR RANK
+
+observe (the published version and its plan) -> act (the role's loop until the
+next boundary) -> record (heartbeats and reports go through the run store).
+A rank never restarts to change role: its engine, actor or ref model stays
+loaded in the process (`RankContext.cache`) while it serves another role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tiderl.run.context import RankContext, RunStopped
+from tiderl.run.plan_io import VersionPlan
+from tiderl.store.types import EventRecord, RankReport, RankState, Role
+
+log = logging.getLogger("tiderl.rank")
+
+
+async def _wait_next(ctx: RankContext, version: int) -> VersionPlan:
+    """Idle (heartbeating) until a version after `version` is published and planned."""
+    while True:
+        plan = ctx.boundary(version)
+        if plan is not None:
+            return plan
+        ctx.store.heartbeat(ctx.rank)
+        await asyncio.sleep(ctx.poll_s)
+
+
+async def serve(ctx: RankContext) -> None:
+    from tiderl.run.rollout_role import run_rollout
+    from tiderl.run.trainer_role import run_actor_step, run_ref_step
+
+    version = ctx.position()
+    plan = await ctx.wait_plan(version)
+    ctx.store.register_rank(ctx.rank, plan.roles[ctx.rank])
+    previous: Role | None = None
+    while True:
+        role = plan.roles[ctx.rank]
+        if role is not previous:
+            log.info("rank %d: role %s from version %d", ctx.rank, role.value, plan.version)
+            ctx.store.report(RankReport(rank=ctx.rank, role=role, version=plan.version, events=[EventRecord(
+                "role", f"rank {ctx.rank} is {role.value} from version {plan.version}",
+                {"version": plan.version, "role": role.value, "previous": previous.value if previous else None})]))
+            previous = role
+        if role is Role.ROLLOUT:
+            nxt = await run_rollout(ctx, plan)
+            if nxt is None:
+                return
+            plan = nxt
+            continue
+        if role is Role.ACTOR and plan.version < ctx.config.trainer.num_steps:
+            await run_actor_step(ctx, plan)
+        elif role is Role.REF and plan.ra2p_mode == "decoupled":
+            await run_ref_step(ctx, plan)
+        plan = await _wait_next(ctx, plan.version)
+        ctx.store.report(RankReport(rank=ctx.rank, role=plan.roles[ctx.rank], version=plan.version))
+
+
+def _heartbeats(ctx: RankContext, stopped: threading.Event) -> None:
+    while not stopped.wait(ctx.config.launch.heartbeat_s):
+        ctx.store.heartbeat(ctx.rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tiderl.run.rank")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("rank", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
+    ctx = RankContext.open(args.run_dir, args.rank)
+    # The launcher stops ranks with SIGTERM: leave through the cleanup below (engine closed, state recorded).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Heartbeats from their own thread: an engine start or a training step blocks the role loop for
+    # longer than the heartbeat timeout on a loaded machine, and that must not read as a dead rank.
+    stopped = threading.Event()
+    beat = threading.Thread(target=_heartbeats, args=(ctx, stopped), name="heartbeat", daemon=True)
+    beat.start()
+    try:
+        asyncio.run(serve(ctx))
+    except RunStopped as e:
+        log.info("rank %d: run %s, stopping", ctx.rank, e)
+    except SystemExit:
+        log.info("rank %d: stopped by signal", ctx.rank)
+    finally:
+        stopped.set()
+        # The state first: closing an engine can outlast the launcher's grace period.
+        ctx.store.set_rank_state(ctx.rank, RankState.STOPPED)
+        engine = ctx.cache.get("engine")
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            ctx.store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

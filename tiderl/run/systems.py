@@ -1,0 +1,83 @@
+"""What each `system:` value changes, as data: the four behaviours run on the same code.
+
+Pure: no torch, no database, no processes. The control plane, the ranks and
+the launcher read a :class:`SystemBehaviour` and never branch on the system
+name themselves.
+
+| system | staleness bound | trainer fetch            | RA2P mode          | ERS |
+| ------ | --------------- | ------------------------ | ------------------ | --- |
+| sync   | 0 (barrier)     | the whole batch          | colocated          | no  |
+| async  | rollout.max_staleness | groups_ideal       | colocated          | no  |
+| stream | rollout.max_staleness | as soon as groups_min | vanilla_stream     | no  |
+| tiderl | rollout.max_staleness | ERS fetch size     | auto (cost model)  | yes |
+
+A fixed `trainer.ra2p_mode` (anything but `auto`) wins over the table for
+sync, async and tiderl; stream is defined by its naive alternation.
+
+Invariants (tests/test_run_systems.py)
+1. Every system value of the job config has a behaviour; an unknown name is a clear error.
+2. The initial role map has exactly one actor (rank 0), at least one rollout rank,
+   and as many entries as ranks.
+3. sync never tolerates staleness; the others use the configured bound.
+4. The feed bound keeps at most (staleness + 1) batches of training groups outstanding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiderl.store.types import Role
+
+SYSTEMS = ("sync", "async", "stream", "tiderl")
+
+
+class UnknownSystemError(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown system {name!r} (known systems: {', '.join(SYSTEMS)})")
+
+
+@dataclass(frozen=True, slots=True)
+class SystemBehaviour:
+    name: str
+    max_staleness: int
+    uses_ers: bool
+    fetch_policy: str  # "ideal" | "min" | "ers"
+    ra2p_mode: str  # "auto" or a fixed mode name
+    spare_role: Role  # role of the ranks that are neither actor nor initial rollout
+
+
+def behaviour(system: str, *, max_staleness: int, ra2p_mode: str) -> SystemBehaviour:
+    """The behaviour of `system` given `rollout.max_staleness` and `trainer.ra2p_mode`."""
+    fixed = ra2p_mode if ra2p_mode != "auto" else "colocated"
+    # A fixed decoupled mode needs dedicated ref ranks; otherwise spare ranks stay idle.
+    spare = Role.REF if fixed == "decoupled" else Role.IDLE
+    if system == "sync":
+        return SystemBehaviour("sync", 0, False, "ideal", fixed, spare)
+    if system == "async":
+        return SystemBehaviour("async", max_staleness, False, "ideal", fixed, spare)
+    if system == "stream":
+        return SystemBehaviour("stream", max_staleness, False, "min", "vanilla_stream", Role.IDLE)
+    if system == "tiderl":
+        return SystemBehaviour("tiderl", max_staleness, True, "ers", ra2p_mode, Role.REF)
+    raise UnknownSystemError(system)
+
+
+def initial_roles(num_ranks: int, rollout_fraction: float, spare: Role) -> dict[int, Role]:
+    """Rank 0 is the actor; the next ranks roll out; the rest take the spare role."""
+    if num_ranks < 2:
+        raise ValueError(f"launch.num_ranks: a run needs an actor and a rollout rank, got {num_ranks} ranks")
+    num_rollout = min(num_ranks - 1, max(1, round(rollout_fraction * num_ranks)))
+    roles = {0: Role.ACTOR}
+    for rank in range(1, num_ranks):
+        roles[rank] = Role.ROLLOUT if rank <= num_rollout else spare
+    return roles
+
+
+def feed_allowance(outstanding_groups: int, batch_groups: int, max_staleness: int) -> int:
+    """How many more training groups the feeder may create now.
+
+    Groups created but not yet trained are at most (staleness + 1) batches: a
+    group generated now is then trained within `max_staleness` versions in
+    the steady state (the trainer's stale filter enforces the bound exactly).
+    """
+    return max(0, (max_staleness + 1) * batch_groups - outstanding_groups)

@@ -1,0 +1,241 @@
+"""The actor and ref roles: claim complete groups from the store, train one step, publish version k+1.
+
+Exactly-once: groups are claimed (ready -> claimed) for this rank; the step's
+weights are written to `weights/v{k+1}` and `publish_version` consumes the
+claimed trajectories and commits the version row in one transaction. Weights
+or checkpoints newer than the store's version (a step that crashed before its
+commit) are deleted when the actor starts, so a resumed run trains from the
+committed version and the trajectories of the lost step are trained once.
+
+Staleness: a group whose oldest generated token is more than
+`max_staleness` versions behind the weights being trained is dropped, never
+trained (its tokens do not count toward goodput).
+
+RA2P decoupled mode: the actor and the ref ranks of the plan form a gloo
+group for this version (a fresh rendezvous file per version), the actor
+broadcasts the step input, the refs serve ref_logprobs, the group is torn
+down at the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, update
+
+from tiderl.paths import atomic_write_text
+from tiderl.run.context import RankContext
+from tiderl.run.plan_io import VersionPlan
+from tiderl.store.schema import task_groups, trajectories
+from tiderl.store.types import (EventRecord, GroupState, MetricPoint, RankReport, ReadyTrajectory, Role,
+                                StepRecord, TrajectoryState)
+
+log = logging.getLogger(__name__)
+
+
+def _discard_uncommitted(ctx: RankContext, version: int) -> None:
+    """Weights and checkpoints of steps after `version` were never committed: delete them."""
+    for v in ctx.paths.weight_versions():
+        if v > version:
+            shutil.rmtree(ctx.paths.weights_version(v), ignore_errors=True)
+    if ctx.paths.ckpt.is_dir():
+        for d in ctx.paths.ckpt.iterdir():
+            if d.name.startswith("step") and d.name[4:].isdigit() and int(d.name[4:]) > version:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _actor(ctx: RankContext, version: int) -> Any:
+    if "actor" not in ctx.cache:
+        import torch
+
+        from tiderl.trainer.modes import TrainerComm
+        from tiderl.trainer.rank import ActorRank
+
+        torch.set_num_threads(1)
+        torch.manual_seed(ctx.config.seed)
+        _discard_uncommitted(ctx, version)
+        actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
+                          weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True)
+        if actor.version != version:
+            raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
+                               f"the run store is at version {version}")
+        ctx.cache["actor"] = actor
+    return ctx.cache["actor"]
+
+
+def _drop_groups(ctx: RankContext, owner: int, group_ids: list[int]) -> None:
+    """Mark claimed groups as never to be trained (too stale)."""
+    def write(c: Connection) -> None:
+        c.execute(update(trajectories).where(trajectories.c.group_id.in_(group_ids),
+                                             trajectories.c.claim_owner == owner)
+                  .values(state=TrajectoryState.DROPPED.value, claim_owner=None, claim_token=None))
+        c.execute(update(task_groups).where(task_groups.c.id.in_(group_ids))
+                  .values(state=GroupState.FAILED.value))
+
+    ctx.store.tx.write(write)
+
+
+async def _gather(ctx: RankContext, plan: VersionPlan, need: int) -> tuple[list[ReadyTrajectory], int, float | None,
+                                                                          float, int]:
+    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, wait seconds, groups dropped as stale)."""
+    cfg = ctx.config.trainer
+    start = time.monotonic()
+    claimed: list[ReadyTrajectory] = []
+    groups: set[int] = set()
+    dropped = 0
+    ras: int | None = None
+    arrivals: list[float] = []  # seconds after the step start when another micro-batch became ready
+    seen_tokens = 0
+    bound = plan.version - ctx.system.max_staleness
+    while len(groups) < need:
+        ctx.position()
+        buf = ctx.store.buffer_state()
+        tokens = int(buf["ready_tokens"]) + sum(t.num_tokens for t in claimed)
+        if ras is None:
+            ras = tokens // cfg.micro_batch_tokens
+            seen_tokens = ras * cfg.micro_batch_tokens
+        while tokens - seen_tokens >= cfg.micro_batch_tokens:
+            seen_tokens += cfg.micro_batch_tokens
+            arrivals.append(time.monotonic() - start)
+        if buf["groups_ready"] > 0:
+            got = ctx.store.claim_ready_groups(ctx.rank, need - len(groups))
+            stale = sorted({t.group_id for t in got if t.min_version < bound})
+            if stale:
+                _drop_groups(ctx, ctx.rank, stale)
+                dropped += len(stale)
+            fresh = [t for t in got if t.group_id not in stale]
+            claimed += fresh
+            groups.update(t.group_id for t in fresh)
+            continue
+        ctx.store.heartbeat(ctx.rank)
+        await asyncio.sleep(ctx.poll_s)
+    wait_s = time.monotonic() - start
+    if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
+        arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
+    tprm = None
+    if len(arrivals) >= 2:
+        tprm = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    elif arrivals:
+        tprm = arrivals[0]
+    return claimed, ras or 0, tprm, wait_s, dropped
+
+
+def _fetch(ctx: RankContext, plan: VersionPlan) -> int:
+    t = ctx.config.trainer
+    if ctx.system.fetch_policy == "min":
+        return t.groups_min
+    if ctx.system.fetch_policy == "ers":
+        return max(t.groups_min, min(t.groups_ideal, plan.fetch_groups))
+    return t.groups_ideal
+
+
+async def run_actor_step(ctx: RankContext, plan: VersionPlan) -> None:
+    """Train version `plan.version` into version + 1 and commit it."""
+    from tiderl.trainer.batch import TrainSample
+    from tiderl.trainer.plan import Ra2pMode
+    from tiderl.trainer.rank import StepInput
+
+    actor = _actor(ctx, plan.version)
+    started = time.time()
+    claimed, ras, tprm, wait_s, dropped = await _gather(ctx, plan, _fetch(ctx, plan))
+    samples = tuple(TrainSample(trajectory_id=t.id, group_id=t.group_id, token_ids=tuple(t.token_ids),
+                                loss_mask=tuple(t.loss_mask), rollout_logprobs=tuple(t.logprobs),
+                                token_versions=tuple(t.token_versions), advantage=t.advantage, reward=t.reward)
+                    for t in claimed)
+    mode = Ra2pMode.parse(plan.ra2p_mode)
+    refs = plan.ranks_with(Role.REF)
+    inp = StepInput(version=plan.version, samples=samples, mode=mode)
+    if mode is Ra2pMode.DECOUPLED:
+        # The ref ranks join the group only once the step's data is here (waiting for data can
+        # outlast any rendezvous timeout, e.g. while the rollout engines start).
+        atomic_write_text(_step_marker(ctx, plan.version), json.dumps({"refs": refs}))
+        result = _decoupled(ctx, plan, refs, lambda comm: _train(actor, comm, inp))
+    else:
+        result = actor.train_step(inp)
+    stats = result.stats
+    record = StepRecord(version=plan.version + 1, path=str(result.published.path), checksum=result.published.checksum,
+                        trajectory_ids=[t.id for t in claimed], step_started_at=started,
+                        duration_s=time.time() - started, ras=ras, tprm_s=tprm, ra2p_mode=mode.value,
+                        loss=stats.loss)
+    ctx.store.publish_version(record, owner=ctx.rank)
+    v = plan.version
+    metrics = [MetricPoint("twt_s", wait_s, v, "actor"), MetricPoint("kl", stats.kl, v, "actor"),
+               MetricPoint("staleness_max", stats.staleness_max, v, "actor"),
+               MetricPoint("train_s", stats.duration_s, v, "actor")]
+    metrics += [MetricPoint(n, getattr(stats, n), v, "actor") for n in ("t_ref_s", "t_act_f_s", "t_act_b_s",
+                                                                          "t_swap_s") if getattr(stats, n) > 0]
+    events = [EventRecord("stale_dropped", f"{dropped} groups dropped as too stale for version {v}")] if dropped else []
+    ctx.store.report(RankReport(rank=ctx.rank, metrics=metrics, events=events, role=Role.ACTOR, version=v + 1))
+    log.info("rank %d: version %d published (%d trajectories, %s, RAS %d, waited %.1f s)", ctx.rank, v + 1,
+             len(claimed), mode.value, ras, wait_s)
+
+
+def _train(actor: Any, comm: Any, inp: Any) -> Any:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([inp], src=0)
+    previous, actor.comm = actor.comm, comm
+    try:
+        return actor.train_step(inp)
+    finally:
+        actor.comm = previous
+
+
+def _decoupled(ctx: RankContext, plan: VersionPlan, refs: list[int], body: Any) -> Any:
+    """Run `body(comm)` inside this version's trainer group (actor = group rank 0, refs after it)."""
+    from tiderl.trainer.group import init_trainer_group, leave_trainer_group
+
+    if not refs:
+        raise RuntimeError(f"version {plan.version}: decoupled RA2P mode planned without a ref rank")
+    index = 0 if plan.roles.get(ctx.rank) is Role.ACTOR else 1 + refs.index(ctx.rank)
+    comm = init_trainer_group(index, 1, len(refs), ctx.paths.root / "rendezvous" / f"v{plan.version}",
+                              timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
+    try:
+        return body(comm)
+    finally:
+        leave_trainer_group()
+
+
+def _ref(ctx: RankContext) -> Any:
+    if "ref" not in ctx.cache:
+        import torch
+
+        from tiderl.trainer.modes import TrainerComm
+        from tiderl.trainer.rank import RefRank
+
+        torch.set_num_threads(1)
+        ctx.cache["ref"] = RefRank(ctx.config.trainer, TrainerComm(rank=1, actor_ranks=(0,), ref_ranks=(1,)),
+                                   base_model=ctx.model_dir)
+    return ctx.cache["ref"]
+
+
+def _step_marker(ctx: RankContext, version: int) -> Path:
+    return ctx.paths.root / "rendezvous" / f"v{version}.data-ready"
+
+
+async def run_ref_step(ctx: RankContext, plan: VersionPlan) -> None:
+    """Serve the actor's reference forwards of step `plan.version` (decoupled mode only)."""
+    import torch.distributed as dist
+
+    ref = _ref(ctx)
+    while not _step_marker(ctx, plan.version).exists():
+        ctx.position()  # leaves if the run stopped
+        await asyncio.sleep(ctx.poll_s)
+
+    def serve(comm: Any) -> None:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        previous, ref.comm = ref.comm, comm
+        try:
+            ref.serve_step(box[0])
+        finally:
+            ref.comm = previous
+
+    _decoupled(ctx, plan, plan.ranks_with(Role.REF), serve)

@@ -1,0 +1,101 @@
+"""The same job under `sync`, `async`, `stream` and `tiderl`, one after the other, same seed and ranks.
+
+    python tools/bench_systems.py [--job jobs/quickstart.yaml] [--set KEY=VALUE ...] [--out DIR]
+
+Prints one JSON line: {"sync": {...}, "async": {...}, "stream": {...}, "tiderl": {...}}, each with the
+run's goodput_tok_s (trained generated tokens per second of the run), rwt_s and twt_s (summed over
+ranks), success_rate (trained trajectories of the last half of the steps), the last evaluation success
+rate, the mean step time, and the wall time of the run including start-up.
+
+`steady_goodput_tok_s` leaves the start-up out: tokens trained from the second version on, per second
+between the first and the last published version (engine start-up dominates short runs on a CPU).
+With --reuse, a system whose run dir already holds a finished run is summarised, not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SYSTEMS = ("sync", "async", "stream", "tiderl")
+
+
+def steady_goodput(run_dir: Path) -> float | None:
+    """Trained tokens of versions 2..N per second between the publication of version 1 and of N."""
+    from tiderl.store import RunStore
+    from tiderl.store.schema import versions
+    from sqlalchemy import select
+
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        rows = store.tx.read(lambda c: c.execute(select(versions.c.version, versions.c.created_at,
+                                                        versions.c.consumed_tokens)
+                                                 .where(versions.c.version >= 1).order_by(versions.c.version)).all())
+    finally:
+        store.close()
+    if len(rows) < 2 or rows[-1].created_at <= rows[0].created_at:
+        return None
+    return sum(r.consumed_tokens for r in rows[1:]) / (rows[-1].created_at - rows[0].created_at)
+
+
+def run_one(job: Path, system: str, overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
+    sets = [a for s in [*overrides, f"system={system}"] for a in ("--set", s)]
+    t0 = time.monotonic()
+    code, log = 0, ""
+    if not (reuse and (run_dir / "run.db").exists()):
+        proc = subprocess.run([sys.executable, "-m", "tiderl", "run", str(job), *sets, "--run-dir", str(run_dir)],
+                              cwd=ROOT, capture_output=True, text=True)
+        code, log = proc.returncode, proc.stdout + proc.stderr
+    wall_s = time.monotonic() - t0
+    status = subprocess.run([sys.executable, "-m", "tiderl", "status", str(run_dir), "--json"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if code != 0 or status.returncode != 0 or json.loads(status.stdout)["state"] != "finished":
+        return {"error": f"exit {code}", "log_tail": (log + status.stderr)[-1500:]}
+    doc = json.loads(status.stdout)
+    steps = doc["steps"]
+    late = steps[len(steps) // 2:]
+    n = sum(1 for _ in late)
+    evals = [e for e in doc["eval"] if e["success_rate"] is not None]
+    durations = [s["duration_s"] for s in steps if s["duration_s"]]
+    return {
+        "goodput_tok_s": round(doc["goodput_tok_s"], 2),
+        "steady_goodput_tok_s": round(g, 2) if (g := steady_goodput(run_dir)) is not None else None,
+        "rwt_s": round(doc["rwt_s"], 1),
+        "twt_s": round(doc["twt_s"], 1),
+        "success_rate": round(sum(s["success_rate"] or 0 for s in late) / n, 3) if n else None,
+        "eval_success_rate": evals[-1]["success_rate"] if evals else None,
+        "consumed_tokens": doc["consumed_tokens"],
+        "steps": len(steps),
+        "mean_step_s": round(sum(durations) / len(durations), 2) if durations else None,
+        "run_s": round(doc["elapsed_s"], 1),
+        "wall_s": round(wall_s, 1) if code == 0 and log else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", type=Path, default=ROOT / "jobs" / "quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", type=Path, default=None, help="Where the four run dirs go (default: a temp dir).")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="Comma-separated subset, in order.")
+    parser.add_argument("--reuse", action="store_true", help="Summarise runs already in --out instead of rerunning.")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="tiderl-bench-"))
+    results = {}
+    for system in args.systems.split(","):
+        results[system] = run_one(args.job, system, args.overrides, out / system, args.reuse)
+        print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
+    print(json.dumps(results))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
