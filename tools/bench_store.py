@@ -1,7 +1,7 @@
 """Run-store throughput with N processes, on local disk and on JuiceFS, and the commit rate a
 run of the paper's size needs with TideRL's per-tick batching.
 
-    .venv/bin/python tools/bench_store.py [--writers 4] [--claimers 2] [--groups 200] [--no-juicefs]
+    .venv/bin/python tools/bench_store.py [--writers 4] [--claimers 2] [--groups-local 2000] [--groups-juicefs 200] [--no-juicefs]
 
 Prints one JSON object: per filesystem, claims/s (tasks claimed by rollout ranks plus
 trajectories claimed by trainers), commits/s (write transactions), lock retries; then the
@@ -23,10 +23,10 @@ from jfs_mount import JuiceFSUnavailable, juicefs_mount  # noqa: E402
 from store_load import LoadSpec, run_load  # noqa: E402
 
 
-def measure(run_dir: Path, args: argparse.Namespace) -> dict:
+def measure(run_dir: Path, args: argparse.Namespace, num_groups: int) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = LoadSpec(run_dir=str(run_dir), num_writers=args.writers, num_claimers=args.claimers,
-                    num_readers=args.readers, num_groups=args.groups, group_size=args.group_size,
+                    num_readers=args.readers, num_groups=num_groups, group_size=args.group_size,
                     heartbeat_timeout_s=60.0, deadline_s=600)
     with tempfile.TemporaryDirectory() as out:
         res = run_load(spec, Path(out))
@@ -71,7 +71,8 @@ def main() -> None:
     p.add_argument("--writers", type=int, default=4)
     p.add_argument("--claimers", type=int, default=2)
     p.add_argument("--readers", type=int, default=1)
-    p.add_argument("--groups", type=int, default=200)
+    p.add_argument("--groups-local", type=int, default=2000, help="Groups to play through on local disk.")
+    p.add_argument("--groups-juicefs", type=int, default=200, help="Groups on JuiceFS (about 10x slower).")
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--tick-s", type=float, default=1.0, help="Rank report period assumed for the budget.")
     p.add_argument("--no-juicefs", action="store_true")
@@ -79,12 +80,12 @@ def main() -> None:
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         print("[bench_store] local disk ...", file=sys.stderr)
-        out["local"] = measure(Path(tmp) / "local", args)
+        out["local"] = measure(Path(tmp) / "local", args, args.groups_local)
         if not args.no_juicefs:
             print("[bench_store] JuiceFS ...", file=sys.stderr)
             try:
                 with juicefs_mount(Path(tmp) / "jfs") as mnt:
-                    out["juicefs"] = measure(mnt / "run", args)
+                    out["juicefs"] = measure(mnt / "run", args, args.groups_juicefs)
             except JuiceFSUnavailable as e:
                 out["juicefs"] = {"error": str(e)}
     budget = commit_budget(args.tick_s)

@@ -212,7 +212,7 @@ class RunStore:
             _heartbeat(c, rank, now)
             ids = [r for (r,) in c.execute(
                 select(tasks.c.id).where(tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_(kind_values))
-                .order_by(tasks.c.group_id, tasks.c.index_in_group).limit(limit))]
+                .order_by(tasks.c.id).limit(limit))]  # ids follow (group, index): whole groups first
             if not ids:
                 return []
             c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(

@@ -74,6 +74,7 @@ task_groups = Table(
     Column("state", String, nullable=False),  # GroupState
     Column("created_at", Float, nullable=False),
     Column("completed_at", Float),
+    Index("ix_groups_state", "state", "completed_at"),
 )
 
 tasks = Table(
@@ -94,6 +95,7 @@ tasks = Table(
     Column("last_error", Text),
     Index("ix_tasks_state", "state", "id"),
     Index("ix_tasks_owner", "owner_rank", "state"),
+    Index("ix_tasks_claim", "claim_token"),
 )
 
 trajectories = Table(
@@ -124,6 +126,8 @@ trajectories = Table(
     Column("claimed_at", Float),
     Column("consumed_version", Integer),
     Index("ix_traj_state", "state", "group_id"),
+    Index("ix_traj_group", "group_id"),
+    Index("ix_traj_claim", "claim_token"),
 )
 
 microbatches = Table(
