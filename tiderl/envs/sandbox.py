@@ -56,7 +56,7 @@ for name in preload:
     try:
         importlib.import_module(name)
     except ImportError:
-        pass
+        pass  # a preload is an optimisation: a module missing here fails later, inside the sandbox
 if uid >= 0:
     os.setgroups([])
     os.setgid(uid)
@@ -282,7 +282,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
-                    pass
+                    pass  # the group is already gone
                 exit_code = proc.wait()
                 if uid >= 0:
                     _kill_uid(uid)

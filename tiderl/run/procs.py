@@ -52,7 +52,7 @@ def stop(children: list[Child], grace_s: float = 10.0) -> None:
         try:
             child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
+            pass  # past the grace period: SIGKILL below
         _signal_group(child, signal.SIGKILL)
         child.proc.wait()
 
