@@ -76,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, break_even_ras, choose_mode
+from tiderl.roles import Role
 
 __all__ = [
     "ErsLimits",
@@ -86,13 +87,6 @@ __all__ = [
     "RoleMove",
     "plan",
 ]
-
-
-class Role(enum.Enum):
-    ROLLOUT = "rollout"
-    ACTOR = "actor"
-    REF = "ref"
-    IDLE = "idle"
 
 
 class ErsReason(enum.Enum):

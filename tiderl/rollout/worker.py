@@ -30,6 +30,7 @@ from tiderl.rollout.schedulers import Scheduler
 from tiderl.rollout.trajectory import GroupSpec, TaskSpec, Trajectory
 
 Sink = Callable[[Trajectory], Awaitable[None] | None]
+OnFailure = Callable[[TaskSpec, BaseException], None]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -60,16 +61,20 @@ class RolloutWorker:
         budget_tokens: int | None = None,
         max_resident_tasks: int | None = None,
         staleness_allowance: Callable[[], int | None] | None = None,
+        on_failure: OnFailure | None = None,
     ) -> None:
         """``budget_tokens``: CTB's KV budget (default: the engine's capacity).
         ``max_resident_tasks``: this rank's environment concurrency cap.
         ``staleness_allowance``: training tasks that may still start within the staleness
-        bound (asked before every decision; None: unbounded)."""
+        bound (asked before every decision; None: unbounded).
+        ``on_failure``: told of a task that failed, the others carry on (a long-lived rank);
+        None: the first failure stops the worker (`run` raises it)."""
         self.engine, self.env, self.fmt, self.scheduler, self.limits = engine, env, fmt, scheduler, limits
         self.sink = sink
         self.budget_tokens = budget_tokens if budget_tokens is not None else engine.kv_capacity_tokens
         self.admission = AdmissionLimits(max_resident_tasks=max_resident_tasks)
         self.staleness_allowance = staleness_allowance
+        self.on_failure = on_failure
         self.report = WorkerReport()
         self._pending: OrderedDict[str, list[TaskSpec]] = OrderedDict()
         self._group_size: dict[str, int] = {}
@@ -120,18 +125,31 @@ class RolloutWorker:
             self.report.wall_s += time.monotonic() - started
         return self.report
 
-    async def abandon(self) -> list[TaskSpec]:
-        """Stop every task (env sessions end) and return the unfinished ones, to be played
-        again elsewhere (a rank leaving rollout at a sync boundary)."""
-        left = [spec for specs in self._pending.values() for spec in specs]
-        left += [run.spec for run in self._runs.values()]
-        for task in self._tasks.values():
+    async def abandon(self, task_ids: Iterable[str] | None = None) -> list[TaskSpec]:
+        """Stop these tasks (default: every task; env sessions end) and return the unfinished
+        ones, to be played again elsewhere (a rank leaving rollout at a sync boundary, or
+        tasks that could no longer be trained within the staleness bound)."""
+        wanted = None if task_ids is None else set(task_ids)
+        left = []
+        for group_id, specs in list(self._pending.items()):
+            for spec in [s for s in specs if wanted is None or s.task_id in wanted]:
+                specs.remove(spec)
+                left.append(spec)
+            if not specs:
+                del self._pending[group_id]
+        stopping = {t: task for t, task in self._tasks.items() if wanted is None or t in wanted}
+        left += [self._runs[t].spec for t in stopping if t in self._runs]
+        for task_id, task in stopping.items():
+            if task_id in self._runs:
+                # A probe stopped before its first turn was measured must not hold its group back.
+                self._probing.discard(self._runs[task_id].spec.group_id)
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._pending.clear()
-        self._runs.clear()
-        self._tasks.clear()
-        self._paused.clear()
+        await asyncio.gather(*stopping.values(), return_exceptions=True)
+        for task_id in stopping:
+            self._runs.pop(task_id, None)
+            self._tasks.pop(task_id, None)
+            self._paused.pop(task_id, None)
+        self._changed.set()
         return left
 
     def _rank_view(self) -> RankView:
@@ -239,7 +257,12 @@ class RolloutWorker:
                     await result
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # surfaces in run(); a lost task must not pass silently
+        except Exception as e:
+            if self.on_failure is not None:
+                self.on_failure(spec, e)
+            else:  # surfaces in run(); a lost task must not pass silently
+                self._failure = e
+        except BaseException as e:
             self._failure = e
         finally:
             self._runs.pop(spec.task_id, None)

@@ -1,11 +1,15 @@
-"""The rollout role: engine + agent loops, reporting once per tick, weight reload at each boundary.
+"""The rollout role: one `RolloutWorker` per rank (the `rollout.scheduler`: `ctb` or `vanilla`),
+reporting once per tick, weight reload at each boundary.
 
 Per tick: test the boundary (a new version published and planned: reload the
-weights in place, which drops the prefix cache; leave if the plan gives this
-rank another role), release in-flight training tasks that could no longer be
-trained within the staleness bound (they restart elsewhere or here with a
-fresh prefill), claim tasks up to the concurrency cap, and send one report
-(finished trajectories, failures, releases, RWT) in one transaction.
+weights in place, which drops the prefix cache, and let the scheduler decide again;
+leave if the plan gives this rank another role, releasing every task the worker
+holds), release in-flight training tasks that could no longer be trained within
+the staleness bound (the worker abandons them; they restart elsewhere or here
+with a fresh prefill), claim tasks from the store so the worker holds up to
+`rollout.max_concurrency` unfinished ones (it admits them by its scheduler: CTB
+by KV token budget, probes and priorities), and send one report (finished
+trajectories, failures, releases, RWT) in one transaction.
 RWT counts the seconds the rank had free slots but nothing to claim (the
 feeder holds tasks back for staleness, or the buffer is full).
 """
@@ -15,10 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from collections import defaultdict
 from typing import Any
 
-from tiderl.run.agent import AgentSettings, Episode, play_task
+from tiderl.config import JobConfig
+from tiderl.rollout.agent_loop import TaskRun
+from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.engine import Engine
+from tiderl.rollout.local_env import EnvLink
+from tiderl.rollout.trajectory import GroupSpec, TaskSpec, Trajectory
+from tiderl.rollout.worker import RolloutWorker
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.run.plan_io import VersionPlan
 from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, RankReport, Role, TaskClaim,
@@ -28,11 +38,103 @@ log = logging.getLogger(__name__)
 TICK_S = 0.25
 
 
-@dataclass
-class Running:
-    claim: TaskClaim
-    episode: Episode
-    task: asyncio.Task[FinishedTrajectory]
+class RankWorker(RolloutWorker):
+    """The worker of a rollout rank; remembers the weights version of each task's first
+    generation (the oldest version its trajectory will carry) for the staleness bound."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_version: dict[str, int] = {}
+
+    async def before_generate(self, run: TaskRun, env: EnvLink) -> None:
+        await super().before_generate(run, env)
+        # Nothing awaits between here and the engine call: a reload meanwhile only makes
+        # the generation newer, so this is a lower bound of the task's versions.
+        self.first_version.setdefault(run.spec.task_id, self.engine.weights_version)
+
+
+class RolloutRole:
+    """Store claims in, the worker in between, one `RankReport` per tick out."""
+
+    def __init__(self, cfg: JobConfig, rank: int, engine: Engine, pool: EnvLink, fmt: ChatFormat) -> None:
+        from tiderl.rollout.from_config import loop_limits, priority_weights
+        from tiderl.rollout.schedulers import make_scheduler
+
+        self.cfg, self.rank = cfg, rank
+        self.claims: dict[str, TaskClaim] = {}
+        self.finished: list[FinishedTrajectory] = []
+        self.failed: list[TaskFailure] = []
+        self.worker = RankWorker(
+            engine, pool, fmt, make_scheduler(cfg.rollout.scheduler, priority_weights(cfg)), loop_limits(cfg),
+            sink=self._sink, budget_tokens=cfg.rollout.kv_budget_tokens,
+            max_resident_tasks=cfg.rollout.max_concurrency, on_failure=self._failed)
+        self.runner: asyncio.Task[Any] | None = None
+        self._batches = 0
+
+    def _sink(self, traj: Trajectory) -> None:
+        claim = self.claims.pop(traj.task.task_id)
+        self.worker.first_version.pop(traj.task.task_id, None)
+        found = traj.env_info.get("found")
+        self.finished.append(FinishedTrajectory(
+            task_id=claim.task_id, token_ids=traj.token_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
+            token_versions=traj.versions, num_turns=traj.num_turns, reward=traj.reward,
+            success=bool(found) if found is not None else traj.reward > 0))
+
+    def _failed(self, spec: TaskSpec, error: BaseException) -> None:
+        claim = self.claims.pop(spec.task_id)
+        self.worker.first_version.pop(spec.task_id, None)
+        self.failed.append(TaskFailure(claim.task_id, f"{type(error).__name__}: {error}"))
+
+    def add(self, claims: list[TaskClaim]) -> None:
+        """Claims -> worker groups. Tasks of one store group claimed together form one worker
+        group (CTB probes one of them first); a later claim of the same store group is a
+        new worker group, since a worker group is added once."""
+        cfg = self.cfg
+        by_group: dict[int, list[TaskSpec]] = defaultdict(list)
+        self._batches += 1
+        for claim in claims:
+            spec = TaskSpec(task_id=str(claim.task_id), group_id=f"{claim.group_id}#{self._batches}",
+                            env=cfg.env.name, seed=claim.seed, options=dict(cfg.env.options),
+                            is_eval=claim.kind is TaskKind.EVAL, eval_version=claim.eval_version,
+                            task_type=cfg.env.name)
+            self.claims[spec.task_id] = claim
+            by_group[claim.group_id].append(spec)
+        self.worker.add_groups(GroupSpec(group_id=specs[0].group_id, tasks=tuple(specs))
+                               for specs in by_group.values())
+        if self.runner is None or self.runner.done():
+            self._check_runner()
+            self.runner = asyncio.create_task(self.worker.run(), name=f"rollout worker of rank {self.rank}")
+
+    def _check_runner(self) -> None:
+        if self.runner is not None and self.runner.done() and not self.runner.cancelled():
+            error = self.runner.exception()
+            if error is not None:
+                raise error
+
+    def stale(self, bound: int) -> list[str]:
+        """Training tasks in flight whose first generation is older than `bound`."""
+        return [tid for tid, v in self.worker.first_version.items()
+                if v < bound and tid in self.claims and self.claims[tid].kind is TaskKind.TRAIN]
+
+    async def release(self, task_ids: list[str] | None = None) -> list[int]:
+        """Abandon these tasks (default: all); their store ids, to go back to the pool."""
+        left = await self.worker.abandon(task_ids)
+        released = []
+        for spec in left:
+            self.worker.first_version.pop(spec.task_id, None)
+            released.append(self.claims.pop(spec.task_id).task_id)
+        return released
+
+    def drain(self, report: RankReport) -> None:
+        self._check_runner()
+        report.finished += self.finished
+        report.failed += self.failed
+        self.finished, self.failed = [], []
+
+    async def close(self) -> None:
+        if self.runner is not None and not self.runner.done():
+            self.runner.cancel()
+            await asyncio.gather(self.runner, return_exceptions=True)
 
 
 def _engine(ctx: RankContext, version: int) -> Any:
@@ -48,17 +150,15 @@ def _engine(ctx: RankContext, version: int) -> Any:
     return engine
 
 
-def _chat(ctx: RankContext):
-    from transformers import AutoTokenizer
-
-    from tiderl.rollout.chat import ChatFormat
+def _chat(ctx: RankContext) -> Any:
+    from tiderl.rollout.from_config import chat_format
 
     if "chat" not in ctx.cache:
-        ctx.cache["chat"] = ChatFormat(AutoTokenizer.from_pretrained(str(ctx.model_dir)))
+        ctx.cache["chat"] = chat_format(str(ctx.model_dir))
     return ctx.cache["chat"]
 
 
-def _pool(ctx: RankContext):
+def _pool(ctx: RankContext) -> Any:
     from tiderl.envs.launch import make_pool
 
     if "pool" not in ctx.cache:
@@ -73,12 +173,8 @@ async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None
     engine = _engine(ctx, plan.version)
     if engine.weights_version != plan.version:
         await engine.reload_weights(ctx.weights_dir(plan.version), plan.version)
-    fmt, pool = _chat(ctx), _pool(ctx)
-    train = AgentSettings(cfg.env.name, dict(cfg.env.options), cfg.env.max_turns, cfg.model.max_context_tokens,
-                          cfg.rollout.max_new_tokens, cfg.rollout.temperature)
-    evaluate = replace(train, temperature=cfg.rollout.eval_temperature)
+    role = RolloutRole(cfg, ctx.rank, engine, _pool(ctx), _chat(ctx))
     version = plan.version
-    running: dict[int, Running] = {}
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     last = time.monotonic()
     try:
@@ -86,19 +182,12 @@ async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             tick_s, last = now - last, now
-            for tid, r in list(running.items()):
-                if not r.task.done():
-                    continue
-                del running[tid]
-                error = r.task.exception()
-                if error is None:
-                    report.finished.append(r.task.result())
-                else:
-                    report.failed.append(TaskFailure(tid, f"{type(error).__name__}: {error}"))
+            role.drain(report)
             nxt = ctx.boundary(version)
             if nxt is not None:
                 if nxt.roles.get(ctx.rank) is not Role.ROLLOUT:
-                    report.released += _cancel(running, list(running))
+                    report.released += await role.release()
+                    role.drain(report)
                     report.events.append(EventRecord("role_switch", f"rank {ctx.rank}: rollout -> "
                                                      f"{nxt.roles[ctx.rank].value} at version {nxt.version}"))
                     _send(ctx, report, nxt.version, nxt.roles[ctx.rank])
@@ -107,39 +196,26 @@ async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None
                 await engine.reload_weights(ctx.weights_dir(nxt.version), nxt.version)
                 version = nxt.version
                 report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, version, "rollout"))
-                bound = version - ctx.system.max_staleness
-                stale = [tid for tid, r in running.items() if r.claim.kind is TaskKind.TRAIN
-                         and r.episode.min_version is not None and r.episode.min_version < bound]
-                report.released += _cancel(running, stale)
-            free = cfg.rollout.max_concurrency - len(running)
+                report.released += await role.release(role.stale(version - ctx.system.max_staleness))
+                role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
+                role.drain(report)
+            free = cfg.rollout.max_concurrency - role.worker.num_unfinished
             if free > 0:
                 claims = ctx.store.claim_tasks(ctx.rank, free)
-                for claim in claims:
-                    ep = Episode()
-                    running[claim.task_id] = Running(claim, ep, asyncio.create_task(
-                        play_task(claim, engine, pool, fmt, evaluate if claim.kind is TaskKind.EVAL else train, ep)))
-                if not claims and len(running) < cfg.rollout.max_concurrency:
+                if claims:
+                    role.add(claims)
+                else:
                     report.metrics.append(MetricPoint("rwt_s", tick_s, version, "rollout"))
             _send(ctx, report, version, Role.ROLLOUT)
             report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     except RunStopped:
-        report.released += _cancel(running, list(running))
+        report.released += await role.release()
+        role.drain(report)
         if not report.is_empty():
             _send(ctx, report, version, Role.ROLLOUT)
         return None
     finally:
-        for r in running.values():
-            r.task.cancel()
-
-
-def _cancel(running: dict[int, Running], ids: list[int]) -> list[int]:
-    """Stop these tasks; those that had not finished go back to the pool (a finished one is reported)."""
-    released = []
-    for tid in ids:
-        r = running.pop(tid)
-        r.task.cancel()
-        released.append(tid)
-    return released
+        await role.close()
 
 
 def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> None:

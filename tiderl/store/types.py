@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tiderl.roles import Role
+
 
 class RunState(str, enum.Enum):
     STARTING = "starting"
@@ -12,13 +14,6 @@ class RunState(str, enum.Enum):
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
-
-
-class Role(str, enum.Enum):
-    ROLLOUT = "rollout"
-    ACTOR = "actor"
-    REF = "ref"
-    IDLE = "idle"
 
 
 class RankState(str, enum.Enum):

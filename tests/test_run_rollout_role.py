@@ -1,0 +1,138 @@
+"""The rollout role's worker wiring: store claims in, `FinishedTrajectory`s, failures and releases out."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tiderl.config.env import EnvConfig
+from tiderl.config.job import JobConfig
+from tiderl.config.schema import build
+from tiderl.envs.launch import make_pool, server_argv, wait_for_url
+from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.demos import corpus_texts
+from tiderl.rollout.fake_engine import FakeEngine
+from tiderl.rollout.local_env import LocalEnvLink
+from tiderl.rollout.tiny_model import train_tokenizer
+from tiderl.run.rollout_role import RolloutRole
+from tiderl.store.types import TaskClaim, TaskKind
+
+
+@pytest.fixture(scope="module")
+def fmt() -> ChatFormat:
+    return ChatFormat(train_tokenizer(corpus_texts("hilo", range(200), noise=0.5), vocab_size=200))
+
+
+def job(scheduler: str = "ctb", max_concurrency: int = 8) -> JobConfig:
+    return build(JobConfig, {"system": "tiderl", "env": {"max_turns": 4},
+                             "rollout": {"scheduler": scheduler, "max_concurrency": max_concurrency}}, "job.yaml")
+
+
+def guesser(fmt: ChatFormat, seed: int = 0):
+    rng = random.Random(seed)
+    return lambda prompt: fmt.encode(str(rng.randint(1, 16)))
+
+
+def claims(first_id: int, group_id: int, n: int, kind: TaskKind = TaskKind.TRAIN,
+           eval_version: int | None = None) -> list[TaskClaim]:
+    return [TaskClaim(task_id=first_id + i, group_id=group_id, index_in_group=i, kind=kind, seed=group_id,
+                      attempts=1, eval_version=eval_version) for i in range(n)]
+
+
+def check_trajectories(role: RolloutRole, version: int = 0) -> None:
+    for traj in role.finished:
+        n = len(traj.token_ids)
+        assert len(traj.loss_mask) == len(traj.logprobs) == len(traj.token_versions) == n
+        assert traj.loss_mask[0] == 0 and 1 <= traj.num_turns <= 4
+        for m, lp, v in zip(traj.loss_mask, traj.logprobs, traj.token_versions):
+            assert (v == version and lp == -0.5) if m else (v == -1 and lp == 0.0)
+        assert traj.success == (traj.reward > 0)
+
+
+@pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])
+def test_claims_become_finished_trajectories(fmt: ChatFormat, scheduler: str) -> None:
+    async def scenario() -> RolloutRole:
+        role = RolloutRole(job(scheduler), 0, FakeEngine(guesser(fmt)), LocalEnvLink(), fmt)
+        role.add(claims(10, 1, 4) + claims(20, 2, 2, TaskKind.EVAL, eval_version=0))
+        role.add(claims(14, 1, 2))  # the same store group claimed again later
+        await role.runner
+        return role
+
+    role = asyncio.run(scenario())
+    assert role.worker.scheduler.name == scheduler
+    assert sorted(t.task_id for t in role.finished) == [10, 11, 12, 13, 14, 15, 20, 21]
+    assert not role.failed and not role.claims and not role.worker.first_version
+    check_trajectories(role)
+
+
+def test_stale_tasks_and_a_role_change_are_released(fmt: ChatFormat) -> None:
+    async def scenario() -> tuple[RolloutRole, list[int], list[int]]:
+        engine = FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.05)  # "1" is never right: long tasks
+        role = RolloutRole(job(), 0, engine, LocalEnvLink(), fmt)
+        role.add(claims(10, 1, 3) + claims(20, 2, 1, TaskKind.EVAL, eval_version=0))
+        while len(role.worker.first_version) < 4:
+            await asyncio.sleep(0.01)
+        await engine.reload_weights("weights/v2", version=2)
+        stale = await role.release(role.stale(bound=1))  # staleness bound 1 at version 2
+        role.worker.poke()
+        rest = await role.release()
+        await role.runner
+        return role, stale, rest
+
+    role, stale, rest = asyncio.run(scenario())
+    assert sorted(stale) == [10, 11, 12]  # the eval task is never stale
+    assert rest == [20] and not role.claims and not role.finished
+    assert role.worker.num_unfinished == 0 and role.worker.env.num_sessions == 0
+
+
+def test_a_failing_task_is_reported_and_the_others_finish(fmt: ChatFormat) -> None:
+    calls = {"n": 0}
+
+    def respond(prompt):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("engine broke")
+        return fmt.encode("3")
+
+    async def scenario() -> RolloutRole:
+        role = RolloutRole(job("vanilla"), 0, FakeEngine(respond, delay_s=0.001), LocalEnvLink(), fmt)
+        role.add(claims(10, 1, 4))
+        await role.runner
+        return role
+
+    role = asyncio.run(scenario())
+    assert [f.task_id for f in role.failed] and "engine broke" in role.failed[0].reason
+    assert len(role.failed) == 1 and len(role.finished) == 3
+    report_ids = {f.task_id for f in role.failed} | {t.task_id for t in role.finished}
+    assert report_ids == {10, 11, 12, 13}
+
+
+@pytest.mark.slow
+def test_the_role_plays_against_a_real_env_server(tmp_path: Path, fmt: ChatFormat) -> None:
+    cfg = EnvConfig()
+    proc = subprocess.Popen(server_argv(cfg, tmp_path / "port"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for_url(tmp_path / "port", proc)
+
+        async def scenario() -> tuple[RolloutRole, list]:
+            pool = make_pool(cfg, [url])
+            try:
+                # A small KV budget makes CTB pause and resume sessions over HTTP.
+                role = RolloutRole(job(), 0, FakeEngine(guesser(fmt), kv_capacity_tokens=256), pool, fmt)
+                role.add(claims(1, 1, 4) + claims(5, 2, 4))
+                await role.runner
+                return role, await pool.health()
+            finally:
+                await pool.close()
+
+        role, health = asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert sorted(t.task_id for t in role.finished) == list(range(1, 9)) and not role.failed
+    check_trajectories(role)
+    assert health[0]["status"] == "ok" and role.worker.report.num_pauses > 0
