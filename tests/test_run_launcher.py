@@ -1,9 +1,13 @@
-"""Launcher pieces that need no processes: the progress line and each rank's environment."""
+"""Launcher pieces: the progress line, each rank's environment, reaping what a killed launch left behind."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from pathlib import Path
 
+from tiderl.run import procs
 from tiderl.run.launcher import progress_line, rank_env
 
 
@@ -27,3 +31,42 @@ def test_ranks_get_one_thread_and_their_own_core() -> None:
     assert env["OMP_NUM_THREADS"] == "1"
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(3 % (os.cpu_count() or 1))
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_leftovers_of_a_killed_launch_are_reaped_and_nothing_else(tmp_path: Path) -> None:
+    run_dir, other_dir = tmp_path / "run", tmp_path / "other"
+    pid_file, other_pid_file = tmp_path / "grandchild.pid", tmp_path / "other.pid"
+    # A "rank" whose own child (think: vLLM's engine core) outlives it when the rank is SIGKILLed.
+    script = "sleep 300 & echo $! > {}; wait"
+    rank = procs.spawn("rank0", ["bash", "-c", script.format(pid_file)], tmp_path / "rank0.log",
+                       env={procs.RUN_DIR_ENV: str(run_dir.resolve())})
+    other = procs.spawn("rank0", ["bash", "-c", script.format(other_pid_file)], tmp_path / "other.log",
+                        env={procs.RUN_DIR_ENV: str(other_dir.resolve())})
+    try:
+        deadline = time.time() + 10
+        while not (pid_file.exists() and other_pid_file.exists() and pid_file.read_text().strip()
+                   and other_pid_file.read_text().strip()):
+            assert time.time() < deadline, "the test processes did not start"
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        rank.proc.send_signal(signal.SIGKILL)
+        rank.proc.wait()
+        assert _alive(grandchild), "the grandchild should have outlived its parent"
+        killed = procs.reap_leftovers(Path(run_dir))
+        assert killed == [grandchild]
+        deadline = time.time() + 5
+        while _alive(grandchild):
+            assert time.time() < deadline, "the leftover was not killed"
+            time.sleep(0.05)
+        assert _alive(int(other_pid_file.read_text())), "another run's process was killed"
+    finally:
+        procs.stop([rank, other], grace_s=2)  # their process groups, the other sleep included

@@ -74,7 +74,7 @@ def _checksum(directory: Path) -> str:
     return h.hexdigest()
 
 
-def start_env_servers(launch: Launch) -> tuple[list[procs.Child], list[str]]:
+def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tuple[list[procs.Child], list[str]]:
     from tiderl.envs.launch import server_argv, wait_for_url
 
     cfg = launch.config.env
@@ -84,7 +84,7 @@ def start_env_servers(launch: Launch) -> tuple[list[procs.Child], list[str]]:
     for i in range(cfg.num_servers):
         port_file = launch.paths.root / f"env{i}.port"
         port_file.unlink(missing_ok=True)
-        child = procs.spawn(f"env{i}", server_argv(cfg, port_file), launch.paths.env_log(i))
+        child = procs.spawn(f"env{i}", server_argv(cfg, port_file), launch.paths.env_log(i), env=env)
         children.append(child)
         try:
             urls.append(wait_for_url(port_file, child.proc))
@@ -97,6 +97,7 @@ def start_env_servers(launch: Launch) -> tuple[list[procs.Child], list[str]]:
 def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
     """Run to the end; returns the exit code (0 finished, 1 failed, 130 cancelled)."""
     cfg, paths, store = launch.config, launch.paths, launch.store
+    tag = {procs.RUN_DIR_ENV: str(paths.root.resolve())}
     children: list[procs.Child] = []
     state, message = RunState.FAILED, ""
     try:
@@ -104,17 +105,24 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
         if not launch.resumed:
             store.register_initial_version(str(model), _checksum(model))
         else:
+            # A killed launcher's ranks died with it, but their vLLM engine cores may live on.
+            leftovers = procs.reap_leftovers(paths.root)
+            if leftovers:
+                store.record_event("launcher", "leftovers_killed",
+                                   f"killed {len(leftovers)} processes left by the previous launch",
+                                   data={"pids": leftovers})
             # Every process of the previous launch is gone: their claims go back to the pool now.
             store.reclaim_expired(0.0)
             shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)
-        env_children, urls = start_env_servers(launch)
+        env_children, urls = start_env_servers(launch, tag)
         children += env_children
         write_run_files(paths, model, urls)
         store.set_run_state(RunState.RUNNING, "resumed" if launch.resumed else None)
         py = [sys.executable, "-m"]
-        children.append(procs.spawn("control", py + ["tiderl.run.control", str(paths.root)], paths.control_log()))
+        children.append(procs.spawn("control", py + ["tiderl.run.control", str(paths.root)], paths.control_log(),
+                                    env=tag))
         ranks = [procs.spawn(f"rank{r}", py + ["tiderl.run.rank", str(paths.root), str(r)], paths.rank_log(r),
-                             env=rank_env(r)) for r in range(cfg.launch.num_ranks)]
+                             env=rank_env(r) | tag) for r in range(cfg.launch.num_ranks)]
         children += ranks
         print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
               file=out, flush=True)

@@ -2,7 +2,11 @@
 
 A child gets SIGKILL from the kernel if the launcher dies (PR_SET_PDEATHSIG),
 so a killed launcher leaves no rank behind; `stop` signals the whole process
-group of each child (a rank's vLLM engine-core process included).
+group of each child (a rank's vLLM engine-core process included). The
+grandchildren of a killed launcher (a rank's vLLM engine core) do not inherit
+PR_SET_PDEATHSIG: every child carries `TIDERL_RUN_DIR` in its environment,
+which its own children inherit, and `reap_leftovers` kills what is left of a
+run's processes before the run resumes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class Child:
         return self.proc.poll()
 
 
+RUN_DIR_ENV = "TIDERL_RUN_DIR"
+
+
 def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -62,3 +69,21 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         os.killpg(child.proc.pid, sig)
     except ProcessLookupError:
         pass  # already gone, with its whole group
+
+
+def reap_leftovers(run_dir: Path) -> list[int]:
+    """SIGKILL every process of this user still tagged with `run_dir` (left by a killed launcher)."""
+    tag = f"{RUN_DIR_ENV}={Path(run_dir).resolve()}".encode() + b"\0"
+    me, uid = os.getpid(), os.getuid()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if entry.stat().st_uid != uid or tag not in (entry / "environ").read_bytes() + b"\0":
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # gone meanwhile, or not ours to read
+    return killed
