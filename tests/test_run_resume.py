@@ -17,9 +17,13 @@ from run_checks import check_run
 from tiderl.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ["trainer.num_steps=4", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
+STEPS = 6
+# Each environment step takes 0.5 s, so a training step takes seconds even on a fast idle machine:
+# the kills below always land while steps remain (without it, a fast machine finished the whole run
+# between the test's poll and its kill).
+JOB = [f"trainer.num_steps={STEPS}", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
        "rollout.eval_every_steps=0", "rollout.max_concurrency=8", "launch.num_ranks=2",
-       "trainer.checkpoint_every=1", "launch.heartbeat_timeout_s=20", "system=async"]
+       "trainer.checkpoint_every=1", "launch.heartbeat_timeout_s=20", "system=async", "env.latency=fixed:0.5"]
 
 
 def _launch(*args: str) -> subprocess.Popen[str]:
@@ -48,7 +52,9 @@ def _wait_version(run_dir: Path, version: int, proc: subprocess.Popen[str], time
     while time.monotonic() < deadline:
         if (run_dir / "run.db").exists() and _version(run_dir) >= version:
             return
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the launcher exited ({proc.returncode}) before version {version}:\n{out}")
         time.sleep(0.5)
     raise AssertionError(f"version {version} not reached in {timeout_s} s")
 
@@ -77,8 +83,10 @@ def test_kill_rank_and_launcher_then_resume(tmp_path: Path) -> None:
     _kill_groups(_rank_pids(run_dir))
     assert json.loads(_status(run_dir))["state"] == "failed"
 
+    killed_at = _version(run_dir)
+    assert killed_at < STEPS - 1, f"the first launch reached version {killed_at} before the rank was killed"
     second = _launch("--resume", str(run_dir))
-    _wait_version(run_dir, _version(run_dir) + 1, second, 900)
+    _wait_version(run_dir, killed_at + 1, second, 900)
     time.sleep(rng.uniform(0.0, 3.0))
     os.kill(second.pid, signal.SIGKILL)  # the launcher dies: its children die with it
     second.wait(30)
@@ -89,9 +97,9 @@ def test_kill_rank_and_launcher_then_resume(tmp_path: Path) -> None:
     out, _ = third.communicate(timeout=900)
     assert third.returncode == 0, out[-4000:]
     doc = json.loads(_status(run_dir))
-    assert doc["state"] == "finished" and doc["version"] == 4
+    assert doc["state"] == "finished" and doc["version"] == STEPS
     facts = check_run(run_dir, max_staleness=1)
-    assert facts["versions"] == 4
+    assert facts["versions"] == STEPS
 
 
 def _status(run_dir: Path) -> str:
