@@ -6,7 +6,6 @@ from pathlib import Path
 
 from tiderl.config import load_job
 from tiderl.run.control import ControlPlane
-from tiderl.run.plan_io import planned_version, read_plan
 from tiderl.rundir import create_run
 from tiderl.store import RunStore
 from tiderl.store.types import FinishedTrajectory, RankReport, Role, RunState, StepRecord
@@ -41,7 +40,7 @@ def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path)
     store, config = _store(tmp_path, "system=async", "rollout.max_staleness=1")
     plane = ControlPlane(config, store)
     assert plane.tick()
-    plan = read_plan(store, 0)
+    plan = store.plan_at(0)
     assert plan is not None and plan.roles[0] is Role.ACTOR and plan.fetch_groups == 2
     groups = store.view("buffer_state")[0]
     # (staleness + 1) x groups_ideal training groups of group_size tasks, plus one greedy evaluation task at v0.
@@ -49,7 +48,7 @@ def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path)
     assert groups["tasks_pending"] == (1 + 1) * 2 * config.rollout.group_size + 1
     _train_one_step(store, 0)
     assert plane.tick()
-    assert planned_version(store) == 1
+    assert store.latest_planned_version() == 1
     _train_one_step(store, 1)
     plane.tick()
     info = store.run_info()
@@ -64,9 +63,9 @@ def test_restarted_control_plane_carries_on_without_duplicates(tmp_path: Path) -
     again = ControlPlane(config, RunStore(store.url))
     again.tick()
     assert store.buffer_state()["tasks_pending"] == before
-    assert planned_version(store) == 0
+    assert store.latest_planned_version() == 0
     # ERS cold start: every spare rank rolls out, colocated.
-    plan = read_plan(store, 0)
+    plan = store.plan_at(0)
     assert plan is not None and plan.ra2p_mode == "colocated"
     assert plan.ranks_with(Role.REF) == [] and plan.ranks_with(Role.ACTOR) == [0]
 

@@ -156,8 +156,14 @@ def run_load(spec: LoadSpec, out_dir: Path) -> dict:
             procs.append((ctx.Process(target=kind, args=(spec, rank, out)), out))
             rank += 1
     start = time.time()
+    if spec.crash_writer:
+        # The crashing writer claims and dies before the others start: under load the others could
+        # otherwise drain the pool before it is even imported, and there would be nothing to reclaim.
+        procs[0][0].start()
+        procs[0][0].join(timeout=spec.deadline_s)
     for p, _ in procs:
-        p.start()
+        if p.pid is None:
+            p.start()
     parent = RunStore.for_run_dir(Path(spec.run_dir))
     while any(p.is_alive() for p, _ in procs):
         parent.reclaim_expired(spec.heartbeat_timeout_s)

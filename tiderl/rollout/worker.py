@@ -103,6 +103,15 @@ class RolloutWorker:
         self._changed.set()
 
     @property
+    def num_paused(self) -> int:
+        return len(self._paused)
+
+    @property
+    def num_resident(self) -> int:
+        """Started tasks that are not paused (their KV is meant to stay on the engine)."""
+        return len(self._runs) - len(self._paused)
+
+    @property
     def num_unfinished(self) -> int:
         return sum(len(v) for v in self._pending.values()) + len(self._runs)
 

@@ -11,9 +11,8 @@ from typing import Any
 
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths, atomic_write_text
-from tiderl.run.plan_io import TERMINAL, VersionPlan, read_plan, run_position
 from tiderl.run.systems import SystemBehaviour, behaviour
-from tiderl.store import RunStore
+from tiderl.store import PlanRecord, RunStore
 
 ENV_URLS_FILE = "env_urls.json"
 MODEL_FILE = "model_dir.txt"
@@ -57,16 +56,16 @@ class RankContext:
 
     def position(self) -> int:
         """The last published version; raises RunStopped once the run is over."""
-        state, version = run_position(self.store)
-        if state in TERMINAL:
-            raise RunStopped(state)
+        state, version = self.store.position()
+        if state.is_terminal:
+            raise RunStopped(state.value)
         return version
 
-    async def wait_plan(self, version: int, timeout_s: float = 600.0) -> VersionPlan:
+    async def wait_plan(self, version: int, timeout_s: float = 600.0) -> PlanRecord:
         """The plan of `version`, once the control plane wrote it (heartbeating while waiting)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            plan = read_plan(self.store, version)
+            plan = self.store.plan_at(version)
             if plan is not None:
                 return plan
             self.position()
@@ -75,9 +74,9 @@ class RankContext:
             self.store.heartbeat(self.rank)
             await asyncio.sleep(self.poll_s)
 
-    def boundary(self, version: int) -> VersionPlan | None:
+    def boundary(self, version: int) -> PlanRecord | None:
         """The plan of the next version once it is published and planned, else None."""
         current = self.position()
         if current <= version:
             return None
-        return read_plan(self.store, current)
+        return self.store.plan_at(current)

@@ -18,24 +18,19 @@ import sys
 import time
 from pathlib import Path
 
-from sqlalchemy import Connection, func, select
-
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths
 from tiderl.policy import ers
 from tiderl.policy.ra2p import StageTimes
-from tiderl.run.plan_io import (CONTROL_RANK, TERMINAL, VersionPlan, planned_version, read_plan,
-                                run_position, write_plan)
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
-from tiderl.store.schema import metrics, task_groups, trajectories
-from tiderl.store.types import (GroupState, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind,
-                                TrajectoryState)
+from tiderl.store.types import GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, Role, RunState, TaskKind
 
 log = logging.getLogger("tiderl.control")
 TICK_S = 0.2
 EVAL_SEED_BASE = 1_000_000_000  # evaluation prompts: a fixed set, disjoint from the training seeds
-OUTSTANDING = (GroupState.OPEN.value, GroupState.READY.value, GroupState.CLAIMED.value)
+OUTSTANDING = (GroupState.OPEN, GroupState.READY, GroupState.CLAIMED)
+CONTROL_RANK = -1  # the control plane's metrics rows carry this rank
 
 
 def train_seed(job_seed: int, index: int) -> int:
@@ -53,19 +48,24 @@ class ControlPlane:
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
         """One pass; returns False once the run is over."""
-        state, version = run_position(self.store)
-        if state in TERMINAL:
+        state, version = self.store.position()
+        if state.is_terminal:
             return False
         dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s)
         if dead.dead_ranks:
             log.warning("ranks %s missed heartbeats: %d tasks and %d trajectories back in the pool",
                         dead.dead_ranks, dead.tasks_returned, dead.trajectories_returned)
-        planned = planned_version(self.store)
+        planned = self.store.latest_planned_version()
         if planned is None or planned < version:
             self.plan(version)
         if version < self.config.trainer.num_steps:
             self.feed(version)
         self.feed_eval(version)
+        # Ranks may keep the weights of an evaluated version at most max(1, staleness) versions
+        # (rollout_role); evaluation tasks older than that can no longer run anywhere.
+        expired = self.store.expire_evaluations(version - max(1, self.system.max_staleness))
+        if expired:
+            log.warning("%d evaluation tasks expired: no rank holds their weights version any more", expired)
         if version >= self.config.trainer.num_steps and self._evals_open() == 0:
             self.store.set_run_state(RunState.FINISHED, f"{version} steps done")
             log.info("run finished at version %d", version)
@@ -74,13 +74,8 @@ class ControlPlane:
 
     # ---- feeding ---------------------------------------------------------------------------
     def feed(self, version: int) -> None:
-        def counts(c: Connection) -> tuple[int, int]:
-            train = task_groups.c.kind == TaskKind.TRAIN.value
-            total = c.execute(select(func.count()).where(train)).scalar_one()
-            open_ = c.execute(select(func.count()).where(train, task_groups.c.state.in_(OUTSTANDING))).scalar_one()
-            return total, open_
-
-        total, outstanding = self.store.tx.read(counts)
+        counts = self.store.groups_by_state(TaskKind.TRAIN)
+        total, outstanding = sum(counts.values()), sum(counts[s] for s in OUTSTANDING)
         batch = self.config.trainer.groups_ideal
         # No more groups than the remaining steps can train (generation past the end is waste).
         remaining = (self.config.trainer.num_steps - version) * batch - outstanding
@@ -94,20 +89,17 @@ class ControlPlane:
         every = self.config.rollout.eval_every_steps
         if not every or version % every or version > self.config.trainer.num_steps:
             return
-        exists = self.store.tx.read(lambda c: c.execute(select(func.count()).where(
-            task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.eval_version == version)).scalar_one())
-        if not exists and self.config.rollout.eval_groups:
+        if not self.store.has_evaluation(version) and self.config.rollout.eval_groups:
             # Greedy evaluation plays every copy of a prompt the same way: one task per prompt then.
             size = 1 if self.config.rollout.eval_temperature == 0 else self.config.rollout.group_size
             self.store.add_groups([NewGroup(TaskKind.EVAL, EVAL_SEED_BASE + i, size,
                                             eval_version=version) for i in range(self.config.rollout.eval_groups)])
 
     def _evals_open(self) -> int:
-        return self.store.tx.read(lambda c: c.execute(select(func.count()).where(
-            task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.state == GroupState.OPEN.value)).scalar_one())
+        return self.store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN]
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, version: int) -> VersionPlan:
+    def plan(self, version: int) -> PlanRecord:
         cfg = self.config
         if version == 0:
             current = initial_roles(cfg.launch.num_ranks, cfg.launch.rollout_fraction, self.system.spare_role)
@@ -126,8 +118,8 @@ class ControlPlane:
             if decision.moves:
                 log.info("version %d: ERS %s moves %s", version, reason,
                          ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves))
-        plan = VersionPlan(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
-        write_plan(self.store, plan, reason)
+        plan = PlanRecord(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
+        self.store.plan_roles(version, current, ra2p_mode=mode, fetch_groups=fetch, reason=reason)
         self._record_step(version)
         return plan
 
@@ -137,15 +129,10 @@ class ControlPlane:
         history = tuple(float(s["duration_s"]) for s in steps[-cfg.ers.history_steps:] if s["duration_s"])
         buf = self.store.buffer_state()
         now = time.time()
-
-        def oldest_ready(c: Connection) -> float | None:
-            return c.execute(select(func.min(trajectories.c.ready_at)).where(
-                trajectories.c.state == TrajectoryState.READY.value)).scalar()
-
-        oldest = self.store.tx.read(oldest_ready)
+        oldest = self.store.oldest_ready_at()
         last = steps[-1] if steps and steps[-1]["version"] == version else None
-        previous = read_plan(self.store, version - 1) if version > 0 else None
-        before = read_plan(self.store, version - 2) if version > 1 else None
+        previous = self.store.plan_at(version - 1) if version > 0 else None
+        before = self.store.plan_at(version - 2) if version > 1 else None
         change = 0
         if previous is not None and before is not None:
             change = len(previous.ranks_with(Role.ROLLOUT)) - len(before.ranks_with(Role.ROLLOUT))
@@ -162,17 +149,7 @@ class ControlPlane:
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")
-
-        def read(c: Connection) -> dict[str, float]:
-            out = {}
-            for n in names:
-                v = c.execute(select(metrics.c.value).where(metrics.c.name == n)
-                              .order_by(metrics.c.id.desc()).limit(1)).scalar()
-                if v is not None:
-                    out[n] = float(v)
-            return out
-
-        values = self.store.tx.read(read)
+        values = self.store.latest_metrics(names)
         return StageTimes(**values) if len(values) == len(names) else None
 
     def _record_step(self, version: int) -> None:

@@ -19,13 +19,12 @@ import threading
 from pathlib import Path
 
 from tiderl.run.context import RankContext, RunStopped
-from tiderl.run.plan_io import VersionPlan
-from tiderl.store.types import EventRecord, RankReport, RankState, Role
+from tiderl.store.types import EventRecord, PlanRecord, RankReport, RankState, Role
 
 log = logging.getLogger("tiderl.rank")
 
 
-async def _wait_next(ctx: RankContext, version: int) -> VersionPlan:
+async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
     """Idle (heartbeating) until a version after `version` is published and planned."""
     while True:
         plan = ctx.boundary(version)

@@ -30,12 +30,12 @@ from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker
 from tiderl.run.context import RankContext, RunStopped
-from tiderl.run.plan_io import VersionPlan
-from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, RankReport, Role, TaskClaim,
-                                TaskFailure, TaskKind)
+from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport, Role,
+                                TaskClaim, TaskFailure, TaskKind)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25
+STATS_S = 2.0  # how often a rollout rank records its engine and scheduler counters
 
 
 class RankWorker(RolloutWorker):
@@ -111,6 +111,10 @@ class RolloutRole:
             if error is not None:
                 raise error
 
+    def holds_evaluation(self, version: int) -> bool:
+        """Whether unfinished evaluation tasks of weights `version` are on this rank."""
+        return any(c.kind is TaskKind.EVAL and c.eval_version == version for c in self.claims.values())
+
     def stale(self, bound: int) -> list[str]:
         """Training tasks in flight whose first generation is older than `bound`."""
         return [tid for tid, v in self.worker.first_version.items()
@@ -166,7 +170,7 @@ def _pool(ctx: RankContext) -> Any:
     return ctx.cache["pool"]
 
 
-async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None:
+async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     """Roll out from `plan.version` on; returns the plan of the first version that moves this rank
     to another role (None: the run stopped)."""
     cfg = ctx.config
@@ -174,7 +178,14 @@ async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None
     if engine.weights_version != plan.version:
         await engine.reload_weights(ctx.weights_dir(plan.version), plan.version)
     role = RolloutRole(cfg, ctx.rank, engine, _pool(ctx), _chat(ctx))
-    version = plan.version
+    version = plan.version  # the weights the engine holds
+    planned = plan.version  # the newest version this rank has reached the boundary of
+    # An evaluation runs on the weights it evaluates: a rank holding evaluation tasks keeps its
+    # weights past a boundary (claiming no new training task) until they finish, for at most
+    # max(1, max_staleness) versions; then it reloads and its unfinished evaluation tasks go back.
+    keep_versions = max(1, ctx.system.max_staleness)
+    kept_for = -1
+    stats = RolloutStats(ctx.rank)
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     last = time.monotonic()
     try:
@@ -183,39 +194,84 @@ async def run_rollout(ctx: RankContext, plan: VersionPlan) -> VersionPlan | None
             now = time.monotonic()
             tick_s, last = now - last, now
             role.drain(report)
-            nxt = ctx.boundary(version)
+            nxt = ctx.boundary(planned)
             if nxt is not None:
                 if nxt.roles.get(ctx.rank) is not Role.ROLLOUT:
                     report.released += await role.release()
                     role.drain(report)
                     report.events.append(EventRecord("role_switch", f"rank {ctx.rank}: rollout -> "
                                                      f"{nxt.roles[ctx.rank].value} at version {nxt.version}"))
+                    await stats.add_to(report, role, engine, version)
                     _send(ctx, report, nxt.version, nxt.roles[ctx.rank])
                     return nxt
+                planned = nxt.version
+                report.released += await role.release(role.stale(planned - ctx.system.max_staleness))
+                role.drain(report)
+            if version < planned and role.holds_evaluation(version) and planned - version <= keep_versions:
+                if kept_for != planned:
+                    kept_for = planned
+                    report.events.append(EventRecord("weights_kept", f"rank {ctx.rank} keeps weights v{version} "
+                                                     f"past v{planned} for its evaluation tasks"))
+            elif version < planned:
                 t0 = time.monotonic()
-                await engine.reload_weights(ctx.weights_dir(nxt.version), nxt.version)
-                version = nxt.version
-                report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, version, "rollout"))
-                report.released += await role.release(role.stale(version - ctx.system.max_staleness))
+                await engine.reload_weights(ctx.weights_dir(planned), planned)
+                report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, planned, "rollout"))
+                evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
+                report.released += await role.release(evals)  # they may only run on the weights they evaluate
+                version = planned
                 role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
                 role.drain(report)
             free = cfg.rollout.max_concurrency - role.worker.num_unfinished
             if free > 0:
-                claims = ctx.store.claim_tasks(ctx.rank, free)
+                kinds = (TaskKind.EVAL,) if version < planned else tuple(TaskKind)
+                claims = ctx.store.claim_tasks(ctx.rank, free, kinds=kinds, weights_version=version)
                 if claims:
                     role.add(claims)
                 else:
                     report.metrics.append(MetricPoint("rwt_s", tick_s, version, "rollout"))
+            if stats.due(now):
+                await stats.add_to(report, role, engine, version)
             _send(ctx, report, version, Role.ROLLOUT)
             report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     except RunStopped:
         report.released += await role.release()
         role.drain(report)
+        await stats.add_to(report, role, engine, version)
         if not report.is_empty():
             _send(ctx, report, version, Role.ROLLOUT)
         return None
     finally:
         await role.close()
+
+
+class RolloutStats:
+    """Every `STATS_S` seconds, the rank's rollout counters since the last sample as metrics:
+    the engine's prefix-cache queries and hits (vLLM's own counters), prompt and generated
+    tokens, preemptions, its KV usage, and CTB's pauses and resumes with the tasks resident
+    and paused now."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.next_at = time.monotonic() + STATS_S
+        self.engine_before: Any = None
+        self.pauses = self.resumes = 0
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    async def add_to(self, report: RankReport, role: "RolloutRole", engine: Engine, version: int) -> None:
+        self.next_at = time.monotonic() + STATS_S
+        stats = await engine.stats()
+        delta = stats if self.engine_before is None else stats.minus(self.engine_before)
+        self.engine_before = stats
+        w = role.worker
+        points = {"prefix_cache_queries": delta.prefix_cache_queries, "prefix_cache_hits": delta.prefix_cache_hits,
+                  "prompt_tokens": delta.prompt_tokens, "generation_tokens": delta.generation_tokens,
+                  "preemptions": delta.num_preemptions, "kv_usage": stats.kv_usage,
+                  "ctb_pauses": w.report.num_pauses - self.pauses, "ctb_resumes": w.report.num_resumes - self.resumes,
+                  "tasks_resident": w.num_resident, "tasks_paused": w.num_paused}
+        self.pauses, self.resumes = w.report.num_pauses, w.report.num_resumes
+        report.metrics += [MetricPoint(name, value, version, "rollout") for name, value in points.items()]
 
 
 def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> None:

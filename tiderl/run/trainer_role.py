@@ -28,14 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, update
-
 from tiderl.paths import atomic_write_text
 from tiderl.run.context import RankContext
-from tiderl.run.plan_io import VersionPlan
-from tiderl.store.schema import task_groups, trajectories
-from tiderl.store.types import (EventRecord, GroupState, MetricPoint, RankReport, ReadyTrajectory, Role,
-                                StepRecord, TrajectoryState)
+from tiderl.store.types import EventRecord, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +65,7 @@ def _actor(ctx: RankContext, version: int) -> Any:
     return ctx.cache["actor"]
 
 
-def _drop_groups(ctx: RankContext, owner: int, group_ids: list[int]) -> None:
-    """Mark claimed groups as never to be trained (too stale)."""
-    def write(c: Connection) -> None:
-        c.execute(update(trajectories).where(trajectories.c.group_id.in_(group_ids),
-                                             trajectories.c.claim_owner == owner)
-                  .values(state=TrajectoryState.DROPPED.value, claim_owner=None, claim_token=None))
-        c.execute(update(task_groups).where(task_groups.c.id.in_(group_ids))
-                  .values(state=GroupState.FAILED.value))
-
-    ctx.store.tx.write(write)
-
-
-async def _gather(ctx: RankContext, plan: VersionPlan, need: int) -> tuple[list[ReadyTrajectory], int, float | None,
+async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[ReadyTrajectory], int, float | None,
                                                                           float, int]:
     """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, wait seconds, groups dropped as stale)."""
     cfg = ctx.config.trainer
@@ -108,8 +91,8 @@ async def _gather(ctx: RankContext, plan: VersionPlan, need: int) -> tuple[list[
             got = ctx.store.claim_ready_groups(ctx.rank, need - len(groups))
             stale = sorted({t.group_id for t in got if t.min_version < bound})
             if stale:
-                _drop_groups(ctx, ctx.rank, stale)
-                dropped += len(stale)
+                dropped += ctx.store.drop_claimed_groups(
+                    ctx.rank, stale, f"older than version {bound}, the staleness bound of step {plan.version}")
             fresh = [t for t in got if t.group_id not in stale]
             claimed += fresh
             groups.update(t.group_id for t in fresh)
@@ -127,7 +110,7 @@ async def _gather(ctx: RankContext, plan: VersionPlan, need: int) -> tuple[list[
     return claimed, ras or 0, tprm, wait_s, dropped
 
 
-def _fetch(ctx: RankContext, plan: VersionPlan) -> int:
+def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
     t = ctx.config.trainer
     if ctx.system.fetch_policy == "min":
         return t.groups_min
@@ -136,19 +119,16 @@ def _fetch(ctx: RankContext, plan: VersionPlan) -> int:
     return t.groups_ideal
 
 
-async def run_actor_step(ctx: RankContext, plan: VersionPlan) -> None:
+async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Train version `plan.version` into version + 1 and commit it."""
-    from tiderl.trainer.batch import TrainSample
     from tiderl.trainer.plan import Ra2pMode
     from tiderl.trainer.rank import StepInput
+    from tiderl.trainer.store_io import sample_from_ready
 
     actor = _actor(ctx, plan.version)
     started = time.time()
     claimed, ras, tprm, wait_s, dropped = await _gather(ctx, plan, _fetch(ctx, plan))
-    samples = tuple(TrainSample(trajectory_id=t.id, group_id=t.group_id, token_ids=tuple(t.token_ids),
-                                loss_mask=tuple(t.loss_mask), rollout_logprobs=tuple(t.logprobs),
-                                token_versions=tuple(t.token_versions), advantage=t.advantage, reward=t.reward)
-                    for t in claimed)
+    samples = tuple(sample_from_ready(t) for t in claimed)
     mode = Ra2pMode.parse(plan.ra2p_mode)
     refs = plan.ranks_with(Role.REF)
     inp = StepInput(version=plan.version, samples=samples, mode=mode)
@@ -188,7 +168,7 @@ def _train(actor: Any, comm: Any, inp: Any) -> Any:
         actor.comm = previous
 
 
-def _decoupled(ctx: RankContext, plan: VersionPlan, refs: list[int], body: Any) -> Any:
+def _decoupled(ctx: RankContext, plan: PlanRecord, refs: list[int], body: Any) -> Any:
     """Run `body(comm)` inside this version's trainer group (actor = group rank 0, refs after it)."""
     from tiderl.trainer.group import init_trainer_group, leave_trainer_group
 
@@ -220,7 +200,7 @@ def _step_marker(ctx: RankContext, version: int) -> Path:
     return ctx.paths.root / "rendezvous" / f"v{version}.data-ready"
 
 
-async def run_ref_step(ctx: RankContext, plan: VersionPlan) -> None:
+async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Serve the actor's reference forwards of step `plan.version` (decoupled mode only)."""
     import torch.distributed as dist
 

@@ -8,6 +8,7 @@ from tiderl.store.types import (
     GroupState,
     MetricPoint,
     NewGroup,
+    PlanRecord,
     RankReport,
     RankState,
     ReadyTrajectory,
@@ -23,7 +24,7 @@ from tiderl.store.types import (
 )
 
 __all__ = [
-    "ClaimLostError", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "RankReport",
+    "ClaimLostError", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
     "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TrajectoryState",
 ]

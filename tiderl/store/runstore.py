@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, insert, select, text, update
+from sqlalchemy import Connection, and_, bindparam, case, func, insert, select, text, update
 
 from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
@@ -47,6 +47,7 @@ from tiderl.store.types import (
     FinishedTrajectory,
     GroupState,
     NewGroup,
+    PlanRecord,
     RankReport,
     RankState,
     ReadyTrajectory,
@@ -155,11 +156,12 @@ class RunStore:
         self.tx.write(lambda c: c.execute(update(ranks).where(ranks.c.rank == rank).values(state=state.value)))
 
     def plan_roles(self, version: int, roles: dict[int, Role], *, ra2p_mode: str | None = None,
-                   reason: str = "") -> None:
-        """Record the role of each rank from `version` on (a role switch takes effect at that sync boundary)."""
+                   fetch_groups: int | None = None, reason: str = "") -> None:
+        """Record the role of each rank from `version` on (a role switch takes effect at that sync
+        boundary), with the RA2P mode and fetch size of step `version`, in one transaction."""
         now = time.time()
-        rows = [dict(version=version, rank=r, role=role.value, ra2p_mode=ra2p_mode, reason=reason, created_at=now)
-                for r, role in sorted(roles.items())]
+        rows = [dict(version=version, rank=r, role=role.value, ra2p_mode=ra2p_mode, fetch_groups=fetch_groups,
+                     reason=reason, created_at=now) for r, role in sorted(roles.items())]
 
         def write(c: Connection) -> None:
             c.execute(control.delete().where(control.c.version == version))
@@ -177,6 +179,29 @@ class RunStore:
             return {r: Role(role) for r, role in c.execute(q)}
 
         return self.tx.read(read)
+
+    def plan_at(self, version: int) -> PlanRecord | None:
+        """The plan written for exactly `version`, or None while there is none."""
+        def read(c: Connection) -> PlanRecord | None:
+            rows = c.execute(select(control.c.rank, control.c.role, control.c.ra2p_mode, control.c.fetch_groups)
+                             .where(control.c.version == version)).all()
+            if not rows:
+                return None
+            return PlanRecord(version=version, roles={r.rank: Role(r.role) for r in rows},
+                              ra2p_mode=rows[0].ra2p_mode or "colocated", fetch_groups=int(rows[0].fetch_groups or 1))
+
+        return self.tx.read(read)
+
+    def latest_planned_version(self) -> int | None:
+        """The newest version that has a plan."""
+        return self.tx.read(lambda c: c.execute(select(func.max(control.c.version))).scalar())
+
+    def position(self) -> tuple[RunState, int]:
+        """(run state, last published version), in one read."""
+        row = self.tx.read(lambda c: c.execute(select(runs.c.state, runs.c.version).where(runs.c.id == 1)).first())
+        if row is None:
+            raise StoreError(f"run store {self.url}: no run recorded")
+        return RunState(row.state), int(row.version)
 
     def ranks(self) -> list[dict[str, Any]]:
         return self.tx.read(lambda c: [dict(r) for r in c.execute(select(ranks).order_by(ranks.c.rank)).mappings()])
@@ -200,19 +225,28 @@ class RunStore:
 
         return self.tx.write(write)
 
-    def claim_tasks(self, rank: int, limit: int, *, kinds: Iterable[TaskKind] = tuple(TaskKind)) -> list[TaskClaim]:
-        """Take up to `limit` pending tasks for `rank`, whole groups first (oldest first)."""
+    def claim_tasks(self, rank: int, limit: int, *, kinds: Iterable[TaskKind] = tuple(TaskKind),
+                    weights_version: int | None = None) -> list[TaskClaim]:
+        """Take up to `limit` pending tasks for `rank`: evaluation tasks first, then whole groups,
+        oldest first. With `weights_version` (the weights the rank's engine holds), only the
+        evaluation tasks of exactly that version qualify: an evaluation runs on the weights it
+        evaluates, never on newer ones."""
         if limit <= 0:
             return []
         token = uuid.uuid4().hex
         kind_values = [k.value for k in kinds]
+        is_eval = tasks.c.kind == TaskKind.EVAL.value
+        where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_(kind_values)]
+        if weights_version is not None:
+            pinned = select(task_groups.c.id).where(task_groups.c.eval_version == weights_version)
+            where.append(~is_eval | tasks.c.group_id.in_(pinned))
 
         def write(c: Connection) -> list[TaskClaim]:
             now = time.time()
             _heartbeat(c, rank, now)
             ids = [r for (r,) in c.execute(
-                select(tasks.c.id).where(tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_(kind_values))
-                .order_by(tasks.c.id).limit(limit))]  # ids follow (group, index): whole groups first
+                select(tasks.c.id).where(*where)
+                .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(limit))]  # ids follow (group, index)
             if not ids:
                 return []
             c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
@@ -280,6 +314,27 @@ class RunStore:
             rows = c.execute(select(trajectories).where(trajectories.c.claim_token == token)
                              .order_by(trajectories.c.group_id, trajectories.c.id)).mappings()
             return [_ready(r) for r in rows]
+
+        return self.tx.write(write)
+
+    def drop_claimed_groups(self, owner: int, group_ids: Sequence[int], reason: str) -> int:
+        """Never train these groups claimed by `owner` (e.g. too stale): their trajectories are
+        dropped and the groups failed. Groups `owner` does not hold are left alone. Returns the
+        number of groups dropped."""
+        def write(c: Connection) -> int:
+            held = sorted({g for (g,) in c.execute(select(trajectories.c.group_id).where(
+                trajectories.c.group_id.in_(list(group_ids)), trajectories.c.claim_owner == owner,
+                trajectories.c.state == TrajectoryState.CLAIMED.value))})
+            if not held:
+                return 0
+            c.execute(update(trajectories).where(trajectories.c.group_id.in_(held),
+                                                 trajectories.c.claim_owner == owner).values(
+                state=TrajectoryState.DROPPED.value, claim_owner=None, claim_token=None))
+            c.execute(update(task_groups).where(task_groups.c.id.in_(held)).values(state=GroupState.FAILED.value))
+            c.execute(insert(events).values(ts=time.time(), rank=owner, source="store", kind="groups_dropped",
+                                            message=f"{len(held)} groups dropped: {reason}",
+                                            data=json.dumps({"groups": held})))
+            return len(held)
 
         return self.tx.write(write)
 
@@ -355,6 +410,63 @@ class RunStore:
 
         return self.tx.write(write)
 
+    # ---- control plane side --------------------------------------------------------------
+    def groups_by_state(self, kind: TaskKind) -> dict[GroupState, int]:
+        """How many groups of `kind` are in each state (every state present, zeros included)."""
+        def read(c: Connection) -> dict[GroupState, int]:
+            rows = c.execute(select(task_groups.c.state, func.count()).where(task_groups.c.kind == kind.value)
+                             .group_by(task_groups.c.state)).all()
+            out = dict.fromkeys(GroupState, 0)
+            out.update({GroupState(state): n for state, n in rows})
+            return out
+
+        return self.tx.read(read)
+
+    def has_evaluation(self, eval_version: int) -> bool:
+        return self.tx.read(lambda c: c.execute(select(func.count()).where(
+            task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.eval_version == eval_version)).scalar_one()) > 0
+
+    def expire_evaluations(self, oldest_live_version: int) -> int:
+        """Fail the pending evaluation tasks of versions older than `oldest_live_version`: no rank
+        can hold those weights any more, so nobody could run them. Returns how many."""
+        def write(c: Connection) -> int:
+            old = select(task_groups.c.id).where(task_groups.c.kind == TaskKind.EVAL.value,
+                                                 task_groups.c.eval_version < oldest_live_version)
+            gids = sorted({g for (g,) in c.execute(select(tasks.c.group_id).where(
+                tasks.c.state == TaskState.PENDING.value, tasks.c.group_id.in_(old)))})
+            if not gids:
+                return 0
+            n = c.execute(update(tasks).where(tasks.c.group_id.in_(gids), tasks.c.state == TaskState.PENDING.value)
+                          .values(state=TaskState.FAILED.value, updated_at=time.time(),
+                                  last_error=f"evaluation expired: no rank holds its weights version any more "
+                                             f"(oldest live version {oldest_live_version})")).rowcount
+            for gid in gids:
+                _fail_group(c, gid)
+            c.execute(insert(events).values(ts=time.time(), rank=None, source="store", kind="eval_expired",
+                                            message=f"{n} evaluation tasks of versions before {oldest_live_version} "
+                                                    "expired", data=json.dumps({"groups": gids})))
+            return n
+
+        return self.tx.write(write)
+
+    def oldest_ready_at(self) -> float | None:
+        """When the oldest trajectory still waiting for the trainer became ready."""
+        return self.tx.read(lambda c: c.execute(select(func.min(trajectories.c.ready_at)).where(
+            trajectories.c.state == TrajectoryState.READY.value)).scalar())
+
+    def latest_metrics(self, names: Iterable[str]) -> dict[str, float]:
+        """The newest value of each metric in `names` that has one."""
+        def read(c: Connection) -> dict[str, float]:
+            out = {}
+            for n in names:
+                v = c.execute(select(metrics.c.value).where(metrics.c.name == n)
+                              .order_by(metrics.c.id.desc()).limit(1)).scalar()
+                if v is not None:
+                    out[n] = float(v)
+            return out
+
+        return self.tx.read(read)
+
     def record_event(self, source: str, kind: str, message: str, *, rank: int | None = None,
                      data: dict | None = None) -> None:
         row = dict(ts=time.time(), rank=rank, source=source, kind=kind, message=message,
@@ -372,6 +484,111 @@ class RunStore:
 
     def steps(self) -> list[dict[str, Any]]:
         return self.view("step_summary")
+
+    # ---- reading for monitoring (tiderl status, tiderl report, the Prometheus exporter) ----------
+    def outstanding_groups(self) -> list[dict[str, Any]]:
+        """Groups not finished with (open, ready, claimed), oldest first: their finished-task count and
+        their unfinished tasks (`unfinished`: pending or running task rows)."""
+        live = (GroupState.OPEN.value, GroupState.READY.value, GroupState.CLAIMED.value)
+
+        def read(c: Connection) -> list[dict[str, Any]]:
+            done = (select(trajectories.c.group_id, func.count().label("n")).group_by(trajectories.c.group_id)
+                    .subquery())
+            groups = [dict(r) | {"unfinished": []} for r in c.execute(
+                select(task_groups.c.id, task_groups.c.kind, task_groups.c.state, task_groups.c.size,
+                       task_groups.c.created_at, func.coalesce(done.c.n, 0).label("num_done"))
+                .outerjoin(done, done.c.group_id == task_groups.c.id)
+                .where(task_groups.c.state.in_(live)).order_by(task_groups.c.id)).mappings()]
+            by_id = {g["id"]: g for g in groups}
+            for t in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.state, tasks.c.owner_rank,
+                                      tasks.c.claimed_at, tasks.c.attempts, tasks.c.last_error)
+                               .where(tasks.c.state.in_([TaskState.PENDING.value, TaskState.RUNNING.value]))
+                               .order_by(tasks.c.id)).mappings():
+                if t["group_id"] in by_id:
+                    by_id[t["group_id"]]["unfinished"].append(dict(t))
+            return groups
+
+        return self.tx.read(read)
+
+    def group_counts(self) -> dict[tuple[str, str], int]:
+        """Number of groups per (kind, state)."""
+        return self.tx.read(lambda c: {(k, s): n for k, s, n in c.execute(
+            select(task_groups.c.kind, task_groups.c.state, func.count()).group_by(task_groups.c.kind,
+                                                                                  task_groups.c.state))})
+
+    def trainer_claims(self) -> list[dict[str, Any]]:
+        """Per trainer rank holding claimed trajectories: how many groups and its latest claim time."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(trajectories.c.claim_owner.label("rank"),
+                   func.count(func.distinct(trajectories.c.group_id)).label("groups"),
+                   func.max(trajectories.c.claimed_at).label("latest_claimed_at"))
+            .where(trajectories.c.state == TrajectoryState.CLAIMED.value)
+            .group_by(trajectories.c.claim_owner)).mappings()])
+
+    def metric_sums(self, names: Sequence[str], *, since: float | None = None) -> list[dict[str, Any]]:
+        """Sum of each metric per (name, rank, role), over rows recorded at or after `since`."""
+        def read(c: Connection) -> list[dict[str, Any]]:
+            q = (select(metrics.c.name, metrics.c.rank, metrics.c.role, func.sum(metrics.c.value).label("value"),
+                        func.count().label("count"), func.max(metrics.c.ts).label("last_ts"))
+                 .where(metrics.c.name.in_(list(names))))
+            if since is not None:
+                q = q.where(metrics.c.ts >= since)
+            return [dict(r) for r in c.execute(q.group_by(metrics.c.name, metrics.c.rank, metrics.c.role))
+                    .mappings()]
+
+        return self.tx.read(read)
+
+    def metric_rows(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        """Every recorded point of these metrics (ts, version, rank, role, name, value), in time order."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(metrics.c.ts, metrics.c.version, metrics.c.rank, metrics.c.role, metrics.c.name,
+                   metrics.c.value).where(metrics.c.name.in_(list(names))).order_by(metrics.c.ts, metrics.c.id))
+            .mappings()])
+
+    def recent_events(self, limit: int = 50, *, kinds: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The latest events, newest first."""
+        def read(c: Connection) -> list[dict[str, Any]]:
+            q = select(events.c.ts, events.c.rank, events.c.source, events.c.kind, events.c.message)
+            if kinds is not None:
+                q = q.where(events.c.kind.in_(list(kinds)))
+            return [dict(r) for r in c.execute(q.order_by(events.c.id.desc()).limit(limit)).mappings()]
+
+        return self.tx.read(read)
+
+    def version_rows(self) -> list[dict[str, Any]]:
+        """Every published version with its publish time and step statistics, ascending."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(versions.c.version, versions.c.created_at, versions.c.step_started_at, versions.c.duration_s,
+                   versions.c.num_trajectories, versions.c.consumed_tokens, versions.c.reward_mean,
+                   versions.c.success_rate, versions.c.max_staleness, versions.c.ras, versions.c.tprm_s,
+                   versions.c.ra2p_mode, versions.c.loss).order_by(versions.c.version)).mappings()])
+
+    def control_rows(self) -> list[dict[str, Any]]:
+        """Every role record (version, rank, role, ra2p_mode, created_at), ascending by version."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(control.c.version, control.c.rank, control.c.role, control.c.ra2p_mode, control.c.created_at)
+            .order_by(control.c.version, control.c.rank)).mappings()])
+
+    def staleness_counts(self) -> list[dict[str, Any]]:
+        """Trained trajectories and their generated tokens per staleness (versions between the oldest
+        weights that generated a token and the weights the step trained)."""
+        staleness = (trajectories.c.consumed_version - 1 - trajectories.c.min_version).label("staleness")
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(staleness, func.count().label("trajectories"),
+                   func.sum(trajectories.c.num_generated).label("tokens"))
+            .where(trajectories.c.state == TrajectoryState.CONSUMED.value)
+            .group_by(staleness).order_by(staleness)).mappings()])
+
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """Per evaluated version: tasks, mean reward, success rate and the time the last task finished."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(task_groups.c.eval_version, func.count().label("num_tasks"),
+                   func.avg(trajectories.c.reward).label("reward_mean"),
+                   func.avg(trajectories.c.success).label("success_rate"),
+                   func.max(trajectories.c.finished_at).label("finished_at"))
+            .join(task_groups, task_groups.c.id == trajectories.c.group_id)
+            .where(task_groups.c.kind == TaskKind.EVAL.value)
+            .group_by(task_groups.c.eval_version).order_by(task_groups.c.eval_version)).mappings()])
 
 
 # ---- helpers running inside a transaction ----------------------------------------------------

@@ -58,6 +58,7 @@ control = Table(
     Column("rank", Integer, nullable=False),
     Column("role", String, nullable=False),
     Column("ra2p_mode", String),
+    Column("fetch_groups", Integer),  # groups step `version` trains on (ERS adaptive data retention)
     Column("reason", Text),
     Column("created_at", Float, nullable=False),
     UniqueConstraint("version", "rank", name="uq_control_version_rank"),

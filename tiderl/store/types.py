@@ -15,6 +15,10 @@ class RunState(str, enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.FAILED, RunState.CANCELLED)
+
 
 class RankState(str, enum.Enum):
     STARTING = "starting"
@@ -166,6 +170,20 @@ class StepRecord:
     tprm_s: float | None = None
     ra2p_mode: str | None = None
     loss: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """The control plane's plan of one version: each rank's role from it on, the RA2P mode
+    and the number of groups the step trains on."""
+
+    version: int
+    roles: dict[int, Role]
+    ra2p_mode: str
+    fetch_groups: int
+
+    def ranks_with(self, role: Role) -> list[int]:
+        return sorted(r for r, x in self.roles.items() if x is role)
 
 
 @dataclass(frozen=True, slots=True)
