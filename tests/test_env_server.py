@@ -302,3 +302,45 @@ def test_pool_spreads_sessions_over_servers_and_routes_by_session() -> None:
                 await pool.step(starts[0].session_id, "8")
 
     asyncio.run(main())
+
+
+def test_pool_takes_a_dead_server_out_of_rotation_and_brings_it_back() -> None:
+    async def main() -> None:
+        async with serving() as a:
+            b = await start_server(ServerOptions(envs=("hilo",)))
+            pool = EnvPool([a.url, b.url], down_s=0.5, max_retries=0, retry_backoff_s=0.01)
+            try:
+                on_b = [s for s in [await pool.start("hilo", seed=i) for i in range(2)]
+                        if pool.server_of(s.session_id) == b.url]
+                assert len(on_b) == 1
+                await b.close()  # b dies with a session on it
+                with pytest.raises(EnvConnectionError, match=b.url):
+                    await pool.step(on_b[0].session_id, "x")
+                assert not pool.is_up(pool.clients[1])
+                # Its session fails at once, without waiting on the dead server, and is forgotten.
+                with pytest.raises(EnvConnectionError, match="out of rotation"):
+                    await pool.end(on_b[0].session_id)
+                with pytest.raises(KeyError):
+                    pool.client_of(on_b[0].session_id)
+                # New sessions go to the live server only.
+                fresh = [await pool.start("hilo", seed=10 + i) for i in range(3)]
+                assert {pool.server_of(s.session_id) for s in fresh} == {a.url}
+                await asyncio.sleep(0.6)  # back in rotation: a start there fails over to a
+                again = await pool.start("hilo", seed=20)
+                assert pool.server_of(again.session_id) == a.url and pool.num_failovers == 1
+            finally:
+                await pool.close()
+
+    asyncio.run(main())
+
+
+def test_pool_with_every_server_dead_says_so() -> None:
+    async def main() -> None:
+        b = await start_server(ServerOptions(envs=("hilo",)))
+        url = b.url
+        await b.close()
+        async with EnvPool([url], max_retries=0) as pool:
+            with pytest.raises(EnvConnectionError, match="no env server answers"):
+                await pool.start("hilo", seed=0)
+
+    asyncio.run(main())

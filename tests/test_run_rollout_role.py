@@ -19,7 +19,7 @@ from tiderl.rollout.fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
 from tiderl.rollout.tiny_model import train_tokenizer
 from tiderl.run.rollout_role import RolloutRole
-from tiderl.store.types import TaskClaim, TaskKind
+from tiderl.store.types import RankReport, TaskClaim, TaskKind
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,13 @@ def test_stale_tasks_and_a_role_change_are_released(fmt: ChatFormat) -> None:
         while len(role.worker.first_version) < 4:
             await asyncio.sleep(0.01)
         await engine.reload_weights("weights/v2", version=2)
-        stale = await role.release(role.stale(bound=1))  # staleness bound 1 at version 2
+        stale, rest = RankReport(rank=0), RankReport(rank=0)
+        await role.release(stale, role.stale(bound=1))  # staleness bound 1 at version 2
         role.worker.poke()
-        rest = await role.release()
+        await role.release(rest)
         await role.runner
-        return role, stale, rest
+        assert not stale.handed_over and not rest.handed_over  # without handoff, tasks start again
+        return role, stale.released, rest.released
 
     role, stale, rest = asyncio.run(scenario())
     assert sorted(stale) == [10, 11, 12]  # the eval task is never stale
@@ -136,3 +138,39 @@ def test_the_role_plays_against_a_real_env_server(tmp_path: Path, fmt: ChatForma
     assert sorted(t.task_id for t in role.finished) == list(range(1, 9)) and not role.failed
     check_trajectories(role)
     assert health[0]["status"] == "ok" and role.worker.report.num_pauses > 0
+
+
+def test_tasks_handed_over_at_a_boundary_carry_on_elsewhere(fmt: ChatFormat) -> None:
+    """A rank leaving rollout hands its tasks over: the next rank resumes each paused env session
+    and continues the context (a fresh prefill), without replaying a single turn."""
+    env = LocalEnvLink()  # both ranks reach the same sessions, like two ranks of one env server
+
+    async def scenario() -> tuple[RolloutRole, RankReport, int]:
+        slow = FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.02)  # "1" is never right: long tasks
+        first = RolloutRole(job(), 0, slow, env, fmt)
+        first.add(claims(10, 1, 4))
+        while min((r.num_turns for r in first.worker._runs.values()), default=0) < 2:
+            await asyncio.sleep(0.005)
+        report = RankReport(rank=0)
+        await first.release(report, handoff=True)
+        await first.runner
+        starts = env.num_starts
+        second = RolloutRole(job(), 1, FakeEngine(guesser(fmt)), env, fmt)
+        second.add([TaskClaim(task_id=t, group_id=1, index_in_group=i, kind=TaskKind.TRAIN, seed=1, attempts=2, eval_version=None,
+                              progress=report.handed_over.get(t)) for i, t in enumerate(report.released)])
+        await second.runner
+        return second, report, env.num_starts - starts
+
+    second, report, new_starts = asyncio.run(scenario())
+    assert sorted(report.released) == [10, 11, 12, 13]
+    assert len(report.handed_over) >= 1, "no task was stopped at a turn boundary"
+    assert new_starts == 4 - len(report.handed_over), "a handed-over task started a new env session"
+    assert sorted(t.task_id for t in second.finished) == [10, 11, 12, 13] and not second.failed
+    for traj in second.finished:
+        progress = report.handed_over.get(traj.task_id)
+        if progress is None:
+            continue
+        n = len(progress["token_ids"])
+        assert list(traj.token_ids[:n]) == progress["token_ids"] and traj.num_turns > progress["num_turns"] >= 2
+        assert list(traj.token_versions[:n]) == progress["versions"]
+    assert env.num_sessions == 0  # every session ended exactly once, by the rank that finished it

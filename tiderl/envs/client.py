@@ -15,12 +15,16 @@ server: a retried /observation could apply an action twice.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from tiderl.envs.protocol import TOKEN_HEADER
+
+log = logging.getLogger(__name__)
 
 
 class EnvServiceError(Exception):
@@ -219,14 +223,43 @@ class EnvClient:
 class EnvPool:
     """Clients of several env servers behind one interface: `start` places a session on
     the server with the fewest sessions this pool holds there; later calls on that
-    session go to the same server."""
+    session go to the same server.
 
-    def __init__(self, urls: list[str] | tuple[str, ...], **client_kwargs: Any) -> None:
+    Failover: a server that does not answer (connection refused or dropped, timeout,
+    after the client's retries) is taken out of rotation for `down_s` seconds. New
+    sessions go to the servers still answering (a `start` that finds its server dead
+    moves on to the next); calls on sessions of the dead server raise, so their tasks
+    fail and are retried elsewhere by the run store. After `down_s` the server gets new
+    sessions again; if it still does not answer it is out for another `down_s`."""
+
+    def __init__(self, urls: list[str] | tuple[str, ...], *, down_s: float = 30.0, **client_kwargs: Any) -> None:
         if not urls:
             raise ValueError("EnvPool needs at least one env server URL")
         self.clients = [EnvClient(url, **client_kwargs) for url in urls]
+        self.down_s = down_s
         self._owner: dict[str, EnvClient] = {}
         self._load = {id(c): 0 for c in self.clients}
+        self._down_until = {id(c): 0.0 for c in self.clients}
+        self.num_failovers = 0
+
+    def is_up(self, client: EnvClient) -> bool:
+        return time.monotonic() >= self._down_until[id(client)]
+
+    def _mark_down(self, client: EnvClient, error: EnvConnectionError) -> None:
+        if self.is_up(client):
+            log.warning("env server %s out of rotation for %.0f s: %s", client.url, self.down_s, error)
+        self._down_until[id(client)] = time.monotonic() + self.down_s
+
+    async def _on(self, client: EnvClient, endpoint: str, session_id: str, call: Any) -> Any:
+        """Run `call(session_id)` on `client`; a server out of rotation fails at once."""
+        if not self.is_up(client):
+            raise EnvConnectionError(client.url, endpoint, "the server stopped answering and is out of rotation",
+                                     session_id=session_id, code="server_down")
+        try:
+            return await call(session_id)
+        except EnvConnectionError as e:
+            self._mark_down(client, e)
+            raise
 
     async def __aenter__(self) -> EnvPool:
         return self
@@ -248,32 +281,69 @@ class EnvPool:
             raise KeyError(f"session {session_id} was not started through this pool (or has ended)")
         return client
 
+    def server_of(self, session_id: str) -> str:
+        """The URL of the server holding `session_id`."""
+        return self.client_of(session_id).url
+
+    def adopt(self, session_id: str, url: str) -> None:
+        """Route `session_id`, started by another pool (another rank), to the server at `url`."""
+        if session_id in self._owner:
+            return
+        for client in self.clients:
+            if client.url == url:
+                self._owner[session_id] = client
+                self._load[id(client)] += 1
+                return
+        raise KeyError(f"session {session_id}: its env server {url} is not one of this pool's "
+                       f"({', '.join(c.url for c in self.clients)})")
+
     async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
-        client = min(self.clients, key=lambda c: self._load[id(c)])
-        self._load[id(client)] += 1
-        try:
-            result = await client.start(env, seed, options)
-        except BaseException:
-            self._load[id(client)] -= 1
-            raise
-        self._owner[result.session_id] = client
-        return result
+        tried: list[EnvConnectionError] = []
+        while True:
+            up = [c for c in self.clients if self.is_up(c)]
+            if not up:
+                if tried:
+                    raise EnvConnectionError(tried[-1].url, "/start", "no env server answers: " + "; ".join(
+                        str(e) for e in tried))
+                # Every server is out of rotation: try the one that went out first.
+                up = [min(self.clients, key=lambda c: self._down_until[id(c)])]
+            client = min(up, key=lambda c: self._load[id(c)])
+            self._load[id(client)] += 1
+            try:
+                result = await client.start(env, seed, options)
+            except EnvConnectionError as e:
+                self._load[id(client)] -= 1
+                self._mark_down(client, e)
+                tried.append(e)
+                if len(tried) > 1:
+                    self.num_failovers += 1
+                continue
+            except BaseException:
+                self._load[id(client)] -= 1
+                raise
+            if tried:
+                self.num_failovers += 1
+            self._owner[result.session_id] = client
+            return result
 
     async def step(self, session_id: str, action: str) -> StepResult:
-        return await self.client_of(session_id).step(session_id, action)
+        client = self.client_of(session_id)
+        return await self._on(client, "/observation", session_id, lambda s: client.step(s, action))
 
     async def pause(self, session_id: str) -> str:
-        return await self.client_of(session_id).pause(session_id)
+        client = self.client_of(session_id)
+        return await self._on(client, "/pause", session_id, client.pause)
 
     async def resume(self, session_id: str) -> str:
-        return await self.client_of(session_id).resume(session_id)
+        client = self.client_of(session_id)
+        return await self._on(client, "/resume", session_id, client.resume)
 
     async def end(self, session_id: str) -> EndResult:
         client = self.client_of(session_id)
         try:
-            result = await client.end(session_id)
-        except (EnvNotFoundError, EnvConflictError):
-            self._forget(session_id, client)  # the server no longer holds it (e.g. reaped)
+            result = await self._on(client, "/end", session_id, client.end)
+        except (EnvNotFoundError, EnvConflictError, EnvConnectionError):
+            self._forget(session_id, client)  # the server no longer holds it (reaped, or the server is gone)
             raise
         self._forget(session_id, client)
         return result

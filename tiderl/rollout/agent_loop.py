@@ -12,15 +12,20 @@ length each turn (CTB's footprint).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
+import logging
 import zlib
 from typing import Protocol
 
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine, SamplingSpec
 from tiderl.rollout.local_env import EnvLink
-from tiderl.rollout.trajectory import TaskSpec, Trajectory
+from tiderl.envs.client import EnvConflictError, EnvNotFoundError, EnvServiceError
+from tiderl.rollout.trajectory import TaskProgress, TaskSpec, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -56,6 +61,11 @@ class TaskRun:
     session_id: str | None = None
     num_turns: int = 0
     num_pauses: int = 0
+    # The context length and turn count at the last turn boundary where the task may be handed
+    # to another rank (before a generation); None while the environment is mid-step.
+    checkpoint: tuple[int, int] | None = None
+    trajectory: Trajectory | None = None
+    handoff: bool = False  # set before cancelling: keep the env session (paused) instead of ending it
 
 
 class TurnGate(Protocol):
@@ -75,12 +85,9 @@ async def run_task(
     limits: LoopLimits,
     gate: TurnGate,
 ) -> Trajectory:
-    started = await env.start(spec.env, spec.seed, spec.options)
-    run.session_id = started.session_id
-    prompt = fmt.prompt_ids(started.observation)
-    trajectory = Trajectory(task=spec, token_ids=[], loss_mask=[], logprobs=[], versions=[], num_prompt_tokens=len(prompt))
-    trajectory.append(prompt, sampled=False)
-    run.num_prompt_tokens = run.context_tokens = len(prompt)
+    trajectory = await _begin(spec, run, env, fmt)
+    session_id = run.session_id
+    assert session_id is not None
     temperature = limits.eval_temperature if spec.is_eval else limits.temperature
     finish = "done"
     try:
@@ -89,6 +96,7 @@ async def run_task(
             if room < 1:
                 finish = "max_context"
                 break
+            run.checkpoint = (len(trajectory.token_ids), run.num_turns)
             await gate.before_generate(run, env)
             run.phase = Phase.GENERATING
             # Per-task seed: a replayed task samples the same turns under the same weights.
@@ -107,7 +115,8 @@ async def run_task(
             run.phase = Phase.WAITING_ENV
             run.context_tokens = len(trajectory.token_ids)
             gate.after_turn(run)
-            step = await env.step(started.session_id, fmt.action_text(generation.token_ids))
+            run.checkpoint = None  # from here until the answer is in, the task cannot move
+            step = await env.step(session_id, fmt.action_text(generation.token_ids))
             run.num_turns += 1
             if step.done:
                 break
@@ -121,8 +130,16 @@ async def run_task(
             trajectory.append(piece, sampled=False)
             run.context_tokens = len(trajectory.token_ids)
             gate.after_turn(run)
-    finally:
-        ended = await env.end(started.session_id)
+    except asyncio.CancelledError:
+        if run.handoff and run.checkpoint is not None:
+            await env.pause(session_id)  # the next rank resumes it
+        else:
+            await _end_quietly(env, session_id)
+        raise
+    except BaseException:
+        await _end_quietly(env, session_id)  # the task's own error is the one to report
+        raise
+    ended = await env.end(session_id)
     trajectory.reward = ended.reward
     trajectory.env_info = dict(ended.info)
     trajectory.num_turns = run.num_turns
@@ -130,3 +147,55 @@ async def run_task(
     trajectory.num_pauses = run.num_pauses
     run.phase = Phase.FINISHED
     return trajectory
+
+
+async def _end_quietly(env: EnvLink, session_id: str) -> None:
+    """End a session of a task that failed or stopped; the session may be gone with its server."""
+    try:
+        await env.end(session_id)
+    except (EnvServiceError, KeyError) as e:
+        log.info("session %s not ended cleanly: %s", session_id, e)
+
+
+async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) -> Trajectory:
+    """Start the env session and the context, or carry on a handed-over task: its paused
+    session resumes and its context so far is prefilled afresh by the next generation. A
+    handed-over session the server no longer holds restarts the task from the beginning."""
+    progress = spec.progress
+    if progress is not None:
+        try:
+            if progress.server is not None and hasattr(env, "adopt"):
+                env.adopt(progress.session_id, progress.server)
+            await env.resume(progress.session_id)
+        except (KeyError, EnvNotFoundError, EnvConflictError):
+            progress = None  # reaped or ended meanwhile: play the task again from its start
+    if progress is not None:
+        run.session_id = progress.session_id
+        trajectory = Trajectory(task=spec, token_ids=list(progress.token_ids), loss_mask=list(progress.loss_mask),
+                                logprobs=list(progress.logprobs), versions=list(progress.versions),
+                                num_prompt_tokens=progress.num_prompt_tokens)
+        run.num_turns, run.num_pauses = progress.num_turns, progress.num_pauses
+        run.num_prompt_tokens = progress.num_prompt_tokens
+    else:
+        started = await env.start(spec.env, spec.seed, spec.options)
+        run.session_id = started.session_id
+        prompt = fmt.prompt_ids(started.observation)
+        trajectory = Trajectory(task=spec, token_ids=[], loss_mask=[], logprobs=[], versions=[],
+                                num_prompt_tokens=len(prompt))
+        trajectory.append(prompt, sampled=False)
+        run.num_prompt_tokens = len(prompt)
+    run.context_tokens = len(trajectory.token_ids)
+    run.trajectory = trajectory
+    return trajectory
+
+
+def progress_of(run: TaskRun, server: str | None) -> TaskProgress | None:
+    """The task at its last hand-over point, or None if it has none (env mid-step, not started)."""
+    t = run.trajectory
+    if run.checkpoint is None or t is None or run.session_id is None:
+        return None
+    n, turns = run.checkpoint
+    return TaskProgress(session_id=run.session_id, server=server, token_ids=tuple(t.token_ids[:n]),
+                        loss_mask=tuple(t.loss_mask[:n]), logprobs=tuple(t.logprobs[:n]),
+                        versions=tuple(t.versions[:n]), num_prompt_tokens=t.num_prompt_tokens, num_turns=turns,
+                        num_pauses=run.num_pauses)

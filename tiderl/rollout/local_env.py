@@ -39,6 +39,7 @@ class LocalEnvLink:
         self._ids = itertools.count()
         self._sessions: dict[str, Any] = {}
         self.paused: set[str] = set()
+        self.num_starts = 0
         self.num_pauses = 0
         self.num_resumes = 0
         self.max_sessions_seen = 0
@@ -61,6 +62,7 @@ class LocalEnvLink:
         observation, info = instance.reset(seed=seed, options=options or {})
         session_id = f"s{next(self._ids)}"
         self._sessions[session_id] = instance
+        self.num_starts += 1
         self.max_sessions_seen = max(self.max_sessions_seen, len(self._sessions))
         return StartResult(session_id, observation, False, info)
 

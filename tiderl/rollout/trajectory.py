@@ -9,8 +9,47 @@ NO_VERSION = -1  # per-token version of tokens the policy did not sample (prompt
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TaskProgress:
+    """A task stopped at a turn boundary, to be carried on by another rank: its env session
+    (paused, on `server`) and its context so far, token by token as in `Trajectory`. The next
+    rank prefills the context afresh and continues with the next generation."""
+
+    session_id: str
+    server: str | None  # the env server URL holding the session (None: an in-process env)
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    num_prompt_tokens: int
+    num_turns: int
+    num_pauses: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"task progress of session {self.session_id}: {name} has "
+                                 f"{len(getattr(self, name))} entries for {n} tokens")
+
+    @property
+    def first_version(self) -> int | None:
+        """The oldest weights version of its sampled tokens (None before the first generation)."""
+        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(sampled) if sampled else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TaskProgress":
+        seqs = ("token_ids", "loss_mask", "logprobs", "versions")
+        return cls(**{k: tuple(v) if k in seqs else v for k, v in data.items()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TaskSpec:
-    """One task: one prompt (env + seed + options) played once."""
+    """One task: one prompt (env + seed + options) played once, or carried on from `progress`."""
 
     task_id: str
     group_id: str
@@ -20,6 +59,7 @@ class TaskSpec:
     is_eval: bool = False
     eval_version: int | None = None  # evaluation tasks: the weights version they evaluate
     task_type: str = ""  # for CTB's task-diversity rule; default: the env name
+    progress: TaskProgress | None = dataclasses.field(default=None, compare=False)  # handed over by another rank
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

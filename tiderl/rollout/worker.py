@@ -22,12 +22,12 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 from tiderl.policy.ctb import AdmissionLimits, CandidateGroup, CtbDecision, CtbTask, RankView, TaskState
-from tiderl.rollout.agent_loop import LoopLimits, Phase, TaskRun, run_task
+from tiderl.rollout.agent_loop import LoopLimits, Phase, TaskRun, progress_of, run_task
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
 from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.schedulers import Scheduler
-from tiderl.rollout.trajectory import GroupSpec, TaskSpec, Trajectory
+from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 
 Sink = Callable[[Trajectory], Awaitable[None] | None]
 OnFailure = Callable[[TaskSpec, BaseException], None]
@@ -134,32 +134,43 @@ class RolloutWorker:
             self.report.wall_s += time.monotonic() - started
         return self.report
 
-    async def abandon(self, task_ids: Iterable[str] | None = None) -> list[TaskSpec]:
-        """Stop these tasks (default: every task; env sessions end) and return the unfinished
-        ones, to be played again elsewhere (a rank leaving rollout at a sync boundary, or
-        tasks that could no longer be trained within the staleness bound)."""
+    async def abandon(self, task_ids: Iterable[str] | None = None, *,
+                      handoff: bool = False) -> list[tuple[TaskSpec, TaskProgress | None]]:
+        """Stop these tasks (default: every task) and return the unfinished ones, to be played
+        elsewhere (a rank leaving rollout at a sync boundary, or tasks that could no longer be
+        trained within the staleness bound). Without `handoff` their env sessions end and they
+        start again from scratch. With it, a task stopped at a turn boundary keeps its session
+        (paused) and comes back with its progress, for another rank to carry on."""
         wanted = None if task_ids is None else set(task_ids)
-        left = []
+        left: list[tuple[TaskSpec, TaskProgress | None]] = []
         for group_id, specs in list(self._pending.items()):
             for spec in [s for s in specs if wanted is None or s.task_id in wanted]:
                 specs.remove(spec)
-                left.append(spec)
+                left.append((spec, spec.progress if handoff else None))
             if not specs:
                 del self._pending[group_id]
         stopping = {t: task for t, task in self._tasks.items() if wanted is None or t in wanted}
-        left += [self._runs[t].spec for t in stopping if t in self._runs]
-        for task_id, task in stopping.items():
-            if task_id in self._runs:
-                # A probe stopped before its first turn was measured must not hold its group back.
-                self._probing.discard(self._runs[task_id].spec.group_id)
+        runs = {t: self._runs[t] for t in stopping if t in self._runs}
+        for run in runs.values():
+            run.handoff = handoff
+            # A probe stopped before its first turn was measured must not hold its group back.
+            self._probing.discard(run.spec.group_id)
+        for task in stopping.values():
             task.cancel()
         await asyncio.gather(*stopping.values(), return_exceptions=True)
+        for task_id, run in runs.items():
+            if run.phase is not Phase.FINISHED:  # one that finished meanwhile went to the sink
+                left.append((run.spec, progress_of(run, self._server_of(run)) if handoff else None))
         for task_id in stopping:
             self._runs.pop(task_id, None)
             self._tasks.pop(task_id, None)
             self._paused.pop(task_id, None)
         self._changed.set()
         return left
+
+    def _server_of(self, run: TaskRun) -> str | None:
+        server_of = getattr(self.env, "server_of", None)
+        return server_of(run.session_id) if server_of is not None and run.session_id else None
 
     def _rank_view(self) -> RankView:
         tasks = []

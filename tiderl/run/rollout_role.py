@@ -27,7 +27,7 @@ from tiderl.rollout.agent_loop import TaskRun
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
 from tiderl.rollout.local_env import EnvLink
-from tiderl.rollout.trajectory import GroupSpec, TaskSpec, Trajectory
+from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport, Role,
@@ -93,11 +93,14 @@ class RolloutRole:
         by_group: dict[int, list[TaskSpec]] = defaultdict(list)
         self._batches += 1
         for claim in claims:
+            progress = TaskProgress.from_json(claim.progress) if claim.progress else None
             spec = TaskSpec(task_id=str(claim.task_id), group_id=f"{claim.group_id}#{self._batches}",
                             env=cfg.env.name, seed=claim.seed, options=dict(cfg.env.options),
                             is_eval=claim.kind is TaskKind.EVAL, eval_version=claim.eval_version,
-                            task_type=cfg.env.name)
+                            task_type=cfg.env.name, progress=progress)
             self.claims[spec.task_id] = claim
+            if progress is not None and progress.first_version is not None:
+                self.worker.first_version[spec.task_id] = progress.first_version
             by_group[claim.group_id].append(spec)
         self.worker.add_groups(GroupSpec(group_id=specs[0].group_id, tasks=tuple(specs))
                                for specs in by_group.values())
@@ -120,14 +123,16 @@ class RolloutRole:
         return [tid for tid, v in self.worker.first_version.items()
                 if v < bound and tid in self.claims and self.claims[tid].kind is TaskKind.TRAIN]
 
-    async def release(self, task_ids: list[str] | None = None) -> list[int]:
-        """Abandon these tasks (default: all); their store ids, to go back to the pool."""
-        left = await self.worker.abandon(task_ids)
-        released = []
-        for spec in left:
+    async def release(self, report: RankReport, task_ids: list[str] | None = None, *, handoff: bool = False) -> None:
+        """Abandon these tasks (default: all) and give them back to the pool in `report`. With
+        `handoff`, tasks stopped at a turn boundary keep their env session and go back with
+        their progress, so the next rank carries them on (a fresh prefill, no replay)."""
+        for spec, progress in await self.worker.abandon(task_ids, handoff=handoff):
             self.worker.first_version.pop(spec.task_id, None)
-            released.append(self.claims.pop(spec.task_id).task_id)
-        return released
+            task_id = self.claims.pop(spec.task_id).task_id
+            report.released.append(task_id)
+            if progress is not None:
+                report.handed_over[task_id] = progress.to_json()
 
     def drain(self, report: RankReport) -> None:
         self._check_runner()
@@ -197,7 +202,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             nxt = ctx.boundary(planned)
             if nxt is not None:
                 if nxt.roles.get(ctx.rank) is not Role.ROLLOUT:
-                    report.released += await role.release()
+                    await role.release(report, handoff=True)  # carried on by the ranks still rolling out
                     role.drain(report)
                     report.events.append(EventRecord("role_switch", f"rank {ctx.rank}: rollout -> "
                                                      f"{nxt.roles[ctx.rank].value} at version {nxt.version}"))
@@ -205,7 +210,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                     _send(ctx, report, nxt.version, nxt.roles[ctx.rank])
                     return nxt
                 planned = nxt.version
-                report.released += await role.release(role.stale(planned - ctx.system.max_staleness))
+                await role.release(report, role.stale(planned - ctx.system.max_staleness))
                 role.drain(report)
             if version < planned and role.holds_evaluation(version) and planned - version <= keep_versions:
                 if kept_for != planned:
@@ -217,7 +222,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                 await engine.reload_weights(ctx.weights_dir(planned), planned)
                 report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, planned, "rollout"))
                 evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
-                report.released += await role.release(evals)  # they may only run on the weights they evaluate
+                await role.release(report, evals)  # they may only run on the weights they evaluate
                 version = planned
                 role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
                 role.drain(report)
@@ -234,7 +239,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             _send(ctx, report, version, Role.ROLLOUT)
             report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     except RunStopped:
-        report.released += await role.release()
+        await role.release(report)
         role.drain(report)
         await stats.add_to(report, role, engine, version)
         if not report.is_empty():

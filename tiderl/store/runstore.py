@@ -254,9 +254,13 @@ class RunStore:
                 attempts=tasks.c.attempts + 1))
             q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
                  .where(tasks.c.claim_token == token).order_by(tasks.c.id))
-            return [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group,
-                              kind=TaskKind(r.kind), seed=r.seed, attempts=r.attempts, eval_version=r.eval_version)
-                    for r in c.execute(q)]
+            out = [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group,
+                             kind=TaskKind(r.kind), seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
+                             progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
+            # Progress is carried on once: if this claimer dies, the session may have moved past it.
+            c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None))
+                      .values(progress=None))
+            return out
 
         return self.tx.write(write)
 
@@ -282,7 +286,13 @@ class RunStore:
                 c.execute(update(tasks).where(tasks.c.id.in_(report.released), tasks.c.owner_rank == report.rank,
                                               tasks.c.state == TaskState.RUNNING.value).values(
                     state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=now,
-                    attempts=tasks.c.attempts - 1))
+                    attempts=tasks.c.attempts - 1, progress=None))
+            handed = [dict(tid=t, prog=json.dumps(p)) for t, p in report.handed_over.items()
+                      if t in set(report.released)]
+            if handed:  # just released by this rank above: pending, no owner
+                c.execute(update(tasks).where(tasks.c.id == bindparam("tid"), tasks.c.owner_rank.is_(None),
+                                              tasks.c.state == TaskState.PENDING.value).values(
+                    progress=bindparam("prog")), handed)
             if report.metrics:
                 c.execute(insert(metrics), [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
                                                  value=float(m.value)) for m in report.metrics])
@@ -510,7 +520,7 @@ class RunStore:
 
         return self.tx.read(read)
 
-    def group_counts(self) -> dict[tuple[str, str], int]:
+    def group_state_counts(self) -> dict[tuple[str, str], int]:
         """Number of groups per (kind, state)."""
         return self.tx.read(lambda c: {(k, s): n for k, s, n in c.execute(
             select(task_groups.c.kind, task_groups.c.state, func.count()).group_by(task_groups.c.kind,
@@ -544,6 +554,14 @@ class RunStore:
             select(metrics.c.ts, metrics.c.version, metrics.c.rank, metrics.c.role, metrics.c.name,
                    metrics.c.value).where(metrics.c.name.in_(list(names))).order_by(metrics.c.ts, metrics.c.id))
             .mappings()])
+
+    def metric_rows_after(self, after_id: int, names: Sequence[str], *, limit: int = 50_000) -> list[dict[str, Any]]:
+        """Points of these metrics recorded after row `after_id` (id, ts, version, rank, role, name, value), in
+        id order, at most `limit`: an incremental reader keeps the last id and asks again."""
+        return self.tx.read(lambda c: [dict(r) for r in c.execute(
+            select(metrics.c.id, metrics.c.ts, metrics.c.version, metrics.c.rank, metrics.c.role, metrics.c.name,
+                   metrics.c.value).where(metrics.c.id > after_id, metrics.c.name.in_(list(names)))
+            .order_by(metrics.c.id).limit(limit)).mappings()])
 
     def recent_events(self, limit: int = 50, *, kinds: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """The latest events, newest first."""

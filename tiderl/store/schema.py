@@ -94,6 +94,9 @@ tasks = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     Column("last_error", Text),
+    # A task released at a turn boundary with its env session kept (JSON of rollout's
+    # TaskProgress): the next claimer carries it on; the claim takes it out.
+    Column("progress", Text),
     Index("ix_tasks_state", "state", "id"),
     Index("ix_tasks_owner", "owner_rank", "state"),
     Index("ix_tasks_claim", "claim_token"),

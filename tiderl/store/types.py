@@ -74,6 +74,7 @@ class TaskClaim:
     seed: int
     attempts: int
     eval_version: int | None
+    progress: dict | None = None  # handed over by the rank that released it (rollout's TaskProgress JSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,7 @@ class RankReport:
     finished: list[FinishedTrajectory] = field(default_factory=list)
     failed: list[TaskFailure] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # task ids given back to the pool
+    handed_over: dict[int, dict] = field(default_factory=dict)  # released task id -> its progress, to carry on
     metrics: list[MetricPoint] = field(default_factory=list)
     events: list[EventRecord] = field(default_factory=list)
     role: Role | None = None

@@ -1,0 +1,31 @@
+"""A task released with its progress is carried on once: the next claim gets the progress, a
+claim after that (its claimer died) starts the task afresh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiderl.store import RunStore
+from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
+
+
+def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
+    store = RunStore.for_run_dir(tmp_path)
+    store.create_schema()
+    store.init_run(name="t", system="tiderl", config_yaml="")
+    store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    for r in (0, 1, 2):
+        store.register_rank(r, Role.ROLLOUT)
+    first = store.claim_tasks(0, 2)
+    progress = {"session_id": "s1", "server": "http://env:1", "token_ids": [1, 2], "loss_mask": [0, 1],
+                "logprobs": [0.0, -0.5], "versions": [-1, 0], "num_prompt_tokens": 1, "num_turns": 1}
+    # Only tasks released in the same report may carry progress; task 2 stays with rank 0.
+    store.report(RankReport(rank=0, released=[first[0].task_id],
+                            handed_over={first[0].task_id: progress, first[1].task_id: progress}))
+    again = store.claim_tasks(1, 2)
+    assert [(c.task_id, c.progress) for c in again] == [(first[0].task_id, progress)]
+    assert again[0].attempts == 1  # a hand-over is not a failed attempt
+    store.reclaim_expired(0.0, now=10**12)  # ranks 0 and 1 die
+    third = store.claim_tasks(2, 2)
+    assert sorted(c.task_id for c in third) == [c.task_id for c in first]
+    assert all(c.progress is None for c in third)
