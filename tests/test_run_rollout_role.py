@@ -174,3 +174,44 @@ def test_tasks_handed_over_at_a_boundary_carry_on_elsewhere(fmt: ChatFormat) -> 
         assert list(traj.token_ids[:n]) == progress["token_ids"] and traj.num_turns > progress["num_turns"] >= 2
         assert list(traj.token_versions[:n]) == progress["versions"]
     assert env.num_sessions == 0  # every session ended exactly once, by the rank that finished it
+
+
+@pytest.mark.slow
+def test_hand_over_through_a_real_env_server_between_two_pools(tmp_path: Path, fmt: ChatFormat) -> None:
+    """Two ranks, two pools, one server: sessions stopped at a turn boundary move to the other
+    pool; tasks caught in an env step (the server answers slowly) start again instead."""
+    cfg = build(EnvConfig, {"latency": "lognormal:0.02:0.08"}, "env")
+    proc = subprocess.Popen(server_argv(cfg, tmp_path / "port"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for_url(tmp_path / "port", proc)
+
+        async def scenario() -> tuple[RolloutRole, RankReport, list]:
+            first_pool, second_pool = make_pool(cfg, [url]), make_pool(cfg, [url])
+            try:
+                slow = FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.02)
+                first = RolloutRole(job(), 0, slow, first_pool, fmt)
+                first.add(claims(1, 1, 8))
+                while min((r.num_turns for r in first.worker._runs.values()), default=0) < 1:
+                    await asyncio.sleep(0.005)
+                report = RankReport(rank=0)
+                await first.release(report, handoff=True)
+                await first.runner
+                second = RolloutRole(job(), 1, FakeEngine(guesser(fmt)), second_pool, fmt)
+                second.add([TaskClaim(task_id=t, group_id=1, index_in_group=i, kind=TaskKind.TRAIN, seed=1,
+                                      attempts=2, eval_version=None, progress=report.handed_over.get(t))
+                            for i, t in enumerate(report.released)])
+                await second.runner
+                return second, report, await second_pool.health()
+            finally:
+                await first_pool.close()
+                await second_pool.close()
+
+        second, report, health = asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert sorted(report.released) == list(range(1, 9))
+    assert report.handed_over, "no task was stopped at a turn boundary"
+    assert all(p["server"] == url for p in report.handed_over.values())
+    assert sorted(t.task_id for t in second.finished) == list(range(1, 9)) and not second.failed
+    assert health[0]["sessions"] == 0 and health[0]["paused"] == 0  # nothing left behind on the server

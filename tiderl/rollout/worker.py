@@ -160,7 +160,8 @@ class RolloutWorker:
         await asyncio.gather(*stopping.values(), return_exceptions=True)
         for task_id, run in runs.items():
             if run.phase is not Phase.FINISHED:  # one that finished meanwhile went to the sink
-                left.append((run.spec, progress_of(run, self._server_of(run)) if handoff else None))
+                movable = handoff and run.checkpoint is not None
+                left.append((run.spec, progress_of(run, self._server_of(run)) if movable else None))
         for task_id in stopping:
             self._runs.pop(task_id, None)
             self._tasks.pop(task_id, None)
@@ -170,7 +171,12 @@ class RolloutWorker:
 
     def _server_of(self, run: TaskRun) -> str | None:
         server_of = getattr(self.env, "server_of", None)
-        return server_of(run.session_id) if server_of is not None and run.session_id else None
+        if server_of is None or run.session_id is None:
+            return None
+        try:
+            return server_of(run.session_id)
+        except KeyError:  # the session ended (the task stopped mid env step): nothing to hand over
+            return None
 
     def _rank_view(self) -> RankView:
         tasks = []

@@ -8,6 +8,7 @@ the next one (a fresh rendezvous file per version).
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,13 +31,20 @@ def init_trainer_group(
     if num_actors < 1 or num_refs < 0 or not 0 <= rank < world:
         raise ValueError(f"init_trainer_group: rank {rank} outside {num_actors} actors + {num_refs} refs")
     rendezvous_file.parent.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{rendezvous_file.resolve()}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # init_process_group wraps sys.excepthook to prefix tracebacks with the group rank; a rank
+    # joins a fresh group every decoupled version, and the wrappers would pile up (and the
+    # group rank is not the run's rank). Keep the process's own hook.
+    hook = sys.excepthook
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{rendezvous_file.resolve()}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    finally:
+        sys.excepthook = hook
     actors = tuple(range(num_actors))
     refs = tuple(range(num_actors, world))
     if num_refs == 0:
