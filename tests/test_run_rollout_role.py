@@ -215,3 +215,24 @@ def test_hand_over_through_a_real_env_server_between_two_pools(tmp_path: Path, f
     assert all(p["server"] == url for p in report.handed_over.values())
     assert sorted(t.task_id for t in second.finished) == list(range(1, 9)) and not second.failed
     assert health[0]["sessions"] == 0 and health[0]["paused"] == 0  # nothing left behind on the server
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.001, 0.02])
+def test_tasks_claimed_just_before_a_role_switch_are_all_released(fmt: ChatFormat, wait_s: float) -> None:
+    """Claims added a moment before the switch (still pending, just started, or mid-turn) all go back."""
+    async def scenario() -> tuple[RolloutRole, RankReport]:
+        role = RolloutRole(job(max_concurrency=4), 0, FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.01),
+                           LocalEnvLink(), fmt)
+        role.add(claims(10, 1, 6))  # more than the worker admits at once: some stay pending
+        if wait_s:
+            await asyncio.sleep(wait_s)
+        report = RankReport(rank=0)
+        await role.release(report, handoff=True)
+        await asyncio.gather(role.runner, return_exceptions=True)
+        role.drain(report)
+        return role, report
+
+    role, report = asyncio.run(scenario())
+    finished = {t.task_id for t in report.finished}
+    assert sorted(set(report.released) | finished) == list(range(10, 16))
+    assert not set(report.released) & finished and not role.claims

@@ -29,3 +29,19 @@ def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
     third = store.claim_tasks(2, 2)
     assert sorted(c.task_id for c in third) == [c.task_id for c in first]
     assert all(c.progress is None for c in third)
+
+
+def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> None:
+    store = RunStore.for_run_dir(tmp_path)
+    store.create_schema()
+    store.init_run(name="t", system="tiderl", config_yaml="")
+    store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    store.register_rank(0, Role.ROLLOUT)
+    store.claim_tasks(0, 2)
+    store.report(RankReport(rank=0, role=Role.REF))  # switched to ref without releasing them
+    assert store.reclaim_expired(30.0).tasks_returned == 0  # within the grace period
+    store.tx.write(lambda c: c.exec_driver_sql("update tasks set updated_at = updated_at - 100"))
+    result = store.reclaim_expired(30.0)
+    assert result.dead_ranks == [] and result.tasks_returned == 2  # the rank lives on as ref
+    assert store.buffer_state()["tasks_pending"] == 2
+    assert [c.attempts for c in store.claim_tasks(0, 2)] == [1, 1]

@@ -400,14 +400,27 @@ class RunStore:
 
     # ---- liveness ------------------------------------------------------------------------
     def reclaim_expired(self, timeout_s: float, *, now: float | None = None) -> ReclaimResult:
-        """Mark ranks silent for `timeout_s` dead and return their claims to the pool."""
+        """Mark ranks silent for `timeout_s` dead and return their claims to the pool. Also return
+        tasks orphaned for `timeout_s` by a live rank: held by a rank that stopped or no longer
+        rolls out (a rank releases its tasks when it leaves rollout; this is the safety net)."""
         def write(c: Connection) -> ReclaimResult:
             t = now if now is not None else time.time()
+            not_rolling = select(ranks.c.rank).where(
+                (ranks.c.state == RankState.STOPPED.value) | (ranks.c.role != Role.ROLLOUT.value))
+            orphans = c.execute(update(tasks).where(
+                tasks.c.state == TaskState.RUNNING.value, tasks.c.owner_rank.in_(not_rolling),
+                tasks.c.updated_at < t - timeout_s).values(
+                state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t, progress=None,
+                attempts=tasks.c.attempts - 1)).rowcount
+            if orphans:
+                c.execute(insert(events).values(ts=t, rank=None, source="store", kind="orphaned_tasks",
+                                                message=f"{orphans} running tasks held by ranks that stopped or "
+                                                        "left rollout returned to the pool"))
             dead = [r for (r,) in c.execute(select(ranks.c.rank).where(
                 ranks.c.state.in_([RankState.RUNNING.value, RankState.STARTING.value]),
                 ranks.c.heartbeat_at < t - timeout_s))]
             if not dead:
-                return ReclaimResult([], 0, 0)
+                return ReclaimResult([], orphans, 0)
             c.execute(update(ranks).where(ranks.c.rank.in_(dead)).values(state=RankState.DEAD.value))
             n_tasks = c.execute(update(tasks).where(tasks.c.owner_rank.in_(dead),
                                                     tasks.c.state == TaskState.RUNNING.value).values(
@@ -416,7 +429,7 @@ class RunStore:
             c.execute(insert(events), [dict(ts=t, rank=r, source="store", kind="rank_dead",
                                             message=f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
                                                     "its claims returned to the pool") for r in dead])
-            return ReclaimResult(dead, n_tasks, n_traj)
+            return ReclaimResult(dead, n_tasks + orphans, n_traj)
 
         return self.tx.write(write)
 
