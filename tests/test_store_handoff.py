@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tiderl.rundir import open_run
 from tiderl.store import RunStore
 from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
 
@@ -45,3 +46,20 @@ def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> Non
     assert result.dead_ranks == [] and result.tasks_returned == 2  # the rank lives on as ref
     assert store.buffer_state()["tasks_pending"] == 2
     assert [c.attempts for c in store.claim_tasks(0, 2)] == [1, 1]
+
+
+def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -> None:
+    store = RunStore.for_run_dir(tmp_path)
+    store.create_schema()
+    store.init_run(name="t", system="tiderl", config_yaml="")
+    store.tx.write(lambda c: c.exec_driver_sql("alter table tasks drop column progress"))
+    store.tx.write(lambda c: c.exec_driver_sql("alter table control drop column fetch_groups"))
+    store.close()
+    (tmp_path / "config.yaml").write_text("")
+    _, reopened = open_run(tmp_path)
+    assert reopened.upgrade_schema() == []  # already done by open_run
+    reopened.plan_roles(0, {0: Role.ACTOR}, fetch_groups=3)
+    assert reopened.plan_at(0).fetch_groups == 3
+    reopened.add_groups([NewGroup(TaskKind.TRAIN, 1, 1)])
+    reopened.register_rank(1, Role.ROLLOUT)
+    assert reopened.claim_tasks(1, 1)[0].progress is None

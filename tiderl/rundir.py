@@ -40,6 +40,7 @@ def open_run(run_dir: Path) -> tuple[RunPaths, RunStore]:
         raise RunDirError(f"{paths.root}: no run store (expected {paths.db})")
     store = RunStore.for_run_dir(paths.root)
     try:
+        store.upgrade_schema()  # a run made by an earlier TideRL
         store.run_info()
     except StoreError as e:
         raise RunDirError(f"{paths.root}: {e}") from e

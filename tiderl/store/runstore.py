@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, case, func, insert, select, text, update
+from sqlalchemy import Connection, and_, bindparam, case, func, insert, inspect, select, text, update
 
 from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
@@ -111,6 +111,36 @@ class RunStore:
 
         self.tx.write(create)
         return str(mode)
+
+    def upgrade_schema(self) -> list[str]:
+        """Add the nullable columns a store made by an earlier TideRL lacks (nothing else changes
+        shape between versions). Returns the columns added as "table.column"; a current store
+        is only read."""
+        def missing(c: Connection) -> list[tuple[str, Any]]:
+            out = []
+            for table in metadata.sorted_tables:
+                have = {col["name"] for col in inspect(c).get_columns(table.name)}
+                if not have:
+                    continue  # a table create_schema makes
+                out += [(table.name, col) for col in table.columns if col.name not in have]
+            return out
+
+        todo = self.tx.read(missing)
+        if not todo:
+            return []
+        for table, col in todo:
+            if not col.nullable:
+                raise StoreError(f"run store {self.url}: table {table} lacks column {col.name}, which cannot be "
+                                 "added to an existing store")
+
+        def add(c: Connection) -> None:
+            for table, col in todo:
+                kind = col.type.compile(dialect=self.engine.dialect)
+                c.execute(text(f'ALTER TABLE {table} ADD COLUMN "{col.name}" {kind}'))
+
+        self.tx.write(add)
+        self.create_schema()  # new tables and views
+        return [f"{t}.{c.name}" for t, c in todo]
 
     def close(self) -> None:
         self.engine.dispose()
