@@ -1,4 +1,10 @@
-"""`tiderl status RUN_DIR [--json]`: run state, version, ranks and roles, buffer, goodput."""
+"""`tiderl status RUN_DIR [--json] [--check] [--watch [S]]`: run state, version, ranks and roles,
+buffer, goodput, and a diagnosis of who waits for what (`tiderl.diagnose`).
+
+`--check` prints a one-line verdict plus the findings and exits 1 when the run
+is stalled or failed (for a cron job or a Slurm epilog), 0 otherwise, 2 when
+RUN_DIR is not a run. `--watch` redraws the status every few seconds.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +12,44 @@ import argparse
 import json
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from tiderl import diagnose as dg
 
 STEP_KEYS = ("version", "success_rate", "reward_mean", "consumed_tokens", "duration_s", "goodput_tok_s",
              "ras", "tprm_s", "ra2p_mode", "max_staleness")
+RWT_WINDOW_S = 30.0  # a rollout rank counts as waiting if it recorded RWT within this window
+ENV_PROBE_TIMEOUT_S = 2.0
+EXIT_OK, EXIT_ATTENTION, EXIT_NOT_A_RUN = 0, 1, 2
+SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="Run directory (holds run.db).")
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    parser.add_argument("--check", action="store_true",
+                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or failed.")
+    parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                        help="Redraw every SECONDS (default 2) until Ctrl-C.")
+    parser.add_argument("--stall-after-s", type=float, default=None,
+                        help="Stalled after this many seconds without a new version (default: the run's "
+                             "monitor.stall_after_s).")
+    parser.add_argument("--no-probe", action="store_true", help="Do not ask the env servers for /health.")
 
 
 def collect(store: Any) -> dict[str, Any]:
-    """The status document of a run (what --json prints)."""
-    from sqlalchemy import func, select
-
-    from tiderl.store.schema import metrics
-
+    """The status document of a run (what --json prints, without the diagnosis)."""
     info = store.run_info()
     steps = store.steps()
     end = info["finished_at"] or time.time()
     elapsed_s = max(end - info["created_at"], 1e-9)
     consumed = sum(s["consumed_tokens"] or 0 for s in steps)
-
-    def waits(c: Any) -> dict[str, float]:
-        q = select(metrics.c.name, func.sum(metrics.c.value)).where(metrics.c.name.in_(["rwt_s", "twt_s"]))
-        return {name: float(v) for name, v in c.execute(q.group_by(metrics.c.name))}
-
-    wait = store.tx.read(waits)
+    wait: dict[str, float] = {}
+    for row in store.metric_sums(["rwt_s", "twt_s"]):
+        wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
     return {
         "name": info["name"],
         "system": info["system"],
@@ -55,6 +70,121 @@ def collect(store: Any) -> dict[str, Any]:
     }
 
 
+# ---- the snapshot the diagnosis reads ---------------------------------------------------------------
+def limits_of(config: Any, stall_after_s: float | None = None) -> dg.Limits:
+    from tiderl.run.systems import behaviour, feed_allowance
+
+    system = behaviour(config.system, max_staleness=config.rollout.max_staleness, ra2p_mode=config.trainer.ra2p_mode)
+    return dg.Limits(
+        num_ranks=config.launch.num_ranks, num_steps=config.trainer.num_steps, max_staleness=system.max_staleness,
+        groups_ideal=config.trainer.groups_ideal,
+        feed_cap_groups=feed_allowance(0, config.trainer.groups_ideal, system.max_staleness),
+        max_concurrency=config.rollout.max_concurrency, heartbeat_s=config.launch.heartbeat_s,
+        heartbeat_timeout_s=config.launch.heartbeat_timeout_s,
+        stall_after_s=stall_after_s if stall_after_s is not None else config.monitor.stall_after_s,
+        slow_task_s=config.monitor.slow_task_s, rwt_window_s=RWT_WINDOW_S)
+
+
+def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg.EnvServerView, ...] = (),
+             slurm_jobs: tuple[dg.SlurmJobView, ...] = ()) -> dg.Snapshot:
+    """What the run store says now, as the diagnosis's input (ages relative to `now`)."""
+    info = store.run_info()
+    version = int(info["version"])
+    last = [v for v in store.version_rows() if v["version"] == version]
+    progress_at = max([info["created_at"], info["updated_at"]] + ([last[0]["created_at"]] if last else []))
+    groups = store.outstanding_groups()
+    running: dict[int, int] = {}
+    for g in groups:
+        for t in g["unfinished"]:
+            if t["state"] == "running" and t["owner_rank"] is not None:
+                running[t["owner_rank"]] = running.get(t["owner_rank"], 0) + 1
+    rwt: dict[int, float] = {}
+    for row in store.metric_sums(["rwt_s"], since=now - limits.rwt_window_s):
+        if row["rank"] is not None:
+            rwt[row["rank"]] = rwt.get(row["rank"], 0.0) + float(row["value"])
+    claims = {c["rank"]: c for c in store.trainer_claims() if c["rank"] is not None}
+    planned = {r["rank"]: r["planned_role"] for r in store.view("rank_roles")}
+    ranks = tuple(dg.RankView(
+        rank=r["rank"], role=r["role"], state=r["state"], version=r["version"],
+        heartbeat_age_s=now - r["heartbeat_at"], planned_role=planned.get(r["rank"]),
+        running_tasks=running.get(r["rank"], 0), rwt_recent_s=rwt.get(r["rank"], 0.0),
+        claimed_groups=int(claims[r["rank"]]["groups"]) if r["rank"] in claims else 0,
+        claimed_age_s=now - claims[r["rank"]]["latest_claimed_at"] if r["rank"] in claims else None,
+        up_s=now - r["started_at"])
+        for r in store.ranks())
+    plan = store.plan_at(version)
+    counts = store.group_state_counts()
+    return dg.Snapshot(
+        state=info["state"], version=version, message=info["message"], since_progress_s=max(0.0, now - progress_at),
+        limits=limits, ranks=ranks,
+        groups=tuple(dg.GroupView(
+            group_id=g["id"], kind=g["kind"], state=g["state"], size=g["size"], num_done=g["num_done"],
+            unfinished=tuple(dg.TaskView(
+                task_id=t["id"], group_id=t["group_id"], state=t["state"], owner_rank=t["owner_rank"],
+                running_s=now - t["claimed_at"] if t["state"] == "running" and t["claimed_at"] else None,
+                attempts=t["attempts"], last_error=t["last_error"]) for t in g["unfinished"]))
+            for g in groups),
+        fetch_groups=plan.fetch_groups if plan else None, ra2p_mode=plan.ra2p_mode if plan else None,
+        failed_groups=counts.get(("train", "failed"), 0),
+        events=tuple(dg.EventView(kind=e["kind"], age_s=now - e["ts"], message=e["message"], rank=e["rank"])
+                     for e in store.recent_events(50)),
+        env_servers=env_servers, slurm_jobs=slurm_jobs)
+
+
+def probe_env_servers(run_dir: Path, timeout_s: float = ENV_PROBE_TIMEOUT_S) -> tuple[dg.EnvServerView, ...]:
+    """Ask each env server of the run (RUN_DIR/env_urls.json) for /health."""
+    from tiderl.run.context import ENV_URLS_FILE
+
+    try:
+        urls = json.loads((run_dir / ENV_URLS_FILE).read_text())
+    except (OSError, ValueError):
+        return ()  # not started yet: the launcher writes the file once the servers are up
+    if not urls:
+        return ()
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:  # a dead server costs one timeout, not N
+        return tuple(pool.map(lambda url: _probe(url, timeout_s), urls))
+
+
+def _probe(url: str, timeout_s: float) -> dg.EnvServerView:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            body = json.loads(resp.read())
+        return dg.EnvServerView(url=url, is_reachable=True, sessions=body.get("active"),
+                                step_p99_ms=body.get("step_p99_ms"))
+    except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors; ValueError: not JSON
+        return dg.EnvServerView(url=url, is_reachable=False, error=f"{type(e).__name__}: {e}")
+
+
+def slurm_jobs(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The run's Slurm jobs; None where the Slurm job lookup is not available."""
+    try:
+        from tiderl.slurm.runjobs import slurm_jobs_of_run
+    except ImportError:
+        return None
+    return slurm_jobs_of_run(run_dir)
+
+
+def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = None,
+                    probe: bool = True) -> dict[str, Any]:
+    """`collect` plus `diagnosis` (and `slurm` where the Slurm lookup exists): what --json prints."""
+    from tiderl.config import load_job
+    from tiderl.paths import RunPaths
+
+    doc = collect(store)
+    config = load_job(RunPaths(run_dir).config)
+    jobs = slurm_jobs(run_dir)
+    is_live = doc["state"] not in dg.TERMINAL_STATES
+    snap = snapshot(store, limits_of(config, stall_after_s), now=time.time(),
+                    env_servers=probe_env_servers(run_dir) if probe and is_live else (),
+                    slurm_jobs=tuple(dg.SlurmJobView(str(j["job_id"]), str(j["state"]), j.get("reason"))
+                                     for j in jobs or ()))
+    doc["diagnosis"] = dg.diagnose(snap).to_dict()
+    if jobs is not None:
+        doc["slurm"] = jobs
+    return doc
+
+
+# ---- rendering ---------------------------------------------------------------------------------------
 def render(doc: dict[str, Any]) -> str:
     lines = [
         f"run {doc['name']} ({doc['system']}): {doc['state']}" + (f" - {doc['message']}" if doc["message"] else ""),
@@ -81,21 +211,80 @@ def render(doc: dict[str, Any]) -> str:
     for e in doc["eval"]:
         lines.append(f"eval @ version {e['eval_version']}: success {_f(e['success_rate'], 2)} over "
                      f"{e['num_tasks']} tasks")
+    for j in doc.get("slurm") or ():
+        lines.append(f"slurm job {j['job_id']}: {j['state']}" + (f" ({j['reason']})" if j.get("reason") else ""))
+    if "diagnosis" in doc:
+        lines += ["", *render_diagnosis(doc["diagnosis"])]
     return "\n".join(lines)
+
+
+def render_diagnosis(d: dict[str, Any], *, skip: tuple[str, ...] = ()) -> list[str]:
+    lines = [f"diagnosis ({_age(d['since_progress_s'])} since the last new version"
+             + (", STALLED)" if d["is_stalled"] else ")"),
+             f"  trainer: {d['trainer']}", f"  rollout: {d['rollout']}"]
+    lines += [f"  {SEVERITY_MARK[f['severity']]} {f['message']}" for f in d["findings"] if f["kind"] not in skip]
+    return lines
+
+
+def verdict(doc: dict[str, Any]) -> str:
+    """The one line `--check` starts with."""
+    d = doc["diagnosis"]
+    where = f"run {doc['name']} at version {doc['version']} ({doc['state']})"
+    if d["is_stalled"]:
+        return f"STALLED: {where}: {d['culprit']['message'] if d['culprit'] else 'no culprit found'}"
+    if d["needs_attention"]:
+        return f"FAILED: {where}" + (f": {doc['message']}" if doc["message"] else "")
+    return f"OK: {where}, last new version {_age(d['since_progress_s'])} ago"
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _f(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def run(args: argparse.Namespace) -> int:
+# ---- the command -------------------------------------------------------------------------------------
+def _show(args: argparse.Namespace, store: Any, out: TextIO) -> int:
+    doc = status_document(args.run_dir, store, stall_after_s=args.stall_after_s, probe=not args.no_probe)
+    if args.json:
+        text = json.dumps(doc, default=str)
+    elif args.check:
+        # The verdict line already says stalled and why.
+        text = "\n".join([verdict(doc), *render_diagnosis(doc["diagnosis"], skip=("stalled",))[1:]])
+    else:
+        text = render(doc)
+    print(text, file=out, flush=True)
+    return EXIT_ATTENTION if args.check and doc["diagnosis"]["needs_attention"] else EXIT_OK
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from tiderl.rundir import RunDirError, open_run
 
+    out = out or sys.stdout
     try:
         _, store = open_run(args.run_dir)
     except RunDirError as e:
         print(f"tiderl status: {e}", file=sys.stderr)
-        return 2
-    doc = collect(store)
-    print(json.dumps(doc, default=str) if args.json else render(doc))
-    return 0
+        return EXIT_NOT_A_RUN
+    try:
+        if args.watch is None:
+            return _show(args, store, out)
+        if args.watch <= 0:
+            print(f"tiderl status: --watch: expected a positive number of seconds, got {args.watch}",
+                  file=sys.stderr)
+            return EXIT_NOT_A_RUN
+        is_tty = out.isatty()
+        code = EXIT_OK
+        try:
+            while True:
+                if is_tty and not args.json:
+                    print("\x1b[H\x1b[2J", end="", file=out)  # cursor home, clear screen
+                print(time.strftime("%H:%M:%S"), file=out)
+                code = _show(args, store, out)
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return code
+    finally:
+        store.close()

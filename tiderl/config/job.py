@@ -11,6 +11,7 @@ from tiderl.config.env import EnvConfig
 from tiderl.config.ers import ErsConfig
 from tiderl.config.launch import LaunchConfig
 from tiderl.config.model import ModelConfig
+from tiderl.config.monitor import MonitorConfig
 from tiderl.config.rollout import RolloutConfig
 from tiderl.config.schema import ConfigError, build, option, section, to_dict
 from tiderl.config.slurm import SlurmConfig
@@ -37,6 +38,7 @@ class JobConfig:
     launch: LaunchConfig = option(default_factory=LaunchConfig, help="Ranks and liveness.")
     slurm: SlurmConfig = option(default_factory=SlurmConfig, help="Slurm resources for `tiderl submit`.")
     store: StoreConfig = option(default_factory=StoreConfig, help="Run store.")
+    monitor: MonitorConfig = option(default_factory=MonitorConfig, help="Run monitoring: stall detection, Prometheus metrics.")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from tiderl.config import JobConfig, load_job
+from tiderl.metrics import MetricsServer
 from tiderl.paths import RunPaths
 from tiderl.policy import ers
 from tiderl.policy.ra2p import StageTimes
@@ -169,10 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     config = load_job(paths.config)
     store = RunStore.for_run_dir(paths.root, config.store)
     plane = ControlPlane(config, store)
+    exporter = MetricsServer.start(paths.root, store, config)  # monitor.metrics_port; docs/observability.md
     try:
         while plane.tick():
+            if exporter is not None:
+                exporter.tick()
             time.sleep(TICK_S)
     finally:
+        if exporter is not None:
+            exporter.close()
         store.close()
     return 0
 

@@ -1,0 +1,33 @@
+"""`monitor:` section: stall detection for `tiderl status` and the control plane's Prometheus endpoint."""
+
+from __future__ import annotations
+
+from tiderl.config.schema import option, section
+
+
+@section
+class MonitorConfig:
+    stall_after_s: float = option(
+        900.0,
+        gt=0,
+        help="A running run that has published no new weights version for this long is stalled: "
+        "`tiderl status` says so, names the likely culprit and `--check` exits 1. Leave room for the "
+        "engines' start-up (minutes on a loaded machine) and for the slowest step.",
+    )
+    slow_task_s: float = option(
+        300.0,
+        gt=0,
+        help="A task running this long on one rank is named in the diagnosis as a slow task.",
+    )
+    metrics_port: int | None = option(
+        None,
+        ge=0,
+        help="Port of the control plane's Prometheus endpoint (`/metrics`); 0 picks a free port "
+        "(written to RUN_DIR/metrics.url); null: no endpoint.",
+    )
+    metrics_host: str = option(
+        "0.0.0.0", help="Address the Prometheus endpoint listens on (0.0.0.0: every interface of the node)."
+    )
+    metrics_interval_s: float = option(
+        2.0, gt=0, help="Seconds between two refreshes of the Prometheus metrics from the run store."
+    )

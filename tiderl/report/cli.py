@@ -1,0 +1,48 @@
+"""`tiderl report RUN_DIR [--out DIR]`: write the figures (PNG) and `summary.md` of a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPORT_DIR = "report"  # default output: RUN_DIR/report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, help="Run directory (holds run.db); works while the run goes on.")
+    parser.add_argument("--out", type=Path, default=None, help="Output directory (default: RUN_DIR/report).")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiderl.paths import atomic_write_text
+    from tiderl.progress import Progress
+    from tiderl.report import data as report_data
+    from tiderl.report.figures import FIGURES, write_all
+    from tiderl.report.summary import render
+    from tiderl.rundir import RunDirError, open_run
+    from tiderl.status import status_document
+
+    try:
+        _, store = open_run(args.run_dir)
+    except RunDirError as e:
+        print(f"tiderl report: {e}", file=sys.stderr)
+        return 2
+    out = args.out if args.out is not None else args.run_dir / REPORT_DIR
+    try:
+        with Progress("tiderl report", total=len(FIGURES) + 2, unit="steps") as progress:
+            progress.step("reading the run store")
+            try:
+                data = report_data.load(store)
+                diagnosis = status_document(args.run_dir, store, probe=False)["diagnosis"]
+            finally:
+                store.close()
+            figures = write_all(data, out, on_figure=lambda name: progress.step(f"drawing {name}.png"))
+            progress.step("writing summary.md")
+            summary = out / "summary.md"
+            atomic_write_text(summary, render(data, figures, diagnosis))
+    except OSError as e:
+        print(f"tiderl report: cannot write to {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {summary} and {len(figures)} figures: {', '.join(p.name for p, _ in figures.values())}")
+    return 0

@@ -1,0 +1,87 @@
+"""Everything a report draws, read from the run store once into plain Python series."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Metrics the figures read (names as the ranks record them).
+WAIT_METRICS = ("rwt_s", "twt_s")
+CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
+
+
+@dataclass
+class RoleSpan:
+    rank: int
+    role: str  # rollout, actor, ref, idle, or "dead"
+    start_s: float  # seconds since the run started
+    end_s: float
+
+
+@dataclass
+class ReportData:
+    info: dict[str, Any]
+    t0: float  # run start (Unix seconds); every `*_s` time below is relative to it
+    end_s: float  # the run's end, or now
+    versions: list[dict[str, Any]]  # published versions > 0 with `t_s` (publish time since start)
+    evals: list[dict[str, Any]]
+    waits: list[dict[str, Any]]  # rwt_s / twt_s points with `t_s`
+    cache: list[dict[str, Any]]  # prefix-cache and KV-usage points with `t_s`
+    staleness: list[dict[str, Any]]
+    roles: list[RoleSpan] = field(default_factory=list)
+
+    @property
+    def consumed_tokens(self) -> int:
+        return sum(v["consumed_tokens"] or 0 for v in self.versions)
+
+
+def load(store: Any, *, now: float | None = None) -> ReportData:
+    info = store.run_info()
+    t0 = float(info["created_at"])
+    end = float(info["finished_at"] or (now if now is not None else time.time()))
+    versions = [v | {"t_s": v["created_at"] - t0} for v in store.version_rows() if v["version"] > 0]
+    publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
+    points = [p | {"t_s": p["ts"] - t0} for p in store.metric_rows(WAIT_METRICS + CACHE_METRICS)]
+    dead = [e | {"t_s": e["ts"] - t0} for e in store.recent_events(10_000, kinds=["rank_dead"])]
+    evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.eval_rows()]
+    return ReportData(
+        info=info, t0=t0, end_s=end - t0, versions=versions, evals=evals,
+        waits=[p for p in points if p["name"] in WAIT_METRICS],
+        cache=[p for p in points if p["name"] in CACHE_METRICS],
+        staleness=store.staleness_counts(),
+        roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
+                         restarted_s={r["rank"]: r["started_at"] - t0 for r in store.ranks()}))
+
+
+def role_spans(control: list[dict[str, Any]], publish_s: dict[int, float], dead_events: list[dict[str, Any]],
+               end_s: float, restarted_s: dict[int, float] | None = None) -> list[RoleSpan]:
+    """Each rank's role over time: the role planned for version v holds from v's publication (the sync
+    boundary) until the rank's next planned change; a rank declared dead is `dead` until its next planned
+    change or its restart (`restarted_s`: its latest start, e.g. by a resume), whichever comes first.
+    Plans of versions never published (the run ended first) are ignored."""
+    restarted_s = restarted_s or {}
+    by_rank: dict[int, list[tuple[float, str]]] = {}
+    for row in control:
+        start = publish_s.get(row["version"])
+        if start is None:
+            continue
+        changes = by_rank.setdefault(row["rank"], [])
+        if not changes or changes[-1][1] != row["role"]:
+            changes.append((start, row["role"]))
+    for e in sorted(dead_events, key=lambda e: e["t_s"]):
+        changes = by_rank.get(e["rank"])
+        if not changes:
+            continue
+        before = [role for t, role in changes if t <= e["t_s"] and role != "dead"]
+        changes.append((e["t_s"], "dead"))
+        back = restarted_s.get(e["rank"])
+        if before and back is not None and back > e["t_s"]:
+            changes.append((back, before[-1]))
+    spans = []
+    for rank, changes in sorted(by_rank.items()):
+        changes.sort(key=lambda c: c[0])
+        for (start, role), nxt in zip(changes, changes[1:] + [(end_s, "")]):
+            if min(nxt[0], end_s) > start:
+                spans.append(RoleSpan(rank, role, start, min(nxt[0], end_s)))
+    return spans

@@ -1,0 +1,62 @@
+"""The report's Markdown page: the run in numbers, the figures, the diagnosis at report time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tiderl.report.data import ReportData
+
+
+def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: dict[str, Any] | None) -> str:
+    info = data.info
+    elapsed = max(data.end_s, 1e-9)
+    total = data.consumed_tokens
+    waits: Counter[str] = Counter()
+    for p in data.waits:
+        waits[p["name"]] += p["value"]
+    modes = Counter(v["ra2p_mode"] or "unknown" for v in data.versions)
+    lines = [
+        f"# Run report: {info['name']}",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| system | `{info['system']}` |",
+        f"| state | {info['state']}" + (f" ({info['message']})" if info["message"] else "") + " |",
+        f"| versions published | {info['version']} |",
+        f"| wall time | {elapsed:.0f} s |",
+        f"| trained generated tokens | {total} |",
+        f"| goodput (whole run) | {total / elapsed:.1f} tokens/s |",
+        f"| RWT (rollout wait, all ranks) | {waits['rwt_s']:.1f} s |",
+        f"| TWT (trainer wait, all ranks) | {waits['twt_s']:.1f} s |",
+        f"| RA2P modes | {', '.join(f'{m}: {n} step' + ('' if n == 1 else 's') for m, n in sorted(modes.items())) or '-'} |",
+    ]
+    evals = [e for e in data.evals if e["success_rate"] is not None]
+    if evals:
+        lines += ["", "## Evaluations", "", "| weights version | tasks | success rate | mean reward |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {e['eval_version']} | {e['num_tasks']} | {e['success_rate']:.3f} | {e['reward_mean']:.3f} |"
+                  for e in evals]
+    if data.versions:
+        lines += ["", "## Steps", "", "| version | step (s) | tokens | goodput (tok/s) | reward | success | RAS | "
+                  "TPRM (s) | max staleness | mode |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for v in data.versions:
+            rate = v["consumed_tokens"] / v["duration_s"] if v["duration_s"] else None
+            lines.append(f"| {v['version']} | {_f(v['duration_s'], 1)} | {v['consumed_tokens']} | {_f(rate, 0)} | "
+                         f"{_f(v['reward_mean'], 3)} | {_f(v['success_rate'], 3)} | {v['ras'] if v['ras'] is not None else '-'} | "
+                         f"{_f(v['tprm_s'], 2)} | {v['max_staleness'] if v['max_staleness'] is not None else '-'} | "
+                         f"{v['ra2p_mode'] or '-'} |")
+    lines += ["", "## Figures", ""]
+    for name, (path, caption) in figures.items():
+        lines += [f"**{name}**: {caption}", "", f"![{name}]({path.name})", ""]
+    if diagnosis is not None:
+        lines += ["## Diagnosis at report time", "", f"- trainer: {diagnosis['trainer']}",
+                  f"- rollout: {diagnosis['rollout']}"]
+        lines += [f"- {f['severity']}: {f['message']}" for f in diagnosis["findings"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _f(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
