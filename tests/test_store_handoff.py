@@ -63,3 +63,28 @@ def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -
     reopened.add_groups([NewGroup(TaskKind.TRAIN, 1, 1)])
     reopened.register_rank(1, Role.ROLLOUT)
     assert reopened.claim_tasks(1, 1)[0].progress is None
+
+
+def test_whereabouts_of_running_tasks_reach_the_diagnosis(tmp_path: Path) -> None:
+    from tiderl.store.types import TaskWhereabouts
+
+    store = RunStore.for_run_dir(tmp_path)
+    store.create_schema()
+    store.init_run(name="t", system="tiderl", config_yaml="")
+    store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    store.register_rank(3, Role.ROLLOUT)
+    a, b = store.claim_tasks(3, 2)
+    store.report(RankReport(rank=3, whereabouts=[
+        TaskWhereabouts(a.task_id, turn=4, phase="env", phase_since=1000.0, env_server="http://env-7:8000"),
+        TaskWhereabouts(b.task_id, turn=1, phase="generate", phase_since=1090.0)]))
+    store.report(RankReport(rank=9, whereabouts=[  # not the owner: ignored
+        TaskWhereabouts(b.task_id, turn=9, phase="paused", phase_since=0.0)]))
+    rows = {t["id"]: t for g in store.outstanding_groups() for t in g["unfinished"]}
+    assert (rows[a.task_id]["turn"], rows[a.task_id]["phase"], rows[a.task_id]["env_server"]) == (
+        4, "env", "http://env-7:8000")
+    assert (rows[b.task_id]["turn"], rows[b.task_id]["phase"]) == (1, "generate")
+    store.report(RankReport(rank=3, released=[a.task_id]))
+    store.register_rank(4, Role.ROLLOUT)
+    store.claim_tasks(4, 1)
+    rows = {t["id"]: t for g in store.outstanding_groups() for t in g["unfinished"]}
+    assert rows[a.task_id]["phase"] is None and rows[a.task_id]["owner_rank"] == 4  # a new claim starts afresh

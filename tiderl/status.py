@@ -122,7 +122,9 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
             unfinished=tuple(dg.TaskView(
                 task_id=t["id"], group_id=t["group_id"], state=t["state"], owner_rank=t["owner_rank"],
                 running_s=now - t["claimed_at"] if t["state"] == "running" and t["claimed_at"] else None,
-                attempts=t["attempts"], last_error=t["last_error"]) for t in g["unfinished"]))
+                attempts=t["attempts"], last_error=t["last_error"], turn=t["turn"], phase=t["phase"],
+                phase_s=now - t["phase_since"] if t["phase_since"] else None, env_server=t["env_server"])
+                for t in g["unfinished"]))
             for g in groups),
         fetch_groups=plan.fetch_groups if plan else None, ra2p_mode=plan.ra2p_mode if plan else None,
         failed_groups=counts.get(("train", "failed"), 0),

@@ -151,10 +151,18 @@ async def run_task(
 
 async def _end_quietly(env: EnvLink, session_id: str) -> None:
     """End a session of a task that failed or stopped; the session may be gone with its server."""
-    try:
-        await env.end(session_id)
-    except (EnvServiceError, KeyError) as e:
-        log.info("session %s not ended cleanly: %s", session_id, e)
+    for delay_s in (0.05, 0.1, 0.2, None):
+        try:
+            await env.end(session_id)
+            return
+        except EnvConflictError as e:  # a step cut off on our side may still be running on the server
+            if delay_s is None:
+                log.info("session %s not ended (the server reaps it when idle): %s", session_id, e)
+                return
+            await asyncio.sleep(delay_s)
+        except (EnvServiceError, KeyError) as e:
+            log.info("session %s not ended cleanly: %s", session_id, e)
+            return
 
 
 async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) -> Trajectory:

@@ -169,6 +169,13 @@ class RolloutWorker:
         self._changed.set()
         return left
 
+    def running(self) -> dict[str, TaskRun]:
+        """The started, unfinished tasks by task id (a copy)."""
+        return dict(self._runs)
+
+    def server_of(self, run: TaskRun) -> str | None:
+        return self._server_of(run)
+
     def _server_of(self, run: TaskRun) -> str | None:
         server_of = getattr(self.env, "server_of", None)
         if server_of is None or run.session_id is None:

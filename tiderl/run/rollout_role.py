@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import Any
 
 from tiderl.config import JobConfig
-from tiderl.rollout.agent_loop import TaskRun
+from tiderl.rollout.agent_loop import Phase, TaskRun
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
 from tiderl.rollout.local_env import EnvLink
@@ -31,7 +31,7 @@ from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Traject
 from tiderl.rollout.worker import RolloutWorker
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport, Role,
-                                TaskClaim, TaskFailure, TaskKind)
+                                TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25
@@ -199,6 +199,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             now = time.monotonic()
             tick_s, last = now - last, now
             role.drain(report)
+            stats.observe(role)
             nxt = ctx.boundary(planned)
             if nxt is not None:
                 if nxt.roles.get(ctx.rank) is not Role.ROLLOUT:
@@ -260,9 +261,28 @@ class RolloutStats:
         self.next_at = time.monotonic() + STATS_S
         self.engine_before: Any = None
         self.pauses = self.resumes = 0
+        self.phases: dict[str, tuple[Phase, float]] = {}  # task -> (phase, since when, Unix s)
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
+
+    def observe(self, role: "RolloutRole") -> None:
+        """Note every running task's phase changes (called each tick)."""
+        now = time.time()
+        runs = role.worker.running()
+        self.phases = {tid: (run.phase, self.phases[tid][1] if tid in self.phases and
+                             self.phases[tid][0] is run.phase else now) for tid, run in runs.items()}
+
+    def whereabouts(self, role: "RolloutRole") -> list[TaskWhereabouts]:
+        out = []
+        for tid, run in role.worker.running().items():
+            claim = role.claims.get(tid)
+            if claim is None or tid not in self.phases:
+                continue
+            phase, since = self.phases[tid]
+            out.append(TaskWhereabouts(task_id=claim.task_id, turn=run.num_turns, phase=_PHASE_NAMES[phase],
+                                       phase_since=since, env_server=role.worker.server_of(run)))
+        return out
 
     async def add_to(self, report: RankReport, role: "RolloutRole", engine: Engine, version: int) -> None:
         self.next_at = time.monotonic() + STATS_S
@@ -277,6 +297,11 @@ class RolloutStats:
                   "tasks_resident": w.num_resident, "tasks_paused": w.num_paused}
         self.pauses, self.resumes = w.report.num_pauses, w.report.num_resumes
         report.metrics += [MetricPoint(name, value, version, "rollout") for name, value in points.items()]
+        report.whereabouts += self.whereabouts(role)
+
+
+_PHASE_NAMES = {Phase.STARTING: "env", Phase.GENERATING: "generate", Phase.WAITING_ENV: "env",
+                Phase.PAUSED: "paused", Phase.FINISHED: "env"}
 
 
 def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> None:

@@ -20,11 +20,12 @@ from tiderl.store.types import (
     TaskFailure,
     TaskKind,
     TaskState,
+    TaskWhereabouts,
     TrajectoryState,
 )
 
 __all__ = [
     "ClaimLostError", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
-    "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TrajectoryState",
+    "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TaskWhereabouts", "TrajectoryState",
 ]

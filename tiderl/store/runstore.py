@@ -281,7 +281,7 @@ class RunStore:
                 return []
             c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
                 state=TaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
-                attempts=tasks.c.attempts + 1))
+                attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
             q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
                  .where(tasks.c.claim_token == token).order_by(tasks.c.id))
             out = [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group,
@@ -323,6 +323,13 @@ class RunStore:
                 c.execute(update(tasks).where(tasks.c.id == bindparam("tid"), tasks.c.owner_rank.is_(None),
                                               tasks.c.state == TaskState.PENDING.value).values(
                     progress=bindparam("prog")), handed)
+            if report.whereabouts:
+                c.execute(update(tasks).where(tasks.c.id == bindparam("tid"), tasks.c.owner_rank == report.rank,
+                                              tasks.c.state == TaskState.RUNNING.value).values(
+                    turn=bindparam("t_turn"), phase=bindparam("t_phase"), phase_since=bindparam("t_since"),
+                    env_server=bindparam("t_server")),
+                    [dict(tid=w.task_id, t_turn=w.turn, t_phase=w.phase, t_since=w.phase_since,
+                          t_server=w.env_server) for w in report.whereabouts])
             if report.metrics:
                 c.execute(insert(metrics), [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
                                                  value=float(m.value)) for m in report.metrics])
@@ -554,7 +561,8 @@ class RunStore:
                 .where(task_groups.c.state.in_(live)).order_by(task_groups.c.id)).mappings()]
             by_id = {g["id"]: g for g in groups}
             for t in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.state, tasks.c.owner_rank,
-                                      tasks.c.claimed_at, tasks.c.attempts, tasks.c.last_error)
+                                      tasks.c.claimed_at, tasks.c.attempts, tasks.c.last_error, tasks.c.turn,
+                                      tasks.c.phase, tasks.c.phase_since, tasks.c.env_server)
                                .where(tasks.c.state.in_([TaskState.PENDING.value, TaskState.RUNNING.value]))
                                .order_by(tasks.c.id)).mappings():
                 if t["group_id"] in by_id:

@@ -97,6 +97,11 @@ tasks = Table(
     # A task released at a turn boundary with its env session kept (JSON of rollout's
     # TaskProgress): the next claimer carries it on; the claim takes it out.
     Column("progress", Text),
+    # Where a running task is in its episode, as its rank last reported (every few seconds).
+    Column("turn", Integer),
+    Column("phase", String),  # generate | env (waiting for the environment) | paused | starting
+    Column("phase_since", Float),
+    Column("env_server", String),
     Index("ix_tasks_state", "state", "id"),
     Index("ix_tasks_owner", "owner_rank", "state"),
     Index("ix_tasks_claim", "claim_token"),

@@ -119,6 +119,17 @@ class EventRecord:
     data: dict | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TaskWhereabouts:
+    """Where a running task is in its episode: turn, phase and since when, its env server."""
+
+    task_id: int
+    turn: int
+    phase: str
+    phase_since: float
+    env_server: str | None = None
+
+
 @dataclass(slots=True)
 class RankReport:
     """Everything a rank has to tell the store since its last tick: written in ONE transaction.
@@ -132,6 +143,7 @@ class RankReport:
     failed: list[TaskFailure] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # task ids given back to the pool
     handed_over: dict[int, dict] = field(default_factory=dict)  # released task id -> its progress, to carry on
+    whereabouts: list[TaskWhereabouts] = field(default_factory=list)  # running tasks of this rank
     metrics: list[MetricPoint] = field(default_factory=list)
     events: list[EventRecord] = field(default_factory=list)
     role: Role | None = None
