@@ -23,6 +23,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tiderl.rollout import chat, demos
@@ -153,8 +154,10 @@ def demo_sequences(fmt: chat.ChatFormat, conversations: list[list[dict[str, str]
     return out
 
 
-def warm_start(model: Any, sequences: list[tuple[list[int], list[int]]], spec: TinyModelSpec, pad_id: int) -> list[float]:
-    """Supervised fine-tuning on the action tokens only; returns the loss every 25 steps."""
+def warm_start(model: Any, sequences: list[tuple[list[int], list[int]]], spec: TinyModelSpec, pad_id: int,
+               on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Supervised fine-tuning on the action tokens only; returns the loss every 25 steps and
+    calls `on_step(step, loss)` then."""
     import torch
 
     rng = random.Random(spec.seed)
@@ -180,6 +183,8 @@ def warm_start(model: Any, sequences: list[tuple[list[int], list[int]]], spec: T
         schedule.step()
         if step % 25 == 0 or step == spec.train_steps - 1:
             losses.append(round(loss.item(), 4))
+            if on_step is not None:
+                on_step(step, losses[-1])
     model.eval()
     return losses
 
@@ -193,20 +198,39 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
     digest = spec_hash(spec)
     if not force and cached_hash(out_dir) == digest:
         return out_dir
+    from tiderl.progress import Progress
+
     started = time.monotonic()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     seeds = range(spec.seed * 1_000_000, spec.seed * 1_000_000 + spec.num_demos)
     conversations, rewards = [], []
-    for seed in seeds:
-        messages, reward = demos.play_demonstration(spec.env, seed, spec.demo_noise)
-        conversations.append(messages)
-        rewards.append(reward)
-    tokenizer = train_tokenizer([m["content"] for c in conversations for m in c], spec.vocab_size)
-    fmt = chat.ChatFormat(tokenizer)
-    model = build_model(spec, len(tokenizer), fmt.pad_id, fmt.end_of_turn_id)
-    losses = warm_start(model, demo_sequences(fmt, conversations), spec, fmt.pad_id)
+    progress = Progress(f"init-model {spec.env}", total=spec.train_steps + 3, unit="steps")
+    try:
+        progress.step(f"playing {spec.num_demos} demonstrations")
+        for seed in seeds:
+            messages, reward = demos.play_demonstration(spec.env, seed, spec.demo_noise)
+            conversations.append(messages)
+            rewards.append(reward)
+        progress.step("training the tokenizer")
+        tokenizer = train_tokenizer([m["content"] for c in conversations for m in c], spec.vocab_size)
+        fmt = chat.ChatFormat(tokenizer)
+        model = build_model(spec, len(tokenizer), fmt.pad_id, fmt.end_of_turn_id)
+        progress.step("warm start")
+        losses = warm_start(model, demo_sequences(fmt, conversations), spec, fmt.pad_id,
+                            on_step=lambda step, loss: progress.update(f"warm start, loss {loss:.3f}",
+                                                                       done=3 + step))
+        progress.update("saving", done=spec.train_steps + 2)
+        path = _save(out_dir, model, tokenizer, spec, digest, rewards, losses, started)
+    except BaseException:
+        progress.close("failed")
+        raise
+    progress.close()
+    return path
 
-    # Write beside the target, then swap in: a reader never sees a half-written model.
+
+def _save(out_dir: Path, model: Any, tokenizer: Any, spec: TinyModelSpec, digest: str, rewards: list[float],
+          losses: list[float], started: float) -> Path:
+    """Write beside the target, then swap in: a reader never sees a half-written model."""
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
