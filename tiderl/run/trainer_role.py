@@ -33,6 +33,7 @@ from tiderl.run.context import RankContext
 from tiderl.store.types import EventRecord, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role, StepRecord
 
 log = logging.getLogger(__name__)
+TWT_REPORT_S = 2.0  # while the actor waits for data, its wait goes to the store this often
 
 
 def _discard_uncommitted(ctx: RankContext, version: int) -> None:
@@ -66,8 +67,9 @@ def _actor(ctx: RankContext, version: int) -> Any:
 
 
 async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[ReadyTrajectory], int, float | None,
-                                                                          float, int]:
-    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, wait seconds, groups dropped as stale)."""
+                                                                          tuple[float, float], int]:
+    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, (wait seconds, of which not yet
+    recorded as TWT), groups dropped as stale)."""
     cfg = ctx.config.trainer
     start = time.monotonic()
     claimed: list[ReadyTrajectory] = []
@@ -77,6 +79,7 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
     arrivals: list[float] = []  # seconds after the step start when another micro-batch became ready
     seen_tokens = 0
     bound = plan.version - ctx.system.max_staleness
+    reported_at = start
     while len(groups) < need:
         ctx.position()
         buf = ctx.store.buffer_state()
@@ -97,9 +100,16 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
             claimed += fresh
             groups.update(t.group_id for t in fresh)
             continue
-        ctx.store.heartbeat(ctx.rank)
+        now = time.monotonic()
+        if now - reported_at >= TWT_REPORT_S:  # the wait shows while it lasts (status, metrics)
+            ctx.store.report(RankReport(rank=ctx.rank, metrics=[
+                MetricPoint("twt_s", now - reported_at, plan.version, "actor")]))
+            reported_at = now
+        else:
+            ctx.store.heartbeat(ctx.rank)
         await asyncio.sleep(ctx.poll_s)
     wait_s = time.monotonic() - start
+    unreported_s = time.monotonic() - reported_at
     if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
         arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
     tprm = None
@@ -107,7 +117,7 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
         tprm = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
     elif arrivals:
         tprm = arrivals[0]
-    return claimed, ras or 0, tprm, wait_s, dropped
+    return claimed, ras or 0, tprm, (wait_s, unreported_s), dropped
 
 
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
@@ -127,7 +137,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
 
     actor = _actor(ctx, plan.version)
     started = time.time()
-    claimed, ras, tprm, wait_s, dropped = await _gather(ctx, plan, _fetch(ctx, plan))
+    claimed, ras, tprm, (wait_s, twt_unreported_s), dropped = await _gather(ctx, plan, _fetch(ctx, plan))
     samples = tuple(sample_from_ready(t) for t in claimed)
     mode = Ra2pMode.parse(plan.ra2p_mode)
     refs = plan.ranks_with(Role.REF)
@@ -146,7 +156,8 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                         loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     v = plan.version
-    metrics = [MetricPoint("twt_s", wait_s, v, "actor"), MetricPoint("kl", stats.kl, v, "actor"),
+    metrics = [MetricPoint("twt_s", twt_unreported_s, v, "actor"),
+               MetricPoint("kl", stats.kl, v, "actor"),
                MetricPoint("staleness_max", stats.staleness_max, v, "actor"),
                MetricPoint("train_s", stats.duration_s, v, "actor")]
     metrics += [MetricPoint(n, getattr(stats, n), v, "actor") for n in ("t_ref_s", "t_act_f_s", "t_act_b_s",
