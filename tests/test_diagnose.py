@@ -217,3 +217,11 @@ def test_every_rank_silent_means_the_run_is_gone() -> None:
     assert len(silent) == 4 and "is the control plane running?" in silent[0].message
     one = diagnose(snap(ranks=(rank(0, "actor"),) + ranks[1:]))
     assert Kind.RUN_GONE not in kinds(one)
+
+
+def test_a_control_plane_that_stopped_ticking_is_named() -> None:
+    d = diagnose(snap(control_age_s=95.0, since_progress_s=700.0))
+    assert Kind.CONTROL_DOWN in kinds(d) and d.culprit is not None and d.culprit.kind is Kind.CONTROL_DOWN
+    assert "control plane has not ticked for 95 s" in d.culprit.message
+    assert Kind.CONTROL_DOWN not in kinds(diagnose(snap(control_age_s=1.0)))
+    assert Kind.CONTROL_DOWN not in kinds(diagnose(snap(control_age_s=95.0, state="finished")))

@@ -163,3 +163,16 @@ def test_watch_redraws_until_interrupted(tmp_path: Path, capsys: pytest.CaptureF
     assert draws == [5.0, 5.0] and capsys.readouterr().out.count("diagnosis (") == 2
     assert main(["status", str(tmp_path / "r"), "--watch", "0"]) == 2
     assert "--watch: expected a positive number of seconds" in capsys.readouterr().err
+
+
+def test_control_plane_heartbeat_reaches_the_diagnosis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = _base(tmp_path / "r")
+    s.reclaim_expired(30.0, control_tick=True)
+    code, doc = _status(tmp_path / "r", capsys, "--check")
+    assert code == 0 and "control_down" not in [f["kind"] for f in doc["diagnosis"]["findings"]]
+    s.tx.write(lambda c: c.execute(update(runs).values(control_seen_at=runs.c.control_seen_at - 120)))
+    for r in range(4):
+        s.heartbeat(r)
+    code, doc = _status(tmp_path / "r", capsys)
+    down = [f for f in doc["diagnosis"]["findings"] if f["kind"] == "control_down"]
+    assert len(down) == 1 and down[0]["data"]["control_age_s"] >= 119

@@ -51,6 +51,7 @@ class Kind(str, enum.Enum):
     RUN_FAILED = "run_failed"
     STALLED = "stalled"
     RUN_GONE = "run_gone"  # every rank silent: the launcher or the Slurm job is gone
+    CONTROL_DOWN = "control_down"  # the control plane stopped ticking: no feed, no plans, no dead-rank watch
     ACTOR_DOWN = "actor_down"  # no live actor rank: nobody trains
     REF_DOWN = "ref_down"  # a decoupled step's ref rank is dead or silent
     RANK_DEAD = "rank_dead"
@@ -70,7 +71,7 @@ class Kind(str, enum.Enum):
 
 
 # Which finding most likely blocks progress, most likely first (invariant 6).
-CULPRIT_ORDER = (Kind.RUN_FAILED, Kind.SLURM_JOB, Kind.RUN_GONE, Kind.ACTOR_DOWN, Kind.REF_DOWN, Kind.ENV_SERVER_DOWN,
+CULPRIT_ORDER = (Kind.RUN_FAILED, Kind.SLURM_JOB, Kind.RUN_GONE, Kind.CONTROL_DOWN, Kind.ACTOR_DOWN, Kind.REF_DOWN, Kind.ENV_SERVER_DOWN,
                  Kind.ORPHANED_TASKS, Kind.SLOW_TASK, Kind.NO_ROLLOUT, Kind.ROLLOUT_NOT_CLAIMING, Kind.RANK_DEAD, Kind.RANK_SILENT, Kind.RANK_MISSING,
                  Kind.ROLLOUT_NO_WORK, Kind.ROLLOUT_HELD, Kind.TASK_RETRIED, Kind.GROUPS_FAILED)
 _SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
@@ -173,6 +174,7 @@ class Snapshot:
     events: tuple[EventView, ...] = ()  # recent events, newest first
     env_servers: tuple[EnvServerView, ...] = ()
     slurm_jobs: tuple[SlurmJobView, ...] = ()
+    control_age_s: float | None = None  # since the control plane's last tick (None: never ticked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +302,13 @@ def _rank_findings(snap: Snapshot) -> list[Finding]:
                            + ": the launcher (or the Slurm job) is gone while the store still says "
                            f"{snap.state}; continue it with `tiderl run --resume RUN_DIR`",
                            data={"heartbeat_age_s": _round(youngest), "env_servers_down": servers_down}))
+    control_late = snap.control_age_s is not None and snap.control_age_s > lim.heartbeat_timeout_s
+    if control_late and snap.state not in TERMINAL_STATES and not any(f.kind is Kind.RUN_GONE for f in out):
+        out.append(Finding(Kind.CONTROL_DOWN, Severity.ERROR,
+                           f"the control plane has not ticked for {_dur(snap.control_age_s)}: nobody feeds tasks, "
+                           "plans the next version or declares dead ranks (see logs/control.log; "
+                           "`tiderl run --resume RUN_DIR` starts it again)",
+                           data={"control_age_s": _round(snap.control_age_s)}))
     known = {r.rank for r in snap.ranks}
     missing = [i for i in range(lim.num_ranks) if i not in known]
     if missing and snap.state not in TERMINAL_STATES:

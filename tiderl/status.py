@@ -116,6 +116,7 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
     counts = store.group_state_counts()
     return dg.Snapshot(
         state=info["state"], version=version, message=info["message"], since_progress_s=max(0.0, now - progress_at),
+        control_age_s=now - info["control_seen_at"] if info.get("control_seen_at") else None,
         limits=limits, ranks=ranks,
         groups=tuple(dg.GroupView(
             group_id=g["id"], kind=g["kind"], state=g["state"], size=g["size"], num_done=g["num_done"],

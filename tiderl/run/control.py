@@ -52,7 +52,7 @@ class ControlPlane:
         state, version = self.store.position()
         if state.is_terminal:
             return False
-        dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s)
+        dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s, control_tick=True)
         if dead.dead_ranks:
             log.warning("ranks %s missed heartbeats: %d tasks and %d trajectories back in the pool",
                         dead.dead_ranks, dead.tasks_returned, dead.trajectories_returned)

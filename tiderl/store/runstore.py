@@ -436,12 +436,17 @@ class RunStore:
             self.tx.write(lambda c: c.execute(insert(microbatches), rows))
 
     # ---- liveness ------------------------------------------------------------------------
-    def reclaim_expired(self, timeout_s: float, *, now: float | None = None) -> ReclaimResult:
+    def reclaim_expired(self, timeout_s: float, *, now: float | None = None,
+                        control_tick: bool = False) -> ReclaimResult:
         """Mark ranks silent for `timeout_s` dead and return their claims to the pool. Also return
         tasks orphaned for `timeout_s` by a live rank: held by a rank that stopped or no longer
-        rolls out (a rank releases its tasks when it leaves rollout; this is the safety net)."""
+        rolls out (a rank releases its tasks when it leaves rollout; this is the safety net).
+        With `control_tick` (the control plane's watch) it records the control plane's heartbeat
+        in the same transaction."""
         def write(c: Connection) -> ReclaimResult:
             t = now if now is not None else time.time()
+            if control_tick:
+                c.execute(update(runs).where(runs.c.id == 1).values(control_seen_at=t))
             not_rolling = select(ranks.c.rank).where(
                 (ranks.c.state == RankState.STOPPED.value) | (ranks.c.role != Role.ROLLOUT.value))
             orphans = c.execute(update(tasks).where(

@@ -35,6 +35,7 @@ runs = Table(
     Column("finished_at", Float),
     Column("message", Text),
     Column("config_yaml", Text, nullable=False),
+    Column("control_seen_at", Float),  # the control plane's last tick (its heartbeat)
 )
 
 ranks = Table(
