@@ -23,6 +23,13 @@ class RolloutConfig:
         ge=1,
         help="CTB token budget per rollout rank. null: the engine's reported KV capacity.",
     )
+    report_interval_s: float = option(
+        0.25,
+        gt=0,
+        help="How often a rollout rank reports to the run store: finished trajectories, releases, "
+        "heartbeat and its claim of new tasks in one transaction. Raise it where commits are slow "
+        "(a store on a network filesystem: about 1 s).",
+    )
     max_staleness: int = option(
         1, ge=0, help="No task is admitted whose data would be more than this many versions old when trained."
     )

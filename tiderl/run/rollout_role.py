@@ -1,15 +1,16 @@
 """The rollout role: one `RolloutWorker` per rank (the `rollout.scheduler`: `ctb` or `vanilla`),
-reporting once per tick, weight reload at each boundary.
+one store transaction per tick (`rollout.report_interval_s`), weight reload at each boundary.
 
 Per tick: test the boundary (a new version published and planned: reload the
-weights in place, which drops the prefix cache, and let the scheduler decide again;
-leave if the plan gives this rank another role, releasing every task the worker
-holds), release in-flight training tasks that could no longer be trained within
-the staleness bound (the worker abandons them; they restart elsewhere or here
-with a fresh prefill), claim tasks from the store so the worker holds up to
-`rollout.max_concurrency` unfinished ones (it admits them by its scheduler: CTB
-by KV token budget, probes and priorities), and send one report (finished
-trajectories, failures, releases, RWT) in one transaction.
+weights in place, which drops the prefix cache, and let the scheduler decide
+again; leave if the plan gives this rank another role, handing its tasks over
+with their progress), release in-flight training tasks that could no longer be
+trained within the staleness bound (they restart elsewhere or here with a fresh
+prefill), and send one report: finished trajectories, failures, releases,
+metrics, task whereabouts and the claim of enough new tasks that the worker
+holds up to `rollout.max_concurrency` unfinished ones (it admits them by its
+scheduler: CTB by KV token budget, probes and priorities). An evaluation runs on
+the weights it evaluates (see `run_rollout`).
 RWT counts the seconds the rank had free slots but nothing to claim (the
 feeder holds tasks back for staleness, or the buffer is full).
 """
@@ -30,11 +31,10 @@ from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker
 from tiderl.run.context import RankContext, RunStopped
-from tiderl.store.types import (EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport, Role,
-                                TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
+from tiderl.store.types import (ClaimRequest, EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport,
+                                Role, TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
 
 log = logging.getLogger(__name__)
-TICK_S = 0.25
 STATS_S = 2.0  # how often a rollout rank records its engine and scheduler counters
 
 
@@ -195,7 +195,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     last = time.monotonic()
     try:
         while True:
-            await asyncio.sleep(TICK_S)
+            await asyncio.sleep(cfg.rollout.report_interval_s)
             now = time.monotonic()
             tick_s, last = now - last, now
             role.drain(report)
@@ -228,17 +228,18 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                 role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
                 role.drain(report)
             free = cfg.rollout.max_concurrency - role.worker.num_unfinished
-            if free > 0:
+            if free > 0:  # claimed in the tick's one transaction, after its releases
                 kinds = (TaskKind.EVAL,) if version < planned else tuple(TaskKind)
-                claims = ctx.store.claim_tasks(ctx.rank, free, kinds=kinds, weights_version=version)
-                if claims:
-                    role.add(claims)
-                else:
-                    report.metrics.append(MetricPoint("rwt_s", tick_s, version, "rollout"))
+                report.claim = ClaimRequest(limit=free, kinds=kinds, weights_version=version)
             if stats.due(now):
                 await stats.add_to(report, role, engine, version)
-            _send(ctx, report, version, Role.ROLLOUT)
+            claims = _send(ctx, report, version, Role.ROLLOUT)
+            starved = report.claim is not None and not claims
+            if claims:
+                role.add(claims)
             report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
+            if starved:  # free slots and nothing to claim: the rank waited this tick
+                report.metrics.append(MetricPoint("rwt_s", tick_s, version, "rollout"))
     except RunStopped:
         await role.release(report)
         role.drain(report)
@@ -304,6 +305,6 @@ _PHASE_NAMES = {Phase.STARTING: "env", Phase.GENERATING: "generate", Phase.WAITI
                 Phase.PAUSED: "paused", Phase.FINISHED: "env"}
 
 
-def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> None:
+def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> list[TaskClaim]:
     report.version, report.role = version, role
-    ctx.store.report(report)
+    return ctx.store.report(report)["claims"]

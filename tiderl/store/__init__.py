@@ -3,6 +3,7 @@
 from tiderl.store.engine import StoreBusyError, StoreError
 from tiderl.store.runstore import ClaimLostError, RunStore
 from tiderl.store.types import (
+    ClaimRequest,
     EventRecord,
     FinishedTrajectory,
     GroupState,
@@ -25,7 +26,7 @@ from tiderl.store.types import (
 )
 
 __all__ = [
-    "ClaimLostError", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
+    "ClaimLostError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
     "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TaskWhereabouts", "TrajectoryState",
 ]

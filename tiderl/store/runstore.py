@@ -46,6 +46,7 @@ from tiderl.store.schema import (
 from tiderl.store.types import (
     FinishedTrajectory,
     GroupState,
+    ClaimRequest,
     NewGroup,
     PlanRecord,
     RankReport,
@@ -260,43 +261,24 @@ class RunStore:
         """Take up to `limit` pending tasks for `rank`: evaluation tasks first, then whole groups,
         oldest first. With `weights_version` (the weights the rank's engine holds), only the
         evaluation tasks of exactly that version qualify: an evaluation runs on the weights it
-        evaluates, never on newer ones."""
+        evaluates, never on newer ones. (A rank reporting every tick claims inside its report
+        instead: `RankReport.claim`, one transaction for both.)"""
         if limit <= 0:
             return []
-        token = uuid.uuid4().hex
-        kind_values = [k.value for k in kinds]
-        is_eval = tasks.c.kind == TaskKind.EVAL.value
-        where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_(kind_values)]
-        if weights_version is not None:
-            pinned = select(task_groups.c.id).where(task_groups.c.eval_version == weights_version)
-            where.append(~is_eval | tasks.c.group_id.in_(pinned))
+        request = ClaimRequest(limit=limit, kinds=tuple(kinds), weights_version=weights_version)
 
         def write(c: Connection) -> list[TaskClaim]:
             now = time.time()
             _heartbeat(c, rank, now)
-            ids = [r for (r,) in c.execute(
-                select(tasks.c.id).where(*where)
-                .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(limit))]  # ids follow (group, index)
-            if not ids:
-                return []
-            c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
-                state=TaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
-                attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
-            q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
-                 .where(tasks.c.claim_token == token).order_by(tasks.c.id))
-            out = [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group,
-                             kind=TaskKind(r.kind), seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
-                             progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
-            # Progress is carried on once: if this claimer dies, the session may have moved past it.
-            c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None))
-                      .values(progress=None))
-            return out
+            return _claim(c, rank, request, now)
 
         return self.tx.write(write)
 
-    def report(self, report: RankReport, *, max_attempts: int = 3) -> dict[str, int]:
-        """Apply a rank's tick: heartbeat, finished trajectories, failures, releases, metrics, events."""
-        def write(c: Connection) -> dict[str, int]:
+    def report(self, report: RankReport, *, max_attempts: int = 3) -> dict[str, Any]:
+        """Apply a rank's tick in one transaction: heartbeat, finished trajectories, failures,
+        releases, task whereabouts, metrics, events, and last its claim of new tasks. Returns
+        `accepted` and `dropped` trajectory counts and `claims` (the tasks claimed)."""
+        def write(c: Connection) -> dict[str, Any]:
             now = time.time()
             _heartbeat(c, report.rank, now, role=report.role, version=report.version)
             accepted, dropped = _accept_trajectories(c, report.rank, report.finished, now)
@@ -337,7 +319,8 @@ class RunStore:
                 c.execute(insert(events), [dict(ts=now, rank=report.rank, source="rank", kind=e.kind,
                                                 message=e.message, data=json.dumps(e.data) if e.data else None)
                                            for e in report.events])
-            return {"accepted": accepted, "dropped": dropped}
+            claims = _claim(c, report.rank, report.claim, now) if report.claim is not None else []
+            return {"accepted": accepted, "dropped": dropped, "claims": claims}
 
         return self.tx.write(write)
 
@@ -726,6 +709,32 @@ def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
     if ready_rows:
         c.execute(update(trajectories).where(trajectories.c.id == bindparam("tid")).values(
             advantage=bindparam("adv"), state=TrajectoryState.READY.value, ready_at=now), ready_rows)
+
+
+def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[TaskClaim]:
+    if request.limit <= 0:
+        return []
+    token = uuid.uuid4().hex
+    is_eval = tasks.c.kind == TaskKind.EVAL.value
+    where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds])]
+    if request.weights_version is not None:
+        pinned = select(task_groups.c.id).where(task_groups.c.eval_version == request.weights_version)
+        where.append(~is_eval | tasks.c.group_id.in_(pinned))
+    ids = [r for (r,) in c.execute(select(tasks.c.id).where(*where)
+                                   .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(request.limit))]
+    if not ids:  # ids follow (group, index): whole groups first
+        return []
+    c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
+        state=TaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
+        attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
+    q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
+         .where(tasks.c.claim_token == token).order_by(tasks.c.id))
+    out = [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group, kind=TaskKind(r.kind),
+                     seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
+                     progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
+    # Progress is carried on once: if this claimer dies, the session may have moved past it.
+    c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None)).values(progress=None))
+    return out
 
 
 def _fail_group(c: Connection, gid: int) -> None:

@@ -120,6 +120,16 @@ class EventRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """Up to `limit` pending tasks of `kinds`; with `weights_version`, evaluation tasks of that
+    version only (see `RunStore.claim_tasks`)."""
+
+    limit: int
+    kinds: tuple[TaskKind, ...] = tuple(TaskKind)
+    weights_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TaskWhereabouts:
     """Where a running task is in its episode: turn, phase and since when, its env server."""
 
@@ -144,6 +154,7 @@ class RankReport:
     released: list[int] = field(default_factory=list)  # task ids given back to the pool
     handed_over: dict[int, dict] = field(default_factory=dict)  # released task id -> its progress, to carry on
     whereabouts: list[TaskWhereabouts] = field(default_factory=list)  # running tasks of this rank
+    claim: ClaimRequest | None = None  # claim new tasks in the same transaction (after the releases)
     metrics: list[MetricPoint] = field(default_factory=list)
     events: list[EventRecord] = field(default_factory=list)
     role: Role | None = None
