@@ -55,11 +55,11 @@ def commit_budget(tick_s: float) -> dict:
     ranks = 32
     concurrent_tasks = 1312
     turn_period_s = 3.0
-    control_commits_per_s = 2.0  # task feed, heartbeat reclaim, metrics
+    control_commits_per_s = 2.0  # the watch of heartbeats (1/s), task feed, plans, metrics
     trainer_commits_per_step = 4.0
     step_s = 60.0
-    # Per tick every rank commits one report (heartbeat + finished trajectories + metrics) and at most one claim.
-    batched = ranks * 2 / tick_s + control_commits_per_s + trainer_commits_per_step / step_s
+    # Per tick every rank commits one report (heartbeat, finished trajectories, metrics and its claim).
+    batched = ranks / tick_s + control_commits_per_s + trainer_commits_per_step / step_s
     per_turn = concurrent_tasks / turn_period_s + batched
     return {"ranks": ranks, "concurrent_tasks": concurrent_tasks, "tick_s": tick_s,
             "needed_commits_per_s_batched": round(batched, 1),

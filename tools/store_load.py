@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tiderl.config.store import StoreConfig
 from tiderl.store import (
+    ClaimRequest,
     FinishedTrajectory,
     NewGroup,
     RankReport,
@@ -67,22 +68,23 @@ def writer(spec: LoadSpec, rank: int, out: str) -> None:
     rng = random.Random(rank)
     claims = commits = 0
     start = time.time()
+    held: list = []
     while time.time() - start < spec.deadline_s:
-        got = s.claim_tasks(rank, spec.tasks_per_claim)
+        # One transaction per tick, as a rollout rank does: the finished trajectories of the
+        # tasks claimed last tick go in with the claim of the next ones.
+        got = s.report(RankReport(rank=rank, finished=[_traj(c.task_id, rng) for c in held],
+                                  claim=ClaimRequest(limit=spec.tasks_per_claim)))["claims"]
         commits += 1
         if spec.crash_writer and rank == 0 and got:
             os._exit(0)  # a killed rank: its claims must come back through heartbeat expiry
+        held = got
         if not got:
             buf = s.buffer_state()
             if buf["tasks_pending"] == 0 and buf["tasks_running"] == 0:
                 break
             time.sleep(0.05)
-            s.heartbeat(rank)
-            commits += 1
             continue
         claims += len(got)
-        s.report(RankReport(rank=rank, finished=[_traj(c.task_id, rng) for c in got]))
-        commits += 1
     s.set_rank_state(rank, RankState.STOPPED)
     Path(out).write_text(json.dumps({"role": "writer", "rank": rank, "claims": claims, "commits": commits,
                                      "seconds": time.time() - start, "t_ready": start, "t_end": time.time(),

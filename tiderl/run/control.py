@@ -29,6 +29,7 @@ from tiderl.store.types import GroupState, MetricPoint, NewGroup, PlanRecord, Ra
 
 log = logging.getLogger("tiderl.control")
 TICK_S = 0.2
+WATCH_S = 1.0  # heartbeats are checked (one write: the watch is also the control plane's heartbeat) this often
 EVAL_SEED_BASE = 1_000_000_000  # evaluation prompts: a fixed set, disjoint from the training seeds
 OUTSTANDING = (GroupState.OPEN, GroupState.READY, GroupState.CLAIMED)
 CONTROL_RANK = -1  # the control plane's metrics rows carry this rank
@@ -45,6 +46,7 @@ class ControlPlane:
         self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
                                                  ra2p_mode=config.trainer.ra2p_mode)
         self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal)
+        self._watched_at = float("-inf")
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -52,8 +54,13 @@ class ControlPlane:
         state, version = self.store.position()
         if state.is_terminal:
             return False
-        dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s, control_tick=True)
-        if dead.dead_ranks:
+        now = time.monotonic()
+        if now - self._watched_at < WATCH_S:
+            dead = None
+        else:
+            self._watched_at = now
+            dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s, control_tick=True)
+        if dead is not None and dead.dead_ranks:
             log.warning("ranks %s missed heartbeats: %d tasks and %d trajectories back in the pool",
                         dead.dead_ranks, dead.tasks_returned, dead.trajectories_returned)
         planned = self.store.latest_planned_version()
