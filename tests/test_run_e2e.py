@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,23 @@ def test_short_run_per_system(tmp_path: Path, system: str) -> None:
     bound = 0 if system == "sync" else 1
     facts = check_run(run_dir, max_staleness=bound)
     assert facts["versions"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
+    """Two actor ranks train each step together (the leader publishes), a ref rank serves them."""
+    run_dir = tmp_path / "run"
+    sets = SHORT + ["system=async", "trainer.ra2p_mode=decoupled", "launch.num_ranks=4", "trainer.actor_ranks=2",
+                    "launch.rollout_fraction=0.25"]
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    facts = check_run(run_dir, max_staleness=1)
+    assert facts["versions"] == 3
+    db = sqlite3.connect(run_dir / "run.db")
+    roles = dict(db.execute("select rank, role from control where version = 0").fetchall())
+    assert roles == {0: "actor", 1: "actor", 2: "rollout", 3: "ref"}
+    trained = db.execute("select rank, count(*) from metrics where name = 'train_s' group by rank").fetchall()
+    assert dict(trained) == {0: 3, 1: 3}, "both actors train every step"
+    modes = {m for (m,) in db.execute("select ra2p_mode from versions where version > 0")}
+    assert modes == {"decoupled"}

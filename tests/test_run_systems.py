@@ -30,6 +30,15 @@ def test_initial_roles_have_one_actor_and_a_rollout_rank(num_ranks: int, fractio
         initial_roles(1, fraction, Role.REF)
 
 
+def test_initial_roles_with_data_parallel_actors() -> None:
+    roles = initial_roles(6, 0.34, Role.REF, num_actors=2)
+    assert [roles[r] for r in range(6)] == [Role.ACTOR, Role.ACTOR, Role.ROLLOUT, Role.ROLLOUT, Role.REF, Role.REF]
+    roles = initial_roles(3, 1.0, Role.IDLE, num_actors=2)
+    assert list(roles.values()) == [Role.ACTOR, Role.ACTOR, Role.ROLLOUT]
+    with pytest.raises(ValueError, match="num_ranks"):
+        initial_roles(2, 0.5, Role.REF, num_actors=2)
+
+
 def test_sync_never_tolerates_staleness() -> None:
     assert behaviour("sync", max_staleness=3, ra2p_mode="auto").max_staleness == 0
     for name in ("async", "stream", "tiderl"):

@@ -40,6 +40,11 @@ class JobConfig:
     store: StoreConfig = option(default_factory=StoreConfig, help="Run store.")
     monitor: MonitorConfig = option(default_factory=MonitorConfig, help="Run monitoring: stall detection, Prometheus metrics.")
 
+    def __post_init__(self) -> None:
+        if self.trainer.actor_ranks >= self.launch.num_ranks:
+            raise ValueError(f"trainer: actor_ranks: must leave a rollout rank of launch.num_ranks "
+                             f"({self.launch.num_ranks}), got {self.trainer.actor_ranks}")
+
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], value parsed as YAML: 3 -> int, [x, y] -> list)."""

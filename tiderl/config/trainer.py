@@ -40,6 +40,10 @@ class TrainerConfig:
     max_aggregate: int = option(
         64, ge=1, help="Colocated RA2P: most ready micro-batches one ref/actor burst aggregates (memory cap)."
     )
+    actor_ranks: int = option(
+        1, ge=1, help="Data-parallel actor ranks (ranks 0..N-1). Rank 0 leads: it gathers each step's data, "
+        "broadcasts it to the others and publishes the weights; gradients are all-reduced."
+    )
 
     def __post_init__(self) -> None:
         if self.groups_ideal < self.groups_min:

@@ -110,7 +110,8 @@ class ControlPlane:
     def plan(self, version: int) -> PlanRecord:
         cfg = self.config
         if version == 0:
-            current = initial_roles(cfg.launch.num_ranks, cfg.launch.rollout_fraction, self.system.spare_role)
+            current = initial_roles(cfg.launch.num_ranks, cfg.launch.rollout_fraction, self.system.spare_role,
+                                    cfg.trainer.actor_ranks)
         else:
             current = self.store.roles_at(version - 1)
         fetch = cfg.trainer.groups_ideal if self.system.fetch_policy != "min" else cfg.trainer.groups_min

@@ -16,7 +16,7 @@ sync, async and tiderl; stream is defined by its naive alternation.
 
 Invariants (tests/test_run_systems.py)
 1. Every system value of the job config has a behaviour; an unknown name is a clear error.
-2. The initial role map has exactly one actor (rank 0), at least one rollout rank,
+2. The initial role map has `trainer.actor_ranks` actors (ranks 0..), at least one rollout rank,
    and as many entries as ranks.
 3. sync never tolerates staleness; the others use the configured bound.
 4. The feed bound keeps at most (staleness + 1) batches of training groups outstanding.
@@ -62,14 +62,16 @@ def behaviour(system: str, *, max_staleness: int, ra2p_mode: str) -> SystemBehav
     raise UnknownSystemError(system)
 
 
-def initial_roles(num_ranks: int, rollout_fraction: float, spare: Role) -> dict[int, Role]:
-    """Rank 0 is the actor; the next ranks roll out; the rest take the spare role."""
-    if num_ranks < 2:
-        raise ValueError(f"launch.num_ranks: a run needs an actor and a rollout rank, got {num_ranks} ranks")
-    num_rollout = min(num_ranks - 1, max(1, round(rollout_fraction * num_ranks)))
-    roles = {0: Role.ACTOR}
-    for rank in range(1, num_ranks):
-        roles[rank] = Role.ROLLOUT if rank <= num_rollout else spare
+def initial_roles(num_ranks: int, rollout_fraction: float, spare: Role, num_actors: int = 1) -> dict[int, Role]:
+    """Ranks 0..num_actors-1 are the (data-parallel) actors; the next ranks roll out; the rest
+    take the spare role."""
+    if num_ranks < num_actors + 1:
+        raise ValueError(f"launch.num_ranks: a run needs {num_actors} actor and a rollout rank, "
+                         f"got {num_ranks} ranks")
+    num_rollout = min(num_ranks - num_actors, max(1, round(rollout_fraction * num_ranks)))
+    roles = {r: Role.ACTOR for r in range(num_actors)}
+    for rank in range(num_actors, num_ranks):
+        roles[rank] = Role.ROLLOUT if rank < num_actors + num_rollout else spare
     return roles
 
 

@@ -11,10 +11,12 @@ Staleness: a group whose oldest generated token is more than
 `max_staleness` versions behind the weights being trained is dropped, never
 trained (its tokens do not count toward goodput).
 
-RA2P decoupled mode: the actor and the ref ranks of the plan form a gloo
-group for this version (a fresh rendezvous file per version), the actor
-broadcasts the step input, the refs serve ref_logprobs, the group is torn
-down at the boundary.
+Trainer groups: with `trainer.actor_ranks` > 1 (data-parallel actors) or in
+RA2P decoupled mode, the actors (leader first) and the step's ref ranks form a
+gloo group for this version (a fresh rendezvous file per version) once the
+leader has the step's data; the leader broadcasts the step input, each actor
+trains its share of the micro-batches (gradients all-reduced), the refs serve
+ref_logprobs, only the leader publishes, the group is torn down at the boundary.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _discard_uncommitted(ctx: RankContext, version: int) -> None:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _actor(ctx: RankContext, version: int) -> Any:
+def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
     if "actor" not in ctx.cache:
         import torch
 
@@ -56,7 +58,8 @@ def _actor(ctx: RankContext, version: int) -> Any:
 
         torch.set_num_threads(1)
         torch.manual_seed(ctx.config.seed)
-        _discard_uncommitted(ctx, version)
+        if leader:  # the only rank that writes weights and checkpoints
+            _discard_uncommitted(ctx, version)
         actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True)
         if actor.version != version:
@@ -130,11 +133,16 @@ def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
 
 
 async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
-    """Train version `plan.version` into version + 1 and commit it."""
+    """Train version `plan.version` into version + 1; the leader (lowest actor rank) gathers the
+    data, trains with the other actors (data parallel) and commits the version."""
     from tiderl.trainer.plan import Ra2pMode
     from tiderl.trainer.rank import StepInput
     from tiderl.trainer.store_io import sample_from_ready
 
+    actors = plan.ranks_with(Role.ACTOR)
+    if ctx.rank != actors[0]:
+        await _follow_actor_step(ctx, plan, actors)
+        return
     actor = _actor(ctx, plan.version)
     started = time.time()
     claimed, ras, tprm, (wait_s, twt_unreported_s), dropped = await _gather(ctx, plan, _fetch(ctx, plan))
@@ -142,11 +150,14 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     mode = Ra2pMode.parse(plan.ra2p_mode)
     refs = plan.ranks_with(Role.REF)
     inp = StepInput(version=plan.version, samples=samples, mode=mode)
-    if mode is Ra2pMode.DECOUPLED:
-        # The ref ranks join the group only once the step's data is here (waiting for data can
+    if mode is Ra2pMode.DECOUPLED and not refs:
+        raise RuntimeError(f"version {plan.version}: decoupled RA2P mode planned without a ref rank")
+    members = refs if mode is Ra2pMode.DECOUPLED else []
+    if members or len(actors) > 1:
+        # The other ranks join the group only once the step's data is here (waiting for data can
         # outlast any rendezvous timeout, e.g. while the rollout engines start).
-        atomic_write_text(_step_marker(ctx, plan.version), json.dumps({"refs": refs}))
-        result = _decoupled(ctx, plan, refs, lambda comm: _train(actor, comm, inp))
+        atomic_write_text(_step_marker(ctx, plan.version), json.dumps({"actors": actors, "refs": members}))
+        result = _in_group(ctx, plan, actors, members, lambda comm: _train(actor, comm, inp))
     else:
         result = actor.train_step(inp)
     stats = result.stats
@@ -169,29 +180,62 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
 
 
 def _train(actor: Any, comm: Any, inp: Any) -> Any:
+    """The leader: send the step's input to the group, then train its share."""
     import torch.distributed as dist
 
     dist.broadcast_object_list([inp], src=0)
+    return _train_in(actor, comm, inp)
+
+
+def _train_in(actor: Any, comm: Any, inp: Any) -> Any:
+    """Train one step as a member of this version's group (its data-parallel subgroup too)."""
     previous, actor.comm = actor.comm, comm
+    previous_dp, actor.actor.dp_group = actor.actor.dp_group, comm.dp_group
     try:
         return actor.train_step(inp)
     finally:
-        actor.comm = previous
+        actor.comm, actor.actor.dp_group = previous, previous_dp
 
 
-def _decoupled(ctx: RankContext, plan: PlanRecord, refs: list[int], body: Any) -> Any:
-    """Run `body(comm)` inside this version's trainer group (actor = group rank 0, refs after it)."""
+async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[int]) -> None:
+    """A data-parallel actor that does not lead: take the leader's step input, train its share of
+    the micro-batches (gradients all-reduced), publish nothing."""
+    import torch.distributed as dist
+
+    actor = _actor(ctx, plan.version, leader=False)
+    members = await _wait_marker(ctx, plan.version)
+
+    def follow(comm: Any) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return _train_in(actor, comm, box[0])
+
+    stats = _in_group(ctx, plan, actors, members, follow)
+    ctx.store.report(RankReport(rank=ctx.rank, role=Role.ACTOR, version=plan.version, metrics=[
+        MetricPoint("train_s", stats.duration_s, plan.version, "actor")]))
+
+
+def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[int], body: Any) -> Any:
+    """Run `body(comm)` inside this version's trainer group: the actors (group ranks 0.., the
+    leader first), then the refs of a decoupled step."""
     from tiderl.trainer.group import init_trainer_group, leave_trainer_group
 
-    if not refs:
-        raise RuntimeError(f"version {plan.version}: decoupled RA2P mode planned without a ref rank")
-    index = 0 if plan.roles.get(ctx.rank) is Role.ACTOR else 1 + refs.index(ctx.rank)
-    comm = init_trainer_group(index, 1, len(refs), ctx.paths.root / "rendezvous" / f"v{plan.version}",
+    index = actors.index(ctx.rank) if ctx.rank in actors else len(actors) + refs.index(ctx.rank)
+    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.root / "rendezvous" / f"v{plan.version}",
                               timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
     try:
         return body(comm)
     finally:
         leave_trainer_group()
+
+
+async def _wait_marker(ctx: RankContext, version: int) -> list[int]:
+    """Wait until the leader has the step's data; returns the ref ranks of the step's group."""
+    marker = _step_marker(ctx, version)
+    while not marker.exists():
+        ctx.position()  # leaves if the run stopped
+        await asyncio.sleep(ctx.poll_s)
+    return list(json.loads(marker.read_text())["refs"])
 
 
 def _ref(ctx: RankContext) -> Any:
@@ -216,9 +260,7 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     import torch.distributed as dist
 
     ref = _ref(ctx)
-    while not _step_marker(ctx, plan.version).exists():
-        ctx.position()  # leaves if the run stopped
-        await asyncio.sleep(ctx.poll_s)
+    refs = await _wait_marker(ctx, plan.version)
 
     def serve(comm: Any) -> None:
         box: list[Any] = [None]
@@ -229,4 +271,4 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
         finally:
             ref.comm = previous
 
-    _decoupled(ctx, plan, plan.ranks_with(Role.REF), serve)
+    _in_group(ctx, plan, plan.ranks_with(Role.ACTOR), refs, serve)
