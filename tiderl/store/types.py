@@ -161,7 +161,8 @@ class RankReport:
     version: int | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished or self.failed or self.released or self.metrics or self.events)
+        return not (self.finished or self.failed or self.released or self.metrics or self.events
+                    or self.whereabouts or self.claim is not None)
 
 
 @dataclass(frozen=True, slots=True)
