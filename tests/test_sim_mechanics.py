@@ -106,7 +106,7 @@ class Loop:
 
 
 def group(*tokens: int) -> SimpleNamespace:
-    return SimpleNamespace(seq_tokens=list(tokens))
+    return SimpleNamespace(seq_tokens=list(tokens), gen_tokens=0)
 
 
 def make(kind: TrainerKind) -> tuple[Trainer, Loop]:

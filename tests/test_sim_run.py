@@ -6,10 +6,12 @@ import dataclasses
 import json
 
 import pytest
-from sim_helpers import small_specs, write_small
+from sim_helpers import small_dicts, small_specs, write_small
 
 from tiderl.cli import main
+from tiderl.config.schema import build
 from tiderl.sim.simulator import Simulation
+from tiderl.sim.spec import ClusterSpec, WorkloadSpec
 from tiderl.sim.systems import SYSTEMS, parse_system
 
 STEPS = 6
@@ -72,7 +74,8 @@ def test_ctb_keeps_contexts_resident_under_kv_pressure():
 
 
 def test_systems_table_lists_each_policy_once():
-    assert set(SYSTEMS) == {"sync", "async", "stream", "stream+ra2p", "stream+ra2p+ers", "tiderl", "tiderl-noers"}
+    assert set(SYSTEMS) == {"sync", "async", "stream", "stream+ra2p", "stream+ra2p+ers", "tiderl", "tiderl-noers",
+                            "run:sync", "run:async", "run:stream", "run:tiderl"}
     with pytest.raises(ValueError):
         parse_system("sync@0.5")
     with pytest.raises(ValueError):
@@ -110,3 +113,16 @@ def test_cli_errors(tmp_path, capsys):
     bad.write_text(cp.read_text().replace("num_gpus: 4", "num_gpus: four"))
     assert main(["sim", str(wp), str(bad)]) == 2
     assert f"{bad}: num_gpus" in capsys.readouterr().err
+
+
+def test_one_seed_plays_out_the_same_in_every_run():
+    """CTB keeps tasks in sets; their order must not depend on where the objects sit in memory."""
+    wd, cd = small_dicts()
+    cd["rollout"]["kv_capacity_tokens"] = 12000  # short of KV space: CTB pauses and resumes tasks
+    w, c = build(WorkloadSpec, wd, "w"), build(ClusterSpec, cd, "c")
+    rows = []
+    for junk in (0, 5000, 20000, 777):
+        _ballast = [object() for _ in range(junk)]  # shifts the addresses of the next run's objects
+        sim = Simulation(w, c, parse_system("tiderl@0.5"), steps=6, seed=3)
+        rows.append(sim.run()["per_step"])
+    assert all(r == rows[0] for r in rows)

@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--system",
         default="tiderl",
-        help="sync, async, stream, stream+ra2p, stream+ra2p+ers, tiderl, tiderl-noers; NAME@F fixes the "
+        help="sync, async, stream, stream+ra2p, stream+ra2p+ers, tiderl, tiderl-noers, and run:sync, "
+        "run:async, run:stream, run:tiderl (the `system:` values of `tiderl run`); NAME@F fixes the "
         "rollout fraction; `all` runs every system and the ablations (default: tiderl).",
     )
     parser.add_argument("--steps", type=int, default=100, help="Training steps to simulate (default 100).")

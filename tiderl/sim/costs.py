@@ -11,6 +11,16 @@ model. Nothing here knows a system or a paper figure.
   (causal attention); backward = 2 x forward; the reference forward = the
   actor forward. Time = FLOPs / (peak x train MFU).
 - Transfers: bytes / (nominal bandwidth x link efficiency).
+
+A cluster file with a ``measured`` section (``tools/calibrate_cpu.py``)
+replaces the roofline with the machine's own figures: an engine iteration
+costs ``decode_step_s + running sequences x decode_s_per_seq + prefill
+tokens x prefill_s_per_token``; the actor forward, backward and reference
+forward cost their measured time per token; swap, reload and optimizer
+times are measured too. With ``host_compute_slots`` the ranks are processes
+of one host: while ranks demanding D cores compute at once (a busy rollout
+rank ``rollout_busy_cores``, a trainer rank 1), each runs at
+min(1, slots / D) of its measured speed (see :meth:`Costs.host_speed`).
 """
 
 from __future__ import annotations
@@ -49,17 +59,42 @@ class Costs:
     network_bytes_per_s: float
     communicator_init_s: float
     gpus_per_node: int
+    prefill_s_per_token: float = 0.0
+    """Dense prefill cost of one prompt token (the roofline: = flop_s_per_token)."""
+    backward_ratio: float = 2.0
+    """Actor backward time / actor forward time."""
+    ref_ratio: float = 1.0
+    """Reference forward time / actor forward time."""
+    host_compute_slots: float | None = None
+    """Busy ranks the shared host runs at full speed (None: an accelerator per rank)."""
+    turn_overhead_s: float = 0.0
+    """Latency a turn adds outside engine iterations and the environment (request path, agent loop)."""
+
+    rollout_busy_cores: float = 1.0
+    """Cores a busy rollout rank occupies on a shared host (its process and its engine's)."""
+
+    def host_speed(self, busy_engines: int, busy_trainer_ranks: int = 0) -> float:
+        """Speed of each busy rank while these ranks compute at once on a shared host (processor
+        sharing of its slots; a busy rollout rank weighs `rollout_busy_cores`)."""
+        demand = busy_engines * self.rollout_busy_cores + busy_trainer_ranks
+        if self.host_compute_slots is None or demand <= self.host_compute_slots:
+            return 1.0
+        return self.host_compute_slots / demand
 
     def decode_iteration_s(self, num_decoding: int, context_tokens: float, prefill_tokens: float,
                            prefill_position: float = 0.0) -> float:
         memory = self.weights_read_s + context_tokens * self.kv_read_s_per_token
-        compute = (num_decoding + prefill_tokens) * self.flop_s_per_token
+        compute = num_decoding * self.flop_s_per_token + prefill_tokens * self.prefill_s_per_token
         compute += prefill_tokens * prefill_position * self.attn_flop_s_per_token_pos
         return self.step_overhead_s + max(memory, compute)
 
     def forward_s(self, seq_tokens: int) -> float:
         """Actor (or reference) forward of one sequence on one rank."""
         return seq_tokens * self.train_s_per_token + seq_tokens * seq_tokens / 2 * self.train_attn_s_per_token_pos
+
+    def train_s(self, seq_tokens: int) -> float:
+        """Reference forward + actor forward + actor backward of one sequence."""
+        return self.forward_s(seq_tokens) * (self.ref_ratio + 1.0 + self.backward_ratio)
 
     def regroup_s(self, num_actor_ranks: int) -> float:
         """An actor rank joins or leaves: reshard the training state, rebuild the communicators."""
@@ -76,11 +111,47 @@ class Costs:
     def prefill_s(self, tokens: float, start_position: float = 0.0) -> float:
         """Compute-bound prefill of `tokens` new tokens after `start_position` cached ones."""
         mid = start_position + tokens / 2
-        return tokens * (self.flop_s_per_token + mid * self.attn_flop_s_per_token_pos)
+        return tokens * (self.prefill_s_per_token + mid * self.attn_flop_s_per_token_pos)
+
+
+def _measured_costs(cluster: ClusterSpec) -> Costs:
+    m = cluster.measured
+    assert m is not None
+    return Costs(
+        weights_read_s=0.0,
+        kv_read_s_per_token=0.0,
+        flop_s_per_token=m.decode_s_per_seq,
+        attn_flop_s_per_token_pos=0.0,
+        step_overhead_s=m.decode_step_s,
+        prefill_chunk_tokens=cluster.rollout.prefill_chunk_tokens,
+        max_num_seqs=cluster.rollout.max_num_seqs,
+        kv_capacity_tokens=cluster.rollout.kv_capacity_tokens or m.kv_capacity_tokens,
+        train_s_per_token=m.actor_forward_s_per_token,
+        train_attn_s_per_token_pos=0.0,
+        swap_s=m.swap_s,
+        weight_sync_s=m.weight_sync_s,
+        optimizer_s_multi_node=m.optimizer_s,
+        optimizer_s_single_node=m.optimizer_s,
+        # A time-shared rank switching phase: one model swap plus an engine reload.
+        phase_switch_s=m.swap_s + m.weight_sync_s,
+        train_state_bytes=0.0,
+        network_bytes_per_s=1.0,
+        communicator_init_s=cluster.training.communicator_init_s,
+        gpus_per_node=cluster.num_gpus,
+        prefill_s_per_token=m.prefill_s_per_token,
+        backward_ratio=m.actor_backward_s_per_token / m.actor_forward_s_per_token,
+        ref_ratio=m.ref_forward_s_per_token / m.actor_forward_s_per_token,
+        host_compute_slots=m.host_compute_slots,
+        rollout_busy_cores=m.rollout_busy_cores,
+        turn_overhead_s=m.turn_overhead_s,
+    )
 
 
 def derive_costs(cluster: ClusterSpec) -> Costs:
+    if cluster.measured is not None:
+        return _measured_costs(cluster)
     gpu, model, eff = cluster.gpu, cluster.model, cluster.efficiency
+    assert gpu is not None and model is not None and eff is not None
     params = model.params_b * 1e9
     weight_bytes = params * model.bytes_per_param
     kv_bytes_per_token = 2 * model.layers * model.kv_heads * model.head_dim * model.bytes_per_param
@@ -139,6 +210,7 @@ def derive_costs(cluster: ClusterSpec) -> Costs:
         network_bytes_per_s=fabric,
         communicator_init_s=t.communicator_init_s,
         gpus_per_node=gpu.gpus_per_node,
+        prefill_s_per_token=2 * params / rollout_flops,
     )
 
 
@@ -153,7 +225,7 @@ def describe(costs: Costs) -> dict[str, float]:
         "phase_switch_s": round(costs.phase_switch_s, 3),
         "actor_regroup_s_8": round(costs.regroup_s(8), 3),
         "prefill_tok_s": round(1 / costs.prefill_s(1.0, 2000.0)),
-        "train_fwd_bwd_ref_tok_s_4k": round(4096 / (4 * costs.forward_s(4096))),
+        "train_fwd_bwd_ref_tok_s_4k": round(4096 / costs.train_s(4096)),
     }
     for batch in (1, 32, 256):
         for ctx in (1000, 4000):

@@ -19,6 +19,8 @@ Mechanics (none of them knows which system runs it):
   most recently admitted request is preempted and recomputed later from
   scratch (vLLM's recompute preemption). A request waits (first come first
   served) until its context fits.
+- On a shared host (``Costs.host_compute_slots``) iterations stretch by
+  1 / ``speed``, the engine's share of the host, set by the rollout side.
 - A weight sync drops the whole cache, interrupts every request (tokens so
   far are kept; they are re-prefilled with the new weights) and stalls the
   engine for the sync time.
@@ -62,6 +64,7 @@ class Engine:
         self.t = 0.0
         self.v = 0.0
         self.busy_until = 0.0
+        self.speed = 1.0  # share of the host this engine gets (1: its own accelerator)
         self._heap: list[tuple[float, int, Request]] = []
         self._order: list[Request] = []  # admission order of running requests (preemption victims last)
         self._num_running = 0
@@ -105,13 +108,13 @@ class Engine:
         if self._debt <= _EPS:
             return 0.0, after, after
         rate = min(self.chunk, self._debt)
-        compute = (n + rate) * c.flop_s_per_token + rate * self._debt_pos * c.attn_flop_s_per_token_pos
+        compute = n * c.flop_s_per_token + rate * (c.prefill_s_per_token + self._debt_pos * c.attn_flop_s_per_token_pos)
         return self._debt / rate, c.step_overhead_s + max(memory, compute), after
 
     def advance(self, t: float) -> None:
         start = self.t if self.t > self.busy_until else self.busy_until
         if t > start and self._num_running:
-            dt = t - start
+            dt = (t - start) * self.speed
             if self._debt == 0.0:
                 c = self.costs
                 n = self._num_running
@@ -149,8 +152,8 @@ class Engine:
         n_pf, tau_pf, tau = self._segments()
         start = max(self.t, self.busy_until)
         if dv <= n_pf:
-            return start + dv * tau_pf
-        return start + n_pf * tau_pf + (dv - n_pf) * tau
+            return start + dv * tau_pf / self.speed
+        return start + (n_pf * tau_pf + (dv - n_pf) * tau) / self.speed
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, t: float, task: Any, ctx: int, gen_tokens: int, kept: bool) -> None:

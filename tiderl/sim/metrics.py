@@ -48,7 +48,7 @@ def upper_bound_tok_s(sim: Simulation) -> float:
     mean_ctx = sum(t.plan.total_tokens / 2 for t in everything) / len(everything)
     per_token = costs.best_decode_s_per_token(mean_ctx)
     gpu_s = _generation_gpu_s(everything, costs, per_token)
-    gpu_s += sum(4 * costs.forward_s(t.plan.total_tokens) for t in consumed)
+    gpu_s += sum(costs.train_s(t.plan.total_tokens) for t in consumed)
     tokens = sum(t.plan.total_tokens for t in consumed)
     return tokens / (gpu_s / sim.num_gpus)
 

@@ -73,6 +73,11 @@ class SimGroup:
         return [t.plan.total_tokens for t in self.tasks]
 
     @property
+    def gen_tokens(self) -> int:
+        """Tokens the model generated in the group's trajectories."""
+        return sum(sum(t.plan.gen_tokens) for t in self.tasks)
+
+    @property
     def version_start(self) -> int:
         return min(t.version_start for t in self.tasks)
 
@@ -82,6 +87,11 @@ class SimTask:
         "id", "group", "plan", "is_eval", "turn", "ctx", "gen_left", "stage", "rank", "env_pending",
         "footprint", "reserve", "version_start", "view", "view_key", "env_started",
     )
+
+    def __hash__(self) -> int:
+        # Sets of tasks iterate in hash order: hashing by task id (not by memory address) makes
+        # every run of one seed play out the same way.
+        return self.id
 
     def __init__(self, tid: int, plan: TaskPlan, is_eval: bool, reserve: int) -> None:
         self.id = tid
@@ -149,10 +159,16 @@ class RolloutSide:
         self.off = False  # sync systems: the rollout ranks are training
         self.retired = {"query": 0.0, "hit": 0.0, "prefill": 0.0, "decode": 0.0, "preempt": 0}
         self.allowance_left = 0  # groups the staleness bound still lets the feeder release
+        self.now = 0.0  # the event loop's clock (set by the simulation before each event)
+        self.trainer_busy = 0  # trainer ranks computing now (shared host)
+        self._engines_busy = 0
+        self._speed = 1.0
+        self.on_speed: Callable[[float, float], None] | None = None  # the trainer's re-timing
 
     # -- ranks -------------------------------------------------------------------------------
     def add_rank(self, t: float, index: int, stall_s: float) -> None:
         engine = Engine(self.costs, self.costs.kv_capacity_tokens)
+        engine.speed = self._speed
         engine.busy_until = t + stall_s
         engine.t = t
         rank = RolloutRank(index, engine, t)
@@ -253,7 +269,33 @@ class RolloutSide:
             self._account(rank, t, force)
 
     # -- engine events -----------------------------------------------------------------------
-    def _reschedule(self, rank: RolloutRank) -> None:
+    def set_trainer_busy(self, num_ranks: int) -> float:
+        """The trainer starts (or ends) computing on `num_ranks` ranks; returns its speed on the host."""
+        self.trainer_busy = num_ranks
+        self._share_host()
+        return self.costs.host_speed(self._engines_busy, num_ranks)
+
+    def _share_host(self) -> None:
+        """Shared host: every busy rank runs at the same share; engines advance at the old share
+        up to now, then take the new one."""
+        if self.costs.host_compute_slots is None:
+            return
+        # A rank playing tasks keeps its processes busy (turn handling as well as engine iterations).
+        self._engines_busy = sum(1 for r in self.ranks.values() if r.tasks or r.engine.has_work())
+        speed = self.costs.host_speed(self._engines_busy, self.trainer_busy)
+        if speed == self._speed:
+            return
+        self._speed = speed
+        for rank in self.ranks.values():
+            rank.engine.advance(self.now)
+            rank.engine.speed = speed
+            self._reschedule(rank, share=False)
+        if self.on_speed is not None:
+            self.on_speed(self.now, speed)
+
+    def _reschedule(self, rank: RolloutRank, share: bool = True) -> None:
+        if share and self.costs.host_compute_slots is not None:
+            self._share_host()
         nt = rank.engine.next_event_s()
         if nt == rank.next_t:
             return
@@ -275,7 +317,10 @@ class RolloutSide:
             task.gen_left = 0
             task.stage = Stage.WAITING_ENV
             task.env_pending = True
-            self.schedule(t + task.plan.env_latency_s[task.turn], self._env_return, task)
+            # The turn's answer reaches the agent loop, which calls the environment.
+            # On a shared host the turn's own work runs at the rank's share of it.
+            overhead = self.costs.turn_overhead_s / rank.engine.speed
+            self.schedule(t + overhead + task.plan.env_latency_s[task.turn], self._env_return, task)
         self._reschedule(rank)
         self._account(rank, t)
 

@@ -64,6 +64,8 @@ class StepRecord:
     ers_reason: str | None
     ready_groups: int = 0
     hol_s: float = 0.0
+    consumed_gen_tokens: int = 0
+    rwt_gpu_s: float = 0.0
 
 
 class Simulation:
@@ -86,6 +88,8 @@ class Simulation:
         self.b_ideal = workload.groups_per_step
         self.b_min = max(1, math.ceil(cluster.training.min_batch_fraction * self.b_ideal))
         self.staleness = 0 if system.synchronous else cluster.training.max_staleness
+        if system.max_staleness is not None:
+            self.staleness = system.max_staleness
         self.sampler = TaskSampler(workload, seed)
         self.reserve = {t.name: round(t.gen_tokens_per_turn) for t in workload.task_types}
         self.heap: list = []
@@ -102,12 +106,20 @@ class Simulation:
             weights=PriorityWeights(context_scale_tokens=workload.max_context_tokens),
         )
         self.trainer = Trainer(
-            self.costs, system.trainer, cluster.training.micro_batch_tokens, self.schedule, self._compute_done
+            self.costs, system.trainer, cluster.training.micro_batch_tokens, self.schedule, self._compute_done,
+            gather_first=system.gather_first, host=self.rollout.set_trainer_busy,
         )
+        self.rollout.on_speed = self.trainer.speed_changed
         fraction = rollout_fraction or system.rollout_fraction or cluster.training.default_rollout_fraction
         self.rollout_fraction = None if system.synchronous else fraction
         num_rollout = min(self.num_gpus - 1, max(1, round(fraction * self.num_gpus)))
-        self.roles: list[Role] = [Role.ROLLOUT] * num_rollout + [Role.ACTOR] * (self.num_gpus - num_rollout)
+        num_actor = self.num_gpus - num_rollout
+        if cluster.training.actor_ranks is not None:
+            num_actor = min(num_actor, cluster.training.actor_ranks)
+        # Spare ranks (a fixed actor group smaller than the rest): ref ranks under ERS, else idle.
+        spare = Role.REF if system.ers else Role.IDLE
+        self.roles: list[Role] = ([Role.ROLLOUT] * num_rollout + [Role.ACTOR] * num_actor
+                                  + [spare] * (self.num_gpus - num_rollout - num_actor))
         if system.synchronous:
             self.roles = [Role.ROLLOUT] * self.num_gpus
         e = cluster.ers
@@ -124,7 +136,7 @@ class Simulation:
         )
         self.history_steps = e.history_steps
         self.mode = Ra2pMode.COLOCATED
-        self.fetch = self.b_ideal
+        self.fetch = self.b_min if system.fetch_min else self.b_ideal
         self.last_rollout_change = 0
         self.next_group = {False: 0, True: 0}
         self.next_task = 0
@@ -147,6 +159,7 @@ class Simulation:
         self.eval_block_gpu_s = 0.0
         self.regroup_gpu_s = 0.0
         self.rwt_at_publish = 0.0
+        self.rwt_since_publish = 0.0
         self.end_s = 0.0
 
     # -- event loop --------------------------------------------------------------------------
@@ -159,6 +172,7 @@ class Simulation:
         self._start()
         while self.heap and not self.done:
             t, _, fn, args = heapq.heappop(self.heap)
+            self.rollout.now = t
             fn(t, *args)
         if not self.done:
             raise SimulationStalled(
@@ -213,12 +227,29 @@ class Simulation:
         # (version + s + 1) x B rule when every step consumes B_ideal, and still a bound in versions
         # when ERS's adaptive retention fetches fewer groups per step.
         consumed = len(self.consumed_tasks) // self.workload.group_size
-        allowed = consumed + (self.staleness + 1) * self.fetch - self.train_released
+        batch = self.b_ideal if self.system.fetch_min else self.fetch
+        allowed = consumed + (self.staleness + 1) * batch - self.train_released
         if allowed > 0:
             self.train_released += allowed
             self.rollout.release(t, self._new_groups(allowed, False))
 
+    @staticmethod
+    def _after(t: float, *intervals: float) -> float:
+        """When a chain of pollers has noticed something that happened at t: the pollers run on
+        their own clocks, so each adds half its interval on average."""
+        return t + sum(intervals) / 2
+
     def _group_done(self, t: float, group: SimGroup) -> None:
+        c = self.cluster.control
+        # A polled control loop: the group reaches the store at its rank's next report and the
+        # trainer sees it at its next poll (each half an interval later on average).
+        seen = self._after(t, c.report_interval_s, c.poll_s)
+        if seen > t:
+            self.schedule(seen, self._group_seen, group)
+        else:
+            self._group_seen(t, group)
+
+    def _group_seen(self, t: float, group: SimGroup) -> None:
         if group.is_eval:
             self.eval_tasks_done.extend(group.tasks)
             self.eval_outstanding -= 1
@@ -267,7 +298,8 @@ class Simulation:
         seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
         mean_len = sum(seqs) / len(seqs)
         fwd = self.cluster.training.micro_batch_tokens / mean_len * self.costs.forward_s(round(mean_len))
-        return StageTimes(t_ref_s=fwd, t_act_f_s=fwd, t_act_b_s=2 * fwd, t_swap_s=self.costs.swap_s)
+        c = self.costs
+        return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd, t_swap_s=c.swap_s)
 
     def _signals(self, t: float, stats: StepStats | None) -> ErsSignals:
         cap = self.cluster.training.micro_batch_tokens * max(1, self._num(Role.ACTOR))
@@ -293,7 +325,8 @@ class Simulation:
         """Mean rollout ranks idle behind the staleness bound since the last publish."""
         self.rollout.account_all(t, force=True)
         rwt = self.rollout.accounts["rwt"]
-        idle = (rwt - self.rwt_at_publish) / max(t - self.last_publish_s, 1e-9)
+        self.rwt_since_publish = rwt - self.rwt_at_publish
+        idle = self.rwt_since_publish / max(t - self.last_publish_s, 1e-9)
         self.rwt_at_publish = rwt
         return idle
 
@@ -322,6 +355,7 @@ class Simulation:
         signals = self._signals(t, stats)
         self.records[-1].ready_groups = signals.ready_groups
         self.records[-1].hol_s = signals.hol_latency_s
+        self.records[-1].rwt_gpu_s = self.rwt_since_publish
         plan = ers.plan(self.roles, signals, self.ers_limits) if self.system.ers else None
         self.version += 1
         self.rollout.version = self.version
@@ -340,9 +374,21 @@ class Simulation:
                 restart_s = max(sync_s, self.costs.regroup_s(self._num(Role.ACTOR)))
                 self.regroup_gpu_s += restart_s * self._num(Role.ACTOR)
         self._record_roles(t)
+        c = self.cluster.control
+        # A polled control loop: the plan of the new version is written at the next control tick and
+        # the ranks act on it at their next poll; new groups are fed at that tick and claimed by the
+        # rollout ranks at their next report (each wait half an interval on average).
+        planned = self._after(t, c.control_tick_s, c.poll_s)
+        fed = self._after(t, c.control_tick_s, c.report_interval_s)
+        if fed > t:
+            self.schedule(fed, self._feed)
+        else:
+            self._feed(t)
+        self.schedule(planned + restart_s, self._begin_step)
+
+    def _feed(self, t: float) -> None:
         self._release(t)
         self.rollout.dispatch(t)
-        self.schedule(t + restart_s, self._begin_step)
 
     # -- synchronous system ------------------------------------------------------------------
     def _sync_start_version(self, t: float) -> None:
@@ -417,6 +463,7 @@ class Simulation:
                 twt_gpu_s=stats.twt_gpu_s + block * (stats.num_actors + stats.num_refs),
                 eval_block_s=block,
                 ers_reason=None,
+                consumed_gen_tokens=stats.consumed_gen_tokens,
             )
         )
 

@@ -124,8 +124,10 @@ class EfficiencySpec:
 
 @section
 class RolloutSpec:
-    gpu_memory_utilization: float = option(gt=0, le=1, help="vLLM share of device memory.")
-    activation_reserve_gb: float = option(ge=0, help="Memory vLLM keeps for activations/graphs, GB.")
+    gpu_memory_utilization: float = option(0.9, gt=0, le=1, help="vLLM share of device memory (roofline only).")
+    activation_reserve_gb: float = option(
+        0.0, ge=0, help="Memory vLLM keeps for activations/graphs, GB (roofline only)."
+    )
     max_num_seqs: int = option(ge=1, help="vLLM: most sequences in one batch.")
     prefill_chunk_tokens: int = option(ge=1, help="vLLM: tokens per iteration (chunked prefill budget).")
     weight_reload_s: float = option(ge=0, help="Engine-side cost of loading new weights, beyond the transfer, s.")
@@ -144,6 +146,13 @@ class TrainingSpec:
     swap_s: float | None = option(None, ge=0, help="Override the derived ref/actor swap time.")
     weight_sync_s: float | None = option(None, ge=0, help="Override the derived weight-sync time.")
     optimizer_s: float | None = option(None, ge=0, help="Override the derived optimizer-step time.")
+    actor_ranks: int | None = option(
+        None,
+        ge=1,
+        help="Fixed number of actor ranks. null: every rank that does not roll out is a data-parallel actor. "
+        "N: N actors; the remaining ranks are spare (idle in a fixed partition, ref ranks under ERS), as "
+        "in `tiderl run`, which has one actor rank.",
+    )
     default_rollout_fraction: float = option(gt=0, le=1, help="Rollout share of fixed partitions (and TideRL's start).")
     rollout_fraction_sweep: tuple[float, ...] = option(help="Rollout shares swept for fixed-partition systems.")
 
@@ -160,16 +169,73 @@ class ErsSpec:
 
 
 @section
+class MeasuredSpec:
+    """Costs measured on the machine itself (`tools/calibrate_cpu.py`), used instead of the roofline."""
+
+    decode_step_s: float = option(ge=0, help="Engine iteration time with no running sequence (intercept), s.")
+    decode_s_per_seq: float = option(ge=0, help="Iteration time added by each running sequence, s.")
+    prefill_s_per_token: float = option(gt=0, help="Prefill time per prompt token, s.")
+    actor_forward_s_per_token: float = option(gt=0, help="Actor forward (with autograd) per trained token, s.")
+    actor_backward_s_per_token: float = option(gt=0, help="Actor backward per trained token, s.")
+    ref_forward_s_per_token: float = option(gt=0, help="Reference forward (no autograd) per trained token, s.")
+    swap_s: float = option(ge=0, help="One ref/actor switch (offload one model, onload the other), s.")
+    weight_sync_s: float = option(ge=0, help="Engine weight reload from the published files, s.")
+    optimizer_s: float = option(ge=0, help="Optimizer step plus writing the new weights, s.")
+    kv_capacity_tokens: int = option(ge=1, help="KV cache tokens of one engine.")
+    turn_overhead_s: float = option(
+        0.0,
+        ge=0,
+        help="Latency of one turn outside the engine iterations and the environment: the request's "
+        "way into the engine process and back, and the agent loop around it, s.",
+    )
+    rollout_busy_cores: float = option(
+        1.0,
+        gt=0,
+        help="Cores a rollout rank keeps busy while its engine has work (its own process and the "
+        "engine's process), counted against host_compute_slots.",
+    )
+    host_compute_slots: float | None = option(
+        None,
+        gt=0,
+        help="Every rank is a process on one host: busy ranks share it, each running at "
+        "min(1, slots / busy ranks) of its measured speed. null: every rank has its own accelerator.",
+    )
+
+
+@section
+class ControlSpec:
+    """Polling intervals of a control loop that works by ticks (0: event-driven, no delay)."""
+
+    report_interval_s: float = option(
+        0.0, ge=0, help="A rollout rank reports finished trajectories and claims new tasks once per interval, s."
+    )
+    poll_s: float = option(0.0, ge=0, help="Trainer and ranks poll the store (ready groups, new plans) this often, s.")
+    control_tick_s: float = option(0.0, ge=0, help="The control plane plans and feeds once per tick, s.")
+
+
+@section
 class ClusterSpec:
     name: str = option(help="Cluster name.")
     num_gpus: int = option(ge=2, help="GPUs (ranks) of the job.")
     env_concurrency: int = option(ge=1, help="Environment sessions the env cluster runs at once.")
-    gpu: GpuSpec = option(help="Accelerator.")
-    model: ModelSpec = option(help="Policy model (rollout, actor and ref share the architecture).")
-    efficiency: EfficiencySpec = option(help="Achieved shares of the hardware peaks.")
+    gpu: GpuSpec | None = option(None, help="Accelerator (roofline costs; not needed with `measured`).")
+    model: ModelSpec | None = option(
+        None, help="Policy model (rollout, actor and ref share the architecture; roofline costs)."
+    )
+    efficiency: EfficiencySpec | None = option(None, help="Achieved shares of the hardware peaks (roofline costs).")
+    measured: MeasuredSpec | None = option(
+        None, help="Measured costs of this machine: replace the roofline (gpu, model, efficiency)."
+    )
     rollout: RolloutSpec = option(help="Rollout engine.")
     training: TrainingSpec = option(help="Trainer.")
     ers: ErsSpec = option(default_factory=ErsSpec, help="ERS planner limits.")
+    control: ControlSpec = option(default_factory=ControlSpec, help="Control-loop polling intervals.")
+
+    def __post_init__(self) -> None:
+        if self.measured is None and None in (self.gpu, self.model, self.efficiency):
+            raise ValueError("measured: without measured costs, gpu, model and efficiency are all required")
+        if self.training.actor_ranks is not None and self.training.actor_ranks >= self.num_gpus:
+            raise ValueError(f"training: actor_ranks must leave a rollout rank ({self.num_gpus} ranks)")
 
 
 def _load(cls: type, path: str | Path) -> object:

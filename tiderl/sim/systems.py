@@ -14,6 +14,14 @@ mechanics (engine, trainer, staleness bound, weight sync).
 `NAME@F` runs a fixed-partition system with rollout fraction F (TideRL
 starts from F); a fixed-partition system without `@F` sweeps the cluster's
 `rollout_fraction_sweep` and keeps the best goodput.
+
+`run:sync`, `run:async`, `run:stream` and `run:tiderl` are the four `system:`
+values of `tiderl run` (tiderl/run/systems.py), for comparing the simulator
+with the real job: one trainer step waits for its whole fetch before
+computing; `run:sync` is a staleness-0 barrier on a fixed split (not VeRL's
+time sharing); `run:stream` trains `groups_min` groups per step with a swap
+pair per micro-batch. They schedule rollout with CTB (the project default);
+`with_scheduler` gives them a job's `rollout.scheduler`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ class System:
     sweep: bool = True
     """Fixed-partition system: without @F, sweep the rollout fraction and keep the best."""
     rollout_fraction: float | None = None
+    max_staleness: int | None = None
+    """Override the cluster's staleness bound (None: the cluster's; `sync`: 0)."""
+    fetch_min: bool = False
+    """A step trains on B_min groups (the feed still keeps (staleness + 1) x B_ideal groups out)."""
+    gather_first: bool = False
+    """A step claims its whole fetch before computing anything (the real trainer role)."""
 
     @property
     def label(self) -> str:
@@ -51,8 +65,19 @@ SYSTEMS: dict[str, System] = {
         System("stream+ra2p+ers", TrainerKind.RA2P, ers=True, sweep=False),
         System("tiderl", TrainerKind.RA2P, ctb=True, ers=True, sweep=False),
         System("tiderl-noers", TrainerKind.RA2P, ctb=True),
+        System("run:sync", TrainerKind.BATCH, ctb=True, sweep=False, max_staleness=0, gather_first=True),
+        System("run:async", TrainerKind.BATCH, ctb=True, sweep=False, gather_first=True),
+        System("run:stream", TrainerKind.STREAM, ctb=True, sweep=False, fetch_min=True, gather_first=True),
+        System("run:tiderl", TrainerKind.RA2P, ctb=True, ers=True, sweep=False, gather_first=True),
     )
 }
+
+
+def with_scheduler(system: System, scheduler: str) -> System:
+    """`system` with the rollout scheduler of a job (`ctb` or `vanilla`)."""
+    if scheduler not in ("ctb", "vanilla"):
+        raise UnknownSystemError(f"unknown rollout scheduler {scheduler!r} (known: ctb, vanilla)")
+    return replace(system, ctb=scheduler == "ctb")
 
 
 class UnknownSystemError(ValueError):

@@ -16,8 +16,9 @@ Execution kinds (mechanics; the RA2P mode is chosen outside):
   its share's ref result is in).
 
 A micro-batch is split across the M actor ranks; a rank's share costs
-``forward_s`` per sequence (ref forward = actor forward, backward = 2 x
-forward). A colocated burst runs the ranks in lock-step (they switch models
+``forward_s`` per sequence for the actor forward, ``ref_ratio`` x that for
+the reference forward and ``backward_ratio`` x that for the backward (the
+roofline: 1 and 2). A colocated burst runs the ranks in lock-step (they switch models
 together); a rank finishing its share early idles (bubble).
 
 Accounting in GPU-seconds: ``twt`` (trainer ranks starved of ready data),
@@ -58,6 +59,7 @@ class StepStats:
     compute_done_s: float = 0.0
     consumed_tokens: int = 0
     consumed_seqs: int = 0
+    consumed_gen_tokens: int = 0
 
 
 class Trainer:
@@ -68,12 +70,21 @@ class Trainer:
         micro_batch_tokens: int,
         schedule: Callable[[float, Callable[[float], None]], None],
         on_compute_done: Callable[[float], None],
+        *,
+        gather_first: bool = False,
+        host: Callable[[int], float] | None = None,
     ) -> None:
         self.costs = costs
         self.kind = kind
         self.micro_batch_tokens = micro_batch_tokens
         self.schedule = schedule
         self.on_compute_done = on_compute_done
+        self.gather_first = gather_first
+        # Shared host: tell it how many trainer ranks compute; it answers their speed.
+        self.host = host or (lambda busy: 1.0)
+        self._burst_token = 0
+        self._burst_work = self._burst_t = 0.0
+        self._burst_speed = 1.0
         self.stats: StepStats | None = None
         self.active = False
 
@@ -106,6 +117,7 @@ class Trainer:
             group = buffer.popleft()
             claimed.append(group)
             self.claimed += 1
+            st.consumed_gen_tokens += group.gen_tokens
             for n in group.seq_tokens:
                 self.pool.append(n)
                 self.pool_tokens += n
@@ -120,6 +132,8 @@ class Trainer:
     def _form(self, t: float) -> None:
         cap = self.capacity_tokens
         complete = self.claimed >= self.stats.fetch_groups
+        if self.gather_first and not complete:
+            return
         if self.kind is TrainerKind.BATCH:
             if complete and self.pool:
                 for mb in _next_fit(self.pool, cap):
@@ -175,21 +189,38 @@ class Trainer:
         for shares in burst:
             for r, share in enumerate(shares):
                 per_rank[r] += self._share_forward_s(share)
-        ref_phase = max(per_rank)
-        actor_phase = 3 * ref_phase  # forward + backward (= 2 x forward) of the same shares
+        c = self.costs
+        ref_phase = max(per_rank) * c.ref_ratio
+        actor_phase = max(per_rank) * (1.0 + c.backward_ratio)  # forward + backward of the same shares
         swap = self.costs.swap_s
         duration = 2 * swap + ref_phase + actor_phase
+        # A shared host: the burst runs at the trainer's share of it, re-timed when the share changes.
+        speed = self.host(m)
         st.twt_gpu_s += m * (t - self.idle_since)
         st.swap_gpu_s += 2 * swap * m
         st.num_swaps += 2
-        busy = 4 * sum(per_rank)
+        busy = (c.ref_ratio + 1.0 + c.backward_ratio) * sum(per_rank)
         st.busy_gpu_s += busy
         st.bubble_gpu_s += m * (ref_phase + actor_phase) - busy
         self.busy = True
-        self.schedule(t + duration, self._burst_end)
+        self._burst_work, self._burst_t, self._burst_speed = duration, t, speed
+        self._burst_token += 1
+        self.schedule(t + duration / speed, self._burst_end, self._burst_token)
 
-    def _burst_end(self, t: float) -> None:
+    def speed_changed(self, t: float, speed: float) -> None:
+        """The trainer's share of a shared host changed: the running colocated burst is re-timed."""
+        if not self.busy or speed == self._burst_speed:
+            return
+        self._burst_work -= (t - self._burst_t) * self._burst_speed
+        self._burst_t, self._burst_speed = t, speed
+        self._burst_token += 1
+        self.schedule(t + max(self._burst_work, 0.0) / speed, self._burst_end, self._burst_token)
+
+    def _burst_end(self, t: float, token: int) -> None:
+        if token != self._burst_token:
+            return  # re-timed
         self.busy = False
+        self.host(0)
         self.idle_since = t
         self._run(t)
 
@@ -202,20 +233,21 @@ class Trainer:
 
     def _pipeline(self, a: float, shares: list[list[int]]) -> None:
         st = self.stats
+        speed = self.host(st.num_actors + st.num_refs)  # a shared host: the share when dispatched
         for r, share in enumerate(shares):
-            fwd = self._share_forward_s(share)
+            fwd = self._share_forward_s(share) / speed
             i = min(range(len(self.ref_free)), key=self.ref_free.__getitem__)
             ref_start = max(a, self.ref_free[i])
             st.twt_gpu_s += max(0.0, a - self.ref_free[i])
-            ref_done = ref_start + fwd
+            ref_done = ref_start + fwd * self.costs.ref_ratio
             self.ref_free[i] = ref_done
             f_start = max(a, self.actor_free[r])
             st.twt_gpu_s += max(0.0, a - self.actor_free[r])
             f_end = f_start + fwd
             b_start = max(f_end, ref_done)
             st.bubble_gpu_s += b_start - f_end
-            self.actor_free[r] = b_start + 2 * fwd
-            st.busy_gpu_s += 4 * fwd
+            self.actor_free[r] = b_start + self.costs.backward_ratio * fwd
+            st.busy_gpu_s += (self.costs.ref_ratio + 1.0 + self.costs.backward_ratio) * fwd
 
     def _maybe_done_decoupled(self) -> None:
         st = self.stats
@@ -225,7 +257,11 @@ class Trainer:
         end = max(self.actor_free + self.ref_free)
         st.bubble_gpu_s += sum(end - f for f in self.actor_free) + sum(end - f for f in self.ref_free)
         st.compute_done_s = end
-        self.schedule(end, self.on_compute_done)
+        self.schedule(end, self._decoupled_end)
+
+    def _decoupled_end(self, t: float) -> None:
+        self.host(0)
+        self.on_compute_done(t)
 
     def finish_step(self) -> StepStats:
         self.active = False

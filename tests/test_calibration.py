@@ -1,0 +1,189 @@
+"""Calibration against the real job: the calibration tool writes cluster and workload files the
+simulator loads and runs, and the sim-vs-real comparison computes what its docstring says."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+from sim_helpers import ROOT
+
+from tiderl.config import load_job
+from tiderl.sim.costs import derive_costs
+from tiderl.sim.simulator import Simulation
+from tiderl.sim.spec import load_cluster, load_workload
+from tiderl.sim.systems import parse_system, with_scheduler
+
+sys.path.insert(0, str(ROOT / "tools"))
+calibrate = importlib.import_module("calibrate_cpu")
+sim_vs_real = importlib.import_module("sim_vs_real")
+
+BENCH_SETS = ["launch.num_ranks=3", "launch.rollout_fraction=0.34", "trainer.groups_ideal=2",
+              "trainer.groups_min=1", "rollout.eval_every_steps=0"]
+MEASURED = {
+    "job": "jobs/quickstart.yaml", "repeats": 3, "batches": [1, 4, 16], "load_before": "1.00 1.00 1.00",
+    "load_after": "1.00 1.00 1.00", "decode_step_s": 0.004, "decode_s_per_seq": 0.0002,
+    "prefill_s_per_token": 2e-5, "actor_forward_s_per_token": 5e-5, "actor_backward_s_per_token": 1.1e-4,
+    "ref_forward_s_per_token": 3e-5, "swap_s": 0.002, "weight_reload_s": 0.05, "optimizer_s": 0.08,
+    "kv_capacity_tokens": 20000, "trainer_tokens_per_microbatch": 512, "prefill_chunk_tokens": 4096,
+    "host_compute_slots": 1.2, "host_procs": 2, "host_alone_s": 1.0, "host_together_s": 1.6667,
+    "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
+}
+TRAJECTORIES = {
+    "versions": 12, "turns_min": 1, "turns_max": 6,
+    "start": {"n": 96, "turns_mean": 4.4, "tokens_mean": 104.4, "gen_tokens_per_turn": 2.36, "prompt_tokens": 26.0},
+    "end": {"n": 96, "turns_mean": 4.9, "tokens_mean": 116.2, "gen_tokens_per_turn": 2.32, "prompt_tokens": 26.0},
+}
+ENV = {"env_sessions": 16, "env_start_s": {"n": 64, "mean_s": 0.02, "p99_s": 0.09},
+       "env_step_s": {"n": 300, "mean_s": 0.015, "p99_s": 0.08}}
+
+
+def _write_files(tmp_path):
+    job = load_job(ROOT / "jobs" / "quickstart.yaml", BENCH_SETS)
+    cluster = tmp_path / "cpu.cluster.yaml"
+    workload = tmp_path / "hilo.workload.yaml"
+    cluster.write_text(calibrate.cluster_yaml(MEASURED, job, job.launch.num_ranks, job.launch.rollout_fraction,
+                                              "2026-01-01"))
+    workload.write_text(calibrate.workload_yaml(TRAJECTORIES, ENV, job, tmp_path / "run", "2026-01-01"))
+    return cluster, workload
+
+
+def test_calibration_files_load_and_carry_the_measurements(tmp_path):
+    cluster_path, workload_path = _write_files(tmp_path)
+    cluster = load_cluster(cluster_path)
+    workload = load_workload(workload_path)
+    assert cluster.num_gpus == 3 and cluster.training.actor_ranks == 1 and cluster.gpu is None
+    costs = derive_costs(cluster)
+    assert costs.decode_iteration_s(4, 0.0, 0.0) == pytest.approx(0.004 + 4 * 0.0002)
+    assert costs.prefill_s(100.0) == pytest.approx(100 * 2e-5)
+    assert costs.train_s(100) == pytest.approx(100 * (5e-5 + 1.1e-4 + 3e-5))
+    assert (costs.swap_s, costs.weight_sync_s, costs.kv_capacity_tokens) == (0.002, 0.05, 20000)
+    assert (costs.optimizer_s(1), costs.turn_overhead_s) == (0.3, 0.05)
+    assert (cluster.control.report_interval_s, cluster.control.poll_s, cluster.control.control_tick_s) == (0.25, 0.2, 0.2)
+    assert costs.host_speed(0, 1) == 1.0 and costs.host_speed(0, 3) == pytest.approx(0.4)
+    assert costs.host_speed(1, 1) == pytest.approx(1.2 / 2.5)  # a busy rollout rank weighs 1.5 cores
+    assert workload.groups_per_step == 2 and workload.group_size == 8
+    task = workload.task_types[0]
+    assert task.turns_mean.start == pytest.approx(4.4) and task.env_latency.mean_s == pytest.approx(0.015)
+
+
+def test_every_calibrated_value_names_its_source(tmp_path):
+    for path in _write_files(tmp_path):
+        for line in path.read_text().splitlines():
+            body = line.split("#")[0]
+            if ":" in body and body.split(":", 1)[1].strip() and not body.strip().startswith("- name"):
+                key = body.split(":")[0].strip()
+                assert "#" in line or key in {"name", "min_actor_ranks", "min_rollout_ranks", "max_ref_ranks"}, line
+
+
+@pytest.mark.parametrize("system", ["sync", "async", "stream", "tiderl"])
+def test_the_real_systems_simulate_on_the_calibrated_files(tmp_path, system):
+    cluster_path, workload_path = _write_files(tmp_path)
+    cluster = load_cluster(cluster_path)
+    sim_system = with_scheduler(parse_system(f"run:{system}"), "ctb")
+    result = Simulation(load_workload(workload_path), cluster, sim_system, steps=4, seed=0,
+                        rollout_fraction=cluster.training.default_rollout_fraction).run()
+    assert result["steps"] == 4 and result["goodput_gen_tok_s"] > 0
+    timeline = result["roles_timeline"]
+    assert all(entry["actor"] == 1 for entry in timeline)  # one actor rank, as in `tiderl run`
+    if system == "stream":
+        assert all(r["fetch_groups"] == 1 for r in result["per_step"])  # groups_min
+    if system == "sync":
+        assert result["max_staleness"] == 0
+
+
+def test_run_sync_waits_for_training_before_feeding(tmp_path):
+    """A staleness-0 barrier: no trajectory is trained by a version later than the one it started on."""
+    cluster_path, workload_path = _write_files(tmp_path)
+    cluster = load_cluster(cluster_path)
+    sync = Simulation(load_workload(workload_path), cluster, with_scheduler(parse_system("run:sync"), "ctb"),
+                      steps=4, seed=0, rollout_fraction=0.34)
+    sync.run()
+    assert set(sync.staleness_seen) == {0}
+
+
+def test_a_shared_host_slows_overlapping_ranks(tmp_path):
+    """Rollout and training overlap in `run:async`: sharing one host slows both, so the same run
+    takes longer than with an accelerator per rank."""
+    cluster_path, workload_path = _write_files(tmp_path)
+    workload = load_workload(workload_path)
+    loaded = load_cluster(cluster_path)
+    # Event-driven control (no polling grid), so only the host sharing differs.
+    shared = dataclasses.replace(loaded, control=type(loaded.control)())
+    own = dataclasses.replace(shared, measured=dataclasses.replace(shared.measured, host_compute_slots=None))
+    system = with_scheduler(parse_system("run:async"), "ctb")
+    runs = [Simulation(workload, c, system, steps=6, seed=0, rollout_fraction=0.34).run() for c in (own, shared)]
+    assert runs[1]["sim_time_s"] > runs[0]["sim_time_s"]
+    assert runs[1]["rollout"]["decode_tokens"] > 0
+
+
+def test_a_polled_control_loop_delays_readiness_and_boundaries(tmp_path):
+    """Ticks and polls delay every group's readiness and every step start: the same run takes longer
+    than with an event-driven control loop."""
+    cluster_path, workload_path = _write_files(tmp_path)
+    workload = load_workload(workload_path)
+    polled = load_cluster(cluster_path)
+    instant = dataclasses.replace(polled, control=type(polled.control)())
+    system = with_scheduler(parse_system("run:sync"), "ctb")
+    runs = [Simulation(workload, c, system, steps=4, seed=0, rollout_fraction=0.34) for c in (instant, polled)]
+    results = [sim.run() for sim in runs]
+    assert results[1]["sim_time_s"] > results[0]["sim_time_s"]
+    # A step starts half a control tick plus half a poll (on average) after the publish, then the sync.
+    c = polled.control
+    delay = (c.control_tick_s + c.poll_s) / 2 + runs[1].costs.weight_sync_s
+    publishes = [r["end_s"] for r in results[1]["per_step"]]
+    starts = [s.start_s for s in runs[1].step_stats[1:]]
+    assert starts == pytest.approx([t + delay for t in publishes[:len(starts)]])
+
+
+def test_steady_figures_from_literal_steps():
+    rows = [{"end_s": 10.0, "gen_tokens": 999, "rwt_s": 50.0, "twt_s": 60.0},
+            {"end_s": 14.0, "gen_tokens": 100, "rwt_s": 1.0, "twt_s": 2.0},
+            {"end_s": 20.0, "gen_tokens": 200, "rwt_s": 3.0, "twt_s": None}]
+    got = sim_vs_real.steady_from_steps(rows)
+    assert got["steady_goodput_tok_s"] == pytest.approx(300 / 10)
+    assert got["step_s"] == pytest.approx(5.0)
+    assert got["rwt_s_per_step"] == pytest.approx(2.0)
+    assert got["twt_s_per_step"] == pytest.approx(1.0)  # a missing value counts as no wait
+    assert sim_vs_real.steady_from_steps(rows[:1]) == dict.fromkeys(sim_vs_real.FIGURES)
+
+
+def test_compare_reports_errors_and_what_is_over_threshold():
+    measured = {"sync": {"steady_goodput_tok_s": 40.0, "step_s": 5.0, "rwt_s_per_step": 2.0, "twt_s_per_step": None},
+                "stream": {"steady_goodput_tok_s": 30.0, "step_s": 4.0, "rwt_s_per_step": 0.0,
+                           "twt_s_per_step": 1.0}}
+    simulated = {"sync": {"steady_goodput_tok_s": 50.0, "step_s": 4.5, "rwt_s_per_step": 1.0,
+                          "twt_s_per_step": 3.0},
+                 "stream": {"steady_goodput_tok_s": 30.0, "step_s": 4.0, "rwt_s_per_step": 1.0,
+                            "twt_s_per_step": 1.2}}
+    out = sim_vs_real.compare(measured, simulated)
+    sync = out["systems"]["sync"]
+    assert sync["steady_goodput_tok_s"]["error"] == pytest.approx(0.25)
+    assert sync["step_s"]["error"] == pytest.approx(-0.1)
+    assert sync["rwt_s_per_step"]["error"] == pytest.approx(-0.5)
+    assert sync["twt_s_per_step"]["error"] is None  # nothing measured
+    assert out["systems"]["stream"]["rwt_s_per_step"]["error"] is None  # measured 0: no relative error
+    # 25% exactly is not over; -50% is.
+    assert out["over_threshold"] == ["sync.rwt_s_per_step"]
+    assert sim_vs_real.compare(measured, {})["systems"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_calibration_tool_writes_a_cluster_file_the_simulator_loads(tmp_path):
+    out = tmp_path / "cpu.cluster.yaml"
+    sets = [a for s in BENCH_SETS for a in ("--set", s)]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "calibrate_cpu.py"), *sets, "--out", str(out),
+                           "--repeats", "1", "--batches", "1,2", "--decode-tokens", "4", "--turns", "2",
+                           "--trainer-steps", "1", "--host-iterations", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    cluster = load_cluster(out)
+    costs = derive_costs(cluster)
+    assert cluster.measured.kv_capacity_tokens == raw["kv_capacity_tokens"] > 0
+    assert costs.train_s(64) > 0 and costs.decode_iteration_s(2, 0.0, 0.0) > 0
