@@ -66,3 +66,7 @@ def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
     assert dict(trained) == {0: 3, 1: 3}, "both actors train every step"
     modes = {m for (m,) in db.execute("select ra2p_mode from versions where version > 0")}
     assert modes == {"decoupled"}
+    # The follower actor and the ref record their waits for the leader's data as TWT, every step.
+    waited = dict(db.execute("select rank, count(distinct version) from metrics where name = 'twt_s' "
+                             "and rank in (1, 3) group by rank").fetchall())
+    assert waited == {1: 3, 3: 3}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ def steady_goodput(run_dir: Path) -> float | None:
 
 def run_one(job: Path, system: str, overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
     sets = [a for s in [*overrides, f"system={system}"] for a in ("--set", s)]
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     code, log = 0, ""
     if not (reuse and (run_dir / "run.db").exists()):
@@ -68,6 +70,7 @@ def run_one(job: Path, system: str, overrides: list[str], run_dir: Path, reuse: 
         "goodput_tok_s": round(doc["goodput_tok_s"], 2),
         "steady_goodput_tok_s": round(g, 2) if (g := steady_goodput(run_dir)) is not None else None,
         "rwt_s": round(doc["rwt_s"], 1),
+        "rollout_idle_s": round(idle_seconds(run_dir), 1),
         "twt_s": round(doc["twt_s"], 1),
         "success_rate": round(sum(s["success_rate"] or 0 for s in late) / n, 3) if n else None,
         "eval_success_rate": evals[-1]["success_rate"] if evals else None,
@@ -77,7 +80,20 @@ def run_one(job: Path, system: str, overrides: list[str], run_dir: Path, reuse: 
         "run_s": round(doc["elapsed_s"], 1),
         "wall_s": round(wall_s, 1) if code == 0 and log else None,
         "run_dir": str(run_dir),
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before and after: results swing with load
     }
+
+
+def idle_seconds(run_dir: Path) -> float:
+    """Rollout-rank seconds with no task to play at all (`rollout_idle_s`), the paper's RWT; `rwt_s`
+    also counts ticks where a rank had free slots while it played other tasks."""
+    from tiderl.store import RunStore
+
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        return sum(float(r["value"]) for r in store.metric_sums(["rollout_idle_s"]))
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:

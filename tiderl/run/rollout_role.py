@@ -11,8 +11,10 @@ metrics, task whereabouts and the claim of enough new tasks that the worker
 holds up to `rollout.max_concurrency` unfinished ones (it admits them by its
 scheduler: CTB by KV token budget, probes and priorities). An evaluation runs on
 the weights it evaluates (see `run_rollout`).
-RWT counts the seconds the rank had free slots but nothing to claim (the
-feeder holds tasks back for staleness, or the buffer is full).
+RWT (`rwt_s`) counts the seconds the rank had free slots but nothing to claim
+(the feeder holds tasks back for staleness, or the buffer is full), even while
+it played other tasks; `rollout_idle_s` counts the seconds it had no task at
+all (its accelerator idle: the paper's RWT).
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             await asyncio.sleep(cfg.rollout.report_interval_s)
             now = time.monotonic()
             tick_s, last = now - last, now
+            if role.worker.num_unfinished == 0:  # nothing at all to play: the rank (its GPU) idled
+                report.metrics.append(MetricPoint("rollout_idle_s", tick_s, version, "rollout"))
             role.drain(report)
             stats.observe(role)
             nxt = ctx.boundary(planned)

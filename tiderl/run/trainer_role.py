@@ -203,7 +203,7 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
     import torch.distributed as dist
 
     actor = _actor(ctx, plan.version, leader=False)
-    members = await _wait_marker(ctx, plan.version)
+    members = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
     def follow(comm: Any) -> Any:
         box: list[Any] = [None]
@@ -229,12 +229,21 @@ def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[
         leave_trainer_group()
 
 
-async def _wait_marker(ctx: RankContext, version: int) -> list[int]:
-    """Wait until the leader has the step's data; returns the ref ranks of the step's group."""
+async def _wait_marker(ctx: RankContext, version: int, role: Role) -> list[int]:
+    """Wait until the leader has the step's data; returns the ref ranks of the step's group. The
+    wait is this trainer rank's TWT (recorded every `TWT_REPORT_S` while it lasts)."""
     marker = _step_marker(ctx, version)
+    reported_at = time.monotonic()
     while not marker.exists():
         ctx.position()  # leaves if the run stopped
+        now = time.monotonic()
+        if now - reported_at >= TWT_REPORT_S:
+            ctx.store.report(RankReport(rank=ctx.rank, metrics=[
+                MetricPoint("twt_s", now - reported_at, version, role.value)]))
+            reported_at = now
         await asyncio.sleep(ctx.poll_s)
+    ctx.store.report(RankReport(rank=ctx.rank, metrics=[
+        MetricPoint("twt_s", time.monotonic() - reported_at, version, role.value)]))
     return list(json.loads(marker.read_text())["refs"])
 
 
@@ -260,7 +269,7 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     import torch.distributed as dist
 
     ref = _ref(ctx)
-    refs = await _wait_marker(ctx, plan.version)
+    refs = await _wait_marker(ctx, plan.version, Role.REF)
 
     def serve(comm: Any) -> None:
         box: list[Any] = [None]
