@@ -169,7 +169,8 @@ SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=30
 CredType=cred/munge
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
@@ -196,7 +197,8 @@ ReturnToService=2
 # Short waits keep tests quick: cancelled steps are killed after KillWait seconds.
 KillWait=5
 MinJobAge=300
-SchedulerParameters=batch_sched_delay=0
+# sched_interval: a requeued job whose hold (cred_expire) ran out starts within seconds, not a minute.
+SchedulerParameters=batch_sched_delay=0,sched_interval=5
 MessageTimeout=10
 MailProg=/bin/true
 EOF

@@ -36,8 +36,8 @@ class SlurmConfig:
     signal_delay_s: int = option(
         120,
         ge=0,
-        help="sbatch --signal=USR2@N: seconds before the time limit at which the ranks get SIGUSR2 to "
-        "checkpoint and requeue (0: no signal).",
+        help="sbatch --signal=B:USR2@N (`tiderl submit`; USR2@N in plain scripts): seconds before the time "
+        "limit at which the run gets SIGUSR2 to stop and requeue itself (0: no warning).",
     )
     mail_user: str | None = option(None, help="sbatch --mail-user (no mail when unset).")
     mail_type: str = option("END,FAIL", help="sbatch --mail-type, used only with `mail_user`.")
@@ -46,7 +46,10 @@ class SlurmConfig:
         help="Shell lines the sbatch script runs before the run starts (e.g. `module load cuda`, "
         "`source .venv/bin/activate`).",
     )
-    extra_flags: tuple[str, ...] = option((), help="Further sbatch flags, verbatim (e.g. `--exclusive`).")
+    extra_flags: tuple[str, ...] = option(
+        (), help="Further sbatch flags, verbatim (e.g. `--exclusive`, `--gres=gpu:8`; `tiderl submit` takes "
+        "long flags only: `--name` or `--name=value`)."
+    )
 
     def __post_init__(self) -> None:
         for name in ("job_name", "partition", "account", "qos", "constraint", "mail_user", "mail_type"):

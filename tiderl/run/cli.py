@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiderl.config.cli import add_override_argument
+
+if TYPE_CHECKING:
+    from tiderl.run.launcher import Launch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from tiderl.rundir import RunDirError
     from tiderl.run.launcher import LaunchError, prepare, run_launch
 
@@ -31,4 +35,33 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, LaunchError) as e:
         print(f"tiderl run: {e}", file=sys.stderr)
         return 2
-    return run_launch(launch)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id is None:
+        return run_launch(launch)
+    return _run_in_slurm_job(launch, job_id)
+
+
+def _run_in_slurm_job(launch: "Launch", job_id: str) -> int:
+    """`tiderl run` as the step of a plain sbatch script (slurm/run.sbatch): Slurm's signals stop the run
+    cleanly and leave it resumable; SIGUSR2 (`--signal=USR2@N`, the time limit is near) also requeues the
+    job, whose script then resumes the run directory."""
+    import signal
+
+    from tiderl.run.launcher import Interrupted, run_launch
+    from tiderl.slurm.cluster import SlurmCluster
+
+    received: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise Interrupted(f"job {job_id} stopped by Slurm ({signal.Signals(signum).name}); "
+                              "a requeued job resumes the run")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGUSR2, interrupt)
+    code = run_launch(launch)
+    if received and received[0] == signal.SIGUSR2:
+        SlurmCluster().requeue([job_id])
+        print(f"tiderl run: requeued job {job_id}", file=sys.stderr)
+    return code

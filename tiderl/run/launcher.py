@@ -6,6 +6,11 @@ reopens the run dir, finds or builds the model, starts the env servers
 `launch.num_ranks` rank processes, shows a progress line until the control
 plane declares the run finished, and stops every child on Ctrl-C, on a
 child's failure or at the end. The run state records how it ended.
+
+`tiderl submit` runs the same launch inside a Slurm job (`tiderl.slurm.job`):
+only the way ranks start differs (`start_ranks`: one `srun` step instead of
+local children), and a signal from Slurm raises `Interrupted`, which stops the
+children and leaves the run resumable.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,7 +32,7 @@ from tiderl.run import procs
 from tiderl.run.context import write_run_files
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
-from tiderl.store.types import RunState
+from tiderl.store.types import RankState, RunState
 
 PROGRESS_S = 2.0
 LOG_EVERY_S = 10.0
@@ -35,6 +41,14 @@ FINISH_GRACE_S = 15.0
 
 class LaunchError(RuntimeError):
     """A process of the run failed to start or died; the message names it."""
+
+
+class Interrupted(Exception):
+    """Raised (from a signal handler) while a launch runs: stop every child and leave the run resumable.
+
+    The run state stays `running` with this message, unless it is already final (finished, or cancelled
+    by `tiderl cancel`); `tiderl run --resume` or a requeued Slurm job carries on from the store.
+    """
 
 
 @dataclass
@@ -74,6 +88,15 @@ def _checksum(directory: Path) -> str:
     return h.hexdigest()
 
 
+def _has_initial_version(store: RunStore) -> bool:
+    from sqlalchemy import select
+
+    from tiderl.store.schema import versions
+
+    return store.tx.read(lambda c: c.execute(select(versions.c.version).where(versions.c.version == 0)).first()
+                         is not None)
+
+
 def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tuple[list[procs.Child], list[str]]:
     from tiderl.envs.launch import server_argv, wait_for_url
 
@@ -94,8 +117,20 @@ def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tupl
     return children, urls
 
 
-def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
-    """Run to the end; returns the exit code (0 finished, 1 failed, 130 cancelled)."""
+RankStarter = Callable[[Launch, dict[str, str]], list[procs.Child]]
+
+
+def start_local_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
+    """`launch.num_ranks` rank processes on this machine, each a child with its own log."""
+    paths = launch.paths
+    return [procs.spawn(f"rank{r}", [sys.executable, "-m", "tiderl.run.rank", str(paths.root), str(r)],
+                        paths.rank_log(r), env=rank_env(r) | tag)
+            for r in range(launch.config.launch.num_ranks)]
+
+
+def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankStarter = start_local_ranks,
+               finish_grace_s: float = FINISH_GRACE_S) -> int:
+    """Run to the end; returns the exit code (0 finished, 1 failed, 130 cancelled, 143 interrupted)."""
     cfg, paths, store = launch.config, launch.paths, launch.store
     tag = {procs.RUN_DIR_ENV: str(paths.root.resolve())}
     children: list[procs.Child] = []
@@ -103,27 +138,17 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
     try:
         model = model_dir(cfg)
         if not launch.resumed:
-            store.register_initial_version(str(model), _checksum(model))
+            if not _has_initial_version(store):  # a first launch killed right after this line left it
+                store.register_initial_version(str(model), _checksum(model))
         else:
-            # A killed launcher's ranks died with it, but their vLLM engine cores may live on.
-            leftovers = procs.reap_leftovers(paths.root)
-            if leftovers:
-                store.record_event("launcher", "leftovers_killed",
-                                   f"killed {len(leftovers)} processes left by the previous launch",
-                                   data={"pids": leftovers})
-            # Every process of the previous launch is gone: their claims go back to the pool now.
-            store.reclaim_expired(0.0)
-            shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)
+            end_previous_launch(store, paths)
         env_children, urls = start_env_servers(launch, tag)
         children += env_children
         write_run_files(paths, model, urls)
         store.set_run_state(RunState.RUNNING, "resumed" if launch.resumed else None)
-        py = [sys.executable, "-m"]
-        children.append(procs.spawn("control", py + ["tiderl.run.control", str(paths.root)], paths.control_log(),
-                                    env=tag))
-        ranks = [procs.spawn(f"rank{r}", py + ["tiderl.run.rank", str(paths.root), str(r)], paths.rank_log(r),
-                             env=rank_env(r) | tag) for r in range(cfg.launch.num_ranks)]
-        children += ranks
+        children.append(procs.spawn("control", [sys.executable, "-m", "tiderl.run.control", str(paths.root)],
+                                    paths.control_log(), env=tag))
+        children += start_ranks(launch, tag)
         print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
               file=out, flush=True)
         r = cfg.rollout
@@ -131,20 +156,41 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout) -> int:
         state, message = _watch(store, children, out, eval_tasks)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
+    except Interrupted as e:
+        state, message = RunState.RUNNING, str(e)
     except Exception as e:
         state, message = RunState.FAILED, f"{type(e).__name__}: {e}"
         raise
     finally:
-        current = store.run_info()["state"]
-        if current != RunState.FINISHED.value or state is not RunState.FINISHED:
+        current = RunState(store.run_info()["state"])
+        if current is RunState.FINISHED and state is RunState.FINISHED:
+            _let_ranks_leave(children, finish_grace_s)
+        elif not (current.is_terminal and state is RunState.RUNNING) and current is not RunState.CANCELLED:
+            # A run someone cancelled (`tiderl cancel`) stays cancelled: ranks dying then are its consequence.
             store.set_run_state(state, message)
-        else:
-            _let_ranks_leave(children, FINISH_GRACE_S)
         procs.stop(children)
         print(file=out)
         print(summary(store), file=out, flush=True)
         store.close()
-    return {RunState.FINISHED: 0, RunState.CANCELLED: 130}.get(state, 1)
+    return {RunState.FINISHED: 0, RunState.CANCELLED: 130, RunState.RUNNING: 143}.get(state, 1)
+
+
+def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
+    """Before a resume: kill what the previous launch left, and give every claim of its ranks back."""
+    # A killed launcher's ranks died with it, but their vLLM engine cores may live on.
+    leftovers = procs.reap_leftovers(paths.root)
+    if leftovers:
+        store.record_event("launcher", "leftovers_killed",
+                           f"killed {len(leftovers)} processes left by the previous launch",
+                           data={"pids": leftovers})
+    # Every process of the previous launch is gone: their claims go back to the pool now. A rank that was
+    # stopped by a signal (Ctrl-C, Slurm's SIGTERM at a requeue) recorded itself `stopped` with its claims
+    # still held, and `reclaim_expired` only takes claims from ranks it finds running.
+    for rank in store.ranks():
+        if rank["state"] == RankState.STOPPED.value:
+            store.set_rank_state(rank["rank"], RankState.RUNNING)
+    store.reclaim_expired(0.0)
+    shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)
 
 
 def _let_ranks_leave(children: list[procs.Child], grace_s: float) -> None:
@@ -184,6 +230,11 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
         for child in children:
             code = child.exit_code
             if code is not None and (child is not control or code != 0):
+                # Ranks leave on their own once the run is over: that is no failure, even if it happened
+                # after `doc` was read.
+                now = RunState(store.run_info()["state"])
+                if now.is_terminal:
+                    return now, store.run_info()["message"] or ""
                 return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
         if control.exit_code == 0:
             return RunState(doc["state"]), doc["message"] or ""

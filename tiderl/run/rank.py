@@ -1,6 +1,7 @@
 """A rank process: long-lived; at every sync boundary it reads its role and runs that role's loop.
 
     python -m tiderl.run.rank RUN_DIR RANK
+    srun --ntasks=N python -m tiderl.run.rank RUN_DIR    (each task's rank from Slurm, via submitit)
 
 observe (the published version and its plan) -> act (the role's loop until the
 next boundary) -> record (heartbeats and reports go through the run store).
@@ -69,11 +70,33 @@ def _heartbeats(ctx: RankContext, stopped: threading.Event) -> None:
         ctx.store.heartbeat(ctx.rank)
 
 
+def rank_from_slurm() -> int:
+    """This task's global rank in a multi-task Slurm step (`SLURM_PROCID`, read through submitit).
+
+    Also gives the task what the local launcher gives each rank (`launcher.rank_env`): one thread, and
+    vLLM's CPU worker pinned to a core of its own.
+    """
+    import os
+
+    import submitit
+
+    if "SLURM_PROCID" not in os.environ:
+        raise SystemExit("python -m tiderl.run.rank: no RANK given and not a task of a Slurm step "
+                         "(SLURM_PROCID is unset)")
+    rank = submitit.JobEnvironment().global_rank
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(rank % (os.cpu_count() or 1)))
+    return rank
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tiderl.run.rank")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("rank", type=int)
+    parser.add_argument("rank", type=int, nargs="?", default=None,
+                        help="This process's rank (default: its task rank in the Slurm step it runs in).")
     args = parser.parse_args(argv)
+    if args.rank is None:
+        args.rank = rank_from_slurm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     ctx = RankContext.open(args.run_dir, args.rank)
     # The launcher stops ranks with SIGTERM: leave through the cleanup below (engine closed, state recorded).

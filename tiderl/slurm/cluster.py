@@ -8,21 +8,25 @@ stdout out), which unit tests replace with a function of their own.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tiderl.slurm.states import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
+    SQUEUE_REASON_FORMAT,
     JobRecord,
     JobState,
+    QueueEntry,
     parse_sacct,
     parse_sbatch_parsable,
     parse_sinfo_nodes,
     parse_squeue,
+    parse_squeue_reasons,
 )
 
 Runner = Callable[[Sequence[str]], str]
@@ -51,10 +55,13 @@ class SlurmCommandError(SlurmError):
         super().__init__(f"`{' '.join(argv)}` exited {returncode}: {said}")
 
 
-def subprocess_runner(argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S) -> str:
-    """Run one Slurm command; its stdout, or a named error saying what failed and why."""
+def subprocess_runner(argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S,
+                      env: Mapping[str, str] | None = None) -> str:
+    """Run one Slurm command (with `env` added to this process's environment); its stdout, or a named
+    error saying what failed and why."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False,
+                              env={**os.environ, **env} if env else None)
     except FileNotFoundError as e:
         raise SlurmUnavailable(
             f"`{argv[0]}` not found: Slurm's client commands are not installed on this machine "
@@ -103,6 +110,19 @@ class SlurmCluster:
             raise
         return parse_squeue(out)
 
+    def queue_reasons(self, job_ids: Sequence[str]) -> dict[str, QueueEntry]:
+        """Like `queue`, with the reason squeue gives (why a job waits: `Resources`, `BeginTime`, ...)."""
+        if not job_ids:
+            return {}
+        try:
+            out = self._run(["squeue", "--noheader", f"--format={SQUEUE_REASON_FORMAT}",
+                             "--jobs=" + ",".join(job_ids)])
+        except SlurmCommandError as e:
+            if "Invalid job id" in e.stderr:
+                return {}
+            raise
+        return parse_squeue_reasons(out)
+
     def accounting(self, job_ids: Sequence[str]) -> dict[str, JobRecord]:
         """sacct records of the given jobs and their steps, finished or not."""
         if not job_ids:
@@ -130,11 +150,13 @@ class SlurmCluster:
                                  f"after {timeout_s:.0f} s")
             time.sleep(poll_s)
 
-    def cancel(self, job_ids: Sequence[str], *, signal: str | None = None) -> None:
-        """`scancel` the jobs (or send them `signal`, e.g. USR2, without ending them)."""
+    def cancel(self, job_ids: Sequence[str], *, signal: str | None = None, batch_only: bool = False) -> None:
+        """`scancel` the jobs (or send them `signal`, e.g. USR2, without ending them). `batch_only`: signal
+        only the batch step's own process, as `--signal=B:...` does before the time limit."""
         if not job_ids:
             return
-        argv = ["scancel"] + ([f"--signal={signal}"] if signal else []) + list(job_ids)
+        argv = ["scancel"] + (["--batch"] if batch_only else []) + ([f"--signal={signal}"] if signal else [])
+        argv += list(job_ids)
         self._run(argv)
 
     def requeue(self, job_ids: Sequence[str]) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 # squeue prints one line per job in this format; `%T` is the long state name.
 SQUEUE_FORMAT = "%i|%T"
+# The same with `%r`, the reason a job waits or ended (`None` when there is none).
+SQUEUE_REASON_FORMAT = "%i|%T|%r"
 # sacct columns read by `parse_sacct` (any order; the header line names them).
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NodeList")
 
@@ -122,6 +124,29 @@ def parse_squeue(text: str) -> dict[str, JobState]:
             raise SlurmOutputError(f"squeue line {number}: expected JOBID|STATE, got {line!r}")
         states[job_id] = JobState.parse(state)
     return states
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """One job as `squeue --format=%i|%T|%r` shows it."""
+
+    state: JobState
+    reason: str | None = None
+
+
+def parse_squeue_reasons(text: str) -> dict[str, QueueEntry]:
+    """`squeue --noheader --format=%i|%T|%r` -> {job id: state and reason}; squeue's reason `None` is None."""
+    entries: dict[str, QueueEntry] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        parts = line.strip().split("|", 2)
+        if len(parts) != 3 or not parts[0]:
+            raise SlurmOutputError(f"squeue line {number}: expected JOBID|STATE|REASON, got {line!r}")
+        job_id, state, reason = parts
+        reason = reason.strip()
+        entries[job_id] = QueueEntry(JobState.parse(state), None if reason in ("", "None") else reason)
+    return entries
 
 
 def _exit_code(text: str, number: int) -> tuple[int | None, int | None]:

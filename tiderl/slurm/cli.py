@@ -1,0 +1,145 @@
+"""`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run] [--wait]`: a run as one Slurm job.
+
+The config is validated and laid out on the `slurm:` resources before anything
+is written (exit 2 on a bad one); `--dry-run` prints the sbatch script and
+stops there. Otherwise the run directory and store are created here (so the
+job only ever resumes what exists), submitit submits `tiderl.slurm.job.SlurmRun`,
+and the job id goes into `RUN_DIR/slurm/jobs.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from tiderl.config.cli import add_override_argument
+
+WAIT_POLL_S = 5.0
+EXIT_FINISHED, EXIT_NOT_FINISHED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", type=Path, help="Job file (jobs/*.yaml).")
+    add_override_argument(parser)
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="Run directory to create, on a filesystem every node sees "
+                             "(default: launch.runs_dir/NAME-TIMESTAMP).")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Print the sbatch script that would be submitted; create and submit nothing.")
+    parser.add_argument("--wait", action="store_true",
+                        help="Follow the run until its job ends; exit 0 only if the run finished.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiderl.config import load_job
+    from tiderl.rundir import RunDirError, create_run, default_run_dir
+    from tiderl.slurm.cluster import SlurmCluster, SlurmError
+    from tiderl.slurm.runjobs import slurm_dir
+    from tiderl.slurm.sbatch import SlurmScriptError
+    from tiderl.slurm.submit import run_parameters, sbatch_text
+    from tiderl.store.types import RunState
+
+    config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
+    run_dir = (args.run_dir if args.run_dir is not None else default_run_dir(config)).absolute()
+    try:
+        params = run_parameters(config, run_dir)
+    except SlurmScriptError as e:
+        print(f"tiderl submit: {args.job}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.dry_run:
+        print(sbatch_text(params, slurm_dir(run_dir)), end="")
+        return 0
+    cluster = SlurmCluster()
+    try:
+        cluster.ping()
+    except SlurmError as e:
+        print(f"tiderl submit: {e} (every Slurm client needs SLURM_CONF when the cluster's config is not "
+              "in the default place)", file=sys.stderr)
+        return EXIT_NOT_FINISHED
+    try:
+        paths, store = create_run(config, run_dir)
+    except RunDirError as e:
+        print(f"tiderl submit: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        job_id = submit_run(run_dir, params)
+    except Exception as e:
+        store.set_run_state(RunState.FAILED, f"not submitted: {type(e).__name__}: {e}")
+        print(f"tiderl submit: submitting {run_dir} failed: {e}", file=sys.stderr)
+        return EXIT_NOT_FINISHED
+    finally:
+        store.close()
+    print(f"job {job_id}")
+    print(f"run dir {paths.root}", flush=True)
+    if not args.wait:
+        return 0
+    try:
+        return follow(run_dir, job_id)
+    except KeyboardInterrupt:
+        print(f"\ntiderl submit: stopped following; job {job_id} goes on (tiderl cancel {run_dir} ends it)",
+              file=sys.stderr)
+        return 130
+
+
+def submit_run(run_dir: Path, params: dict) -> str:
+    """Submit `SlurmRun(run_dir)` with these executor parameters; records and returns the job id."""
+    import submitit
+
+    from tiderl.slurm.job import SlurmRun
+    from tiderl.slurm.runjobs import record_job, slurm_dir
+    from tiderl.slurm.submit import slurm_conf, submit_command
+
+    class RunExecutor(submitit.SlurmExecutor):
+        @property
+        def _submitit_command_str(self) -> str:
+            return submit_command(self.python, self.folder)
+
+    executor = RunExecutor(folder=slurm_dir(run_dir))
+    executor.update_parameters(**params)
+    job = executor.submit(SlurmRun(str(run_dir)))
+    record_job(run_dir, job.job_id, job_name=params["job_name"], slurm_conf=slurm_conf())
+    return job.job_id
+
+
+def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float = WAIT_POLL_S) -> int:
+    """Print progress until the job has ended; 0 if the run finished."""
+    from tiderl.run.launcher import progress_line, summary
+    from tiderl.rundir import open_run
+    from tiderl.slurm.runjobs import slurm_jobs_of_run
+    from tiderl.slurm.states import JobState
+    from tiderl.status import collect
+    from tiderl.store.types import RunState
+
+    _, store = open_run(run_dir)
+    last = ""
+    try:
+        while True:
+            jobs = {j["job_id"]: j for j in slurm_jobs_of_run(run_dir)}
+            job = jobs.get(job_id, {"state": "UNKNOWN", "reason": "not in the run's job list"})
+            doc = collect(store)
+            line = (f"job {job_id} {job['state']}" + (f" ({job['reason']})" if job["reason"] else "")
+                    + f"  run {doc['state']}  " + progress_line(doc).rstrip())
+            if line != last:
+                print(line, file=out, flush=True)
+                last = line
+            if _job_ended(job["state"], JobState):
+                break
+            time.sleep(poll_s)
+        state = RunState(store.run_info()["state"])
+        print(summary(store), file=out, flush=True)
+    finally:
+        store.close()
+    print(f"job {job_id} {job['state']}, run {state.value}", file=out, flush=True)
+    return EXIT_FINISHED if state is RunState.FINISHED else EXIT_NOT_FINISHED
+
+
+def _job_ended(state: str, job_state_type: type) -> bool:
+    try:
+        parsed = job_state_type(state)
+    except ValueError:
+        return False  # UNKNOWN: Slurm did not answer this time, or accounting has not caught up
+    # A preempted job with --requeue comes back PENDING: only the other final states end the wait.
+    return parsed.is_finished and parsed is not job_state_type.PREEMPTED

@@ -1,0 +1,119 @@
+"""`tiderl submit`: a run as one Slurm job, submitted with submitit.
+
+The layout (see docs/slurm.md for why):
+
+    sbatch (submitit, slurm_use_srun=False)      one allocation: `nodes` x `ranks_per_node` tasks
+      batch step, first node:   python -m submitit.core._submit RUN_DIR/slurm   (`exec`ed by the script)
+        -> tiderl.slurm.job.SlurmRun: env servers + control plane as local children (the launcher's)
+        -> one step:  srun --ntasks=N ... python -m tiderl.run.rank RUN_DIR   (rank = SLURM_PROCID)
+
+Pure parts (config in, text or argv out), tested with literal strings:
+`executor_parameters`, `sbatch_text`, `rank_step_argv`. `submit_run` is the
+one function that talks to Slurm.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from tiderl.config import JobConfig
+from tiderl.config.slurm import SlurmConfig
+from tiderl.slurm.sbatch import LOG_NAME, PREEMPT_SIGNAL, SlurmScriptError, job_name, ranks_per_node
+
+SUBMITIT_MAIN = "submitit.core._submit"
+RANK_LOG = "rank%t.log"  # srun's %t is the task's rank in the step: RunPaths.rank_log(R)
+SRUN_LOG = "ranks-srun.log"
+
+
+def extra_flag_parameters(flags: tuple[str, ...]) -> dict[str, Any]:
+    """`slurm.extra_flags` as submitit's `additional_parameters`: `--name=value` -> {name: value}, `--name` ->
+    {name: True}. submitit writes one `#SBATCH --name[=value]` line per entry."""
+    params: dict[str, Any] = {}
+    for flag in flags:
+        if not flag.startswith("--") or len(flag) < 3:
+            raise SlurmScriptError(
+                f"slurm.extra_flags: `tiderl submit` takes long sbatch flags (--name or --name=value), got {flag!r}"
+            )
+        name, sep, value = flag[2:].partition("=")
+        params[name] = value if sep else True
+    return params
+
+
+def executor_parameters(slurm: SlurmConfig, *, name: str, num_ranks: int, log_dir: Path) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for a run; each comes from one `slurm:` field (or the rank count)."""
+    params: dict[str, Any] = {
+        "job_name": name,
+        "time": slurm.time_min,
+        "nodes": slurm.nodes,
+        # The allocation holds one task slot per rank; the batch step starts them as one srun step.
+        "ntasks_per_node": ranks_per_node(slurm, num_ranks),
+        "cpus_per_task": slurm.cpus_per_task,
+        "mem": f"{slurm.mem_gb}G",
+        "signal_delay_s": slurm.signal_delay_s,
+        # The submitted function runs in the batch step itself, so it can start its own srun step.
+        "use_srun": False,
+    }
+    if slurm.setup:
+        params["setup"] = list(slurm.setup)
+    if slurm.gpus_per_node:
+        params["gpus_per_node"] = slurm.gpus_per_node
+    for field in ("partition", "account", "qos", "constraint"):
+        value = getattr(slurm, field)
+        if value is not None:
+            params[field] = value
+    if slurm.mail_user is not None:
+        params["mail_user"] = slurm.mail_user
+        params["mail_type"] = slurm.mail_type
+    additional: dict[str, Any] = {
+        # Beside the run's other logs; `--open-mode=append` (submitit's) keeps a requeued job's earlier output.
+        "output": str(log_dir / f"{LOG_NAME}.out"),
+        "error": str(log_dir / f"{LOG_NAME}.err"),
+        "requeue" if slurm.requeue else "no_requeue": True,
+        # B: the warning goes to the batch step, where submitit's handler runs (without it, only to the
+        # job's other steps: the ranks).
+        "signal": f"B:{PREEMPT_SIGNAL}@{slurm.signal_delay_s}",
+    }
+    additional.update(extra_flag_parameters(slurm.extra_flags))
+    params["additional_parameters"] = additional
+    return params
+
+
+def run_parameters(config: JobConfig, run_dir: Path) -> dict[str, Any]:
+    """`executor_parameters` of a job config and its run directory."""
+    return executor_parameters(config.slurm, name=job_name(config.slurm, config.name),
+                               num_ranks=config.launch.num_ranks, log_dir=Path(run_dir) / "logs")
+
+
+def submit_command(python: str, folder: Path) -> str:
+    """The batch script's command: submitit's job runner, `exec`ed so that it is the batch shell's own
+    process, the one `--signal=B:...` reaches (bash would die of SIGUSR2 and leave python unsignalled)."""
+    return " ".join(["exec", python, "-u", "-m", SUBMITIT_MAIN, shlex.quote(str(folder))])
+
+
+def sbatch_text(params: dict[str, Any], folder: Path, python: str = shlex.quote(sys.executable)) -> str:
+    """The sbatch script submitit writes for these parameters (what `tiderl submit --dry-run` prints)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command=submit_command(python, folder), folder=folder, **params)
+
+
+def rank_step_argv(run_dir: Path, *, num_ranks: int, num_tasks_per_node: int, cpus_per_task: int,
+                   python: str = sys.executable) -> list[str]:
+    """The srun step of the ranks: one task per rank, each learning its rank from Slurm, logs per rank."""
+    logs = Path(run_dir) / "logs"
+    return [
+        "srun", "--unbuffered",
+        # One rank dying ends the step: the launcher sees it and records the run failed.
+        "--kill-on-bad-exit=1",
+        f"--ntasks={num_ranks}", f"--ntasks-per-node={num_tasks_per_node}", f"--cpus-per-task={cpus_per_task}",
+        f"--output={logs / RANK_LOG}", "--open-mode=append",
+        python, "-m", "tiderl.run.rank", str(run_dir),
+    ]
+
+
+def slurm_conf() -> str | None:
+    return os.environ.get("SLURM_CONF")
