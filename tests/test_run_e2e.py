@@ -54,7 +54,7 @@ def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
     """Two actor ranks train each step together (the leader publishes), a ref rank serves them."""
     run_dir = tmp_path / "run"
     sets = SHORT + ["system=async", "trainer.ra2p_mode=decoupled", "launch.num_ranks=4", "trainer.actor_ranks=2",
-                    "launch.rollout_fraction=0.25"]
+                    "launch.rollout_fraction=0.25", "monitor.metrics_port=0"]
     out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     facts = check_run(run_dir, max_staleness=1)
@@ -70,3 +70,6 @@ def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
     waited = dict(db.execute("select rank, count(distinct version) from metrics where name = 'twt_s' "
                              "and rank in (1, 3) group by rank").fetchall())
     assert waited == {1: 3, 3: 3}
+    # Every process served its Prometheus registry (the control plane's run metrics, each rank's own).
+    urls = sorted(p.name for p in (run_dir / "metrics").glob("*.url"))
+    assert urls == ["control.url", "rank0.url", "rank1.url", "rank2.url", "rank3.url"]

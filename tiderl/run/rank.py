@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     stopped = threading.Event()
     beat = threading.Thread(target=_heartbeats, args=(ctx, stopped), name="heartbeat", daemon=True)
     beat.start()
+    # This process's own Prometheus registry (vLLM's `vllm:*` metrics live there), when the run serves metrics.
+    from tiderl.metrics import serve_process_metrics
+
+    serve_process_metrics(ctx.paths.root, ctx.config, ctx.rank)
     try:
         asyncio.run(serve(ctx))
     except RunStopped as e:
