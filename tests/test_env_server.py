@@ -344,3 +344,20 @@ def test_pool_with_every_server_dead_says_so() -> None:
                 await pool.start("hilo", seed=0)
 
     asyncio.run(main())
+
+
+def test_a_server_on_every_interface_advertises_the_hostname() -> None:
+    import socket
+
+    from tiderl.envs.server import advertised_host
+
+    assert advertised_host("0.0.0.0") == socket.gethostname() == advertised_host("::")
+    assert advertised_host("10.1.2.3") == "10.1.2.3" and advertised_host("::1") == "[::1]"
+
+    async def main() -> None:
+        async with serving(host="0.0.0.0") as s:
+            assert s.url.startswith(f"http://{socket.gethostname()}:")
+            async with EnvClient(s.url.replace(socket.gethostname(), "127.0.0.1")) as client:
+                assert (await client.health())["status"] == "ok"
+
+    asyncio.run(main())

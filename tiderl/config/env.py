@@ -34,8 +34,9 @@ class EnvConfig:
     )
     host: str = option(
         "127.0.0.1",
-        help="Address local env servers listen on. Loopback by default; on a shared cluster "
-        "listen wider only with `token_file` set.",
+        help="Address local env servers listen on. Loopback by default; `0.0.0.0` for ranks on other "
+        "nodes (the server then advertises the node's hostname); on a shared cluster listen wider only "
+        "with `token_file` set.",
     )
     request_timeout_s: float = option(
         120.0, gt=0, help="Client timeout of one env request (a step includes the environment's delay), seconds."

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import random
+import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -338,5 +339,13 @@ async def start_server(options: ServerOptions) -> RunningServer:
     await site.start()
     sockets = site._server.sockets if site._server is not None else []  # noqa: SLF001
     port = sockets[0].getsockname()[1] if sockets else options.port
-    host = options.host if ":" not in options.host else f"[{options.host}]"
+    host = advertised_host(options.host)
     return RunningServer(server, runner, f"http://{host}:{port}")
+
+
+def advertised_host(listen_host: str) -> str:
+    """The host other machines reach a server listening on `listen_host` at: the machine's
+    hostname for a wildcard address (ranks on other nodes read the URL), else the address."""
+    if listen_host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return listen_host if ":" not in listen_host else f"[{listen_host}]"
