@@ -116,6 +116,8 @@ def test_rank_step_is_one_srun_with_one_task_per_rank() -> None:
         "srun", "--unbuffered", "--kill-on-bad-exit=1", "--ntasks=8", "--ntasks-per-node=4", "--cpus-per-task=12",
         "--output=/r/logs/rank%t.log", "--open-mode=append", "/py", "-m", "tiderl.run.rank", "/r",
     ]
+    on_gpus = rank_step_argv(Path("/r"), num_ranks=8, num_tasks_per_node=8, cpus_per_task=12, gpus=True, python="/py")
+    assert on_gpus[6] == "--gpus-per-task=1"  # one GPU per rank: Slurm sets each task's CUDA_VISIBLE_DEVICES
 
 
 def test_submit_command_execs_submitit() -> None:

@@ -49,7 +49,7 @@ def start_slurm_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
     cfg = launch.config
     argv = rank_step_argv(launch.paths.root, num_ranks=cfg.launch.num_ranks,
                           num_tasks_per_node=ranks_per_node(cfg.slurm, cfg.launch.num_ranks),
-                          cpus_per_task=cfg.slurm.cpus_per_task)
+                          cpus_per_task=cfg.slurm.cpus_per_task, gpus=bool(cfg.slurm.gpus_per_node))
     # As many threads as the task has CPUs (the local launcher's one per CPU slot, on Slurm's terms).
     env = tag | {"OMP_NUM_THREADS": str(cfg.slurm.cpus_per_task)}
     return [procs.spawn("ranks", argv, launch.paths.logs / SRUN_LOG, env=env)]

@@ -102,14 +102,16 @@ def sbatch_text(params: dict[str, Any], folder: Path, python: str = shlex.quote(
 
 
 def rank_step_argv(run_dir: Path, *, num_ranks: int, num_tasks_per_node: int, cpus_per_task: int,
-                   python: str = sys.executable) -> list[str]:
-    """The srun step of the ranks: one task per rank, each learning its rank from Slurm, logs per rank."""
+                   gpus: bool = False, python: str = sys.executable) -> list[str]:
+    """The srun step of the ranks: one task per rank, each learning its rank from Slurm, logs per rank.
+    With `gpus`, each task gets one GPU of its node (Slurm sets its CUDA_VISIBLE_DEVICES)."""
     logs = Path(run_dir) / "logs"
     return [
         "srun", "--unbuffered",
         # One rank dying ends the step: the launcher sees it and records the run failed.
         "--kill-on-bad-exit=1",
         f"--ntasks={num_ranks}", f"--ntasks-per-node={num_tasks_per_node}", f"--cpus-per-task={cpus_per_task}",
+        *(["--gpus-per-task=1"] if gpus else []),
         f"--output={logs / RANK_LOG}", "--open-mode=append",
         python, "-m", "tiderl.run.rank", str(run_dir),
     ]
