@@ -39,6 +39,10 @@ class SlurmConfig:
         help="sbatch --signal=B:USR2@N (`tiderl submit`; USR2@N in plain scripts): seconds before the time "
         "limit at which the run gets SIGUSR2 to stop and requeue itself (0: no warning).",
     )
+    max_time_limits: int = option(
+        3, ge=0, help="`tiderl submit`: how many times the job requeues itself at its time limit before "
+        "it stops (submitit's max_num_timeout); preemptions do not count."
+    )
     mail_user: str | None = option(None, help="sbatch --mail-user (no mail when unset).")
     mail_type: str = option("END,FAIL", help="sbatch --mail-type, used only with `mail_user`.")
     setup: tuple[str, ...] = option(

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl submit: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        job_id = submit_run(run_dir, params)
+        job_id = submit_run(run_dir, params, max_time_limits=config.slurm.max_time_limits)
     except Exception as e:
         store.set_run_state(RunState.FAILED, f"not submitted: {type(e).__name__}: {e}")
         print(f"tiderl submit: submitting {run_dir} failed: {e}", file=sys.stderr)
@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-def submit_run(run_dir: Path, params: dict) -> str:
-    """Submit `SlurmRun(run_dir)` with these executor parameters; records and returns the job id."""
+def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> str:
+    """Submit `SlurmRun(run_dir)` with these executor parameters; records and returns the job id.
+    After `max_time_limits` time-limit requeues submitit requeues no more."""
     import submitit
 
     from tiderl.slurm.job import SlurmRun
@@ -97,7 +98,7 @@ def submit_run(run_dir: Path, params: dict) -> str:
         def _submitit_command_str(self) -> str:
             return submit_command(self.python, self.folder)
 
-    executor = RunExecutor(folder=slurm_dir(run_dir))
+    executor = RunExecutor(folder=slurm_dir(run_dir), max_num_timeout=max_time_limits)
     executor.update_parameters(**params)
     job = executor.submit(SlurmRun(str(run_dir)))
     record_job(run_dir, job.job_id, job_name=params["job_name"], slurm_conf=slurm_conf())
