@@ -32,3 +32,26 @@ def store_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     base = request.getfixturevalue("juicefs_dir") / tmp_path.name
     base.mkdir()
     return base
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The running dev cluster, with SLURM_CONF exported for every client (submitit included). The
+    `slurm` tests skip without one unless TIDERL_REQUIRE_SLURM=1 (CI), then fail."""
+    from tiderl.slurm.cluster import SlurmCluster, SlurmUnavailable
+
+    default = Path(os.environ.get("TIDERL_SLURM_DIR", "/tmp/tiderl-slurm")) / "etc" / "slurm.conf"
+    conf = os.environ.get("SLURM_CONF") or str(default)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", conf)
+        cluster = SlurmCluster()
+        try:
+            if not Path(conf).is_file():
+                raise SlurmUnavailable(f"no Slurm config at {conf}")
+            cluster.ping()
+        except SlurmUnavailable as e:
+            message = f"Slurm dev cluster not running (start it with slurm/dev-cluster-start.sh): {e}"
+            if os.environ.get("TIDERL_REQUIRE_SLURM") == "1":
+                pytest.fail(message)
+            pytest.skip(message)
+        yield cluster

@@ -225,3 +225,11 @@ def test_a_control_plane_that_stopped_ticking_is_named() -> None:
     assert "control plane has not ticked for 95 s" in d.culprit.message
     assert Kind.CONTROL_DOWN not in kinds(diagnose(snap(control_age_s=1.0)))
     assert Kind.CONTROL_DOWN not in kinds(diagnose(snap(control_age_s=95.0, state="finished")))
+
+
+def test_state_names_agree_with_the_store() -> None:
+    from tiderl.diagnose import LIVE_RANK_STATES, TERMINAL_STATES
+    from tiderl.store.types import RankState, RunState
+
+    assert set(TERMINAL_STATES) == {s.value for s in RunState if s.is_terminal}
+    assert set(LIVE_RANK_STATES) == {RankState.STARTING.value, RankState.RUNNING.value}

@@ -140,25 +140,38 @@ def test_the_role_plays_against_a_real_env_server(tmp_path: Path, fmt: ChatForma
     assert health[0]["status"] == "ok" and role.worker.report.num_pauses > 0
 
 
+async def hand_over(fmt: ChatFormat, env: object, first_claims: list[TaskClaim], min_turns: int) -> RankReport:
+    """Rank 0 plays never-winning tasks until each has `min_turns` turns, then leaves rollout
+    handing them over; its report."""
+    first = RolloutRole(job(), 0, FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.02), env, fmt)
+    first.add(first_claims)
+    while min((r.num_turns for r in first.worker._runs.values()), default=0) < min_turns:
+        await asyncio.sleep(0.005)
+    report = RankReport(rank=0)
+    await first.release(report, handoff=True)
+    await first.runner
+    return report
+
+
+async def carry_on(fmt: ChatFormat, env: object, report: RankReport) -> RolloutRole:
+    """Rank 1 claims what rank 0 released, with the progress it handed over, and plays it out."""
+    second = RolloutRole(job(), 1, FakeEngine(guesser(fmt)), env, fmt)
+    second.add([TaskClaim(task_id=t, group_id=1, index_in_group=i, kind=TaskKind.TRAIN, seed=1, attempts=2,
+                          eval_version=None, progress=report.handed_over.get(t))
+                for i, t in enumerate(report.released)])
+    await second.runner
+    return second
+
+
 def test_tasks_handed_over_at_a_boundary_carry_on_elsewhere(fmt: ChatFormat) -> None:
     """A rank leaving rollout hands its tasks over: the next rank resumes each paused env session
     and continues the context (a fresh prefill), without replaying a single turn."""
     env = LocalEnvLink()  # both ranks reach the same sessions, like two ranks of one env server
 
     async def scenario() -> tuple[RolloutRole, RankReport, int]:
-        slow = FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.02)  # "1" is never right: long tasks
-        first = RolloutRole(job(), 0, slow, env, fmt)
-        first.add(claims(10, 1, 4))
-        while min((r.num_turns for r in first.worker._runs.values()), default=0) < 2:
-            await asyncio.sleep(0.005)
-        report = RankReport(rank=0)
-        await first.release(report, handoff=True)
-        await first.runner
+        report = await hand_over(fmt, env, claims(10, 1, 4), min_turns=2)
         starts = env.num_starts
-        second = RolloutRole(job(), 1, FakeEngine(guesser(fmt)), env, fmt)
-        second.add([TaskClaim(task_id=t, group_id=1, index_in_group=i, kind=TaskKind.TRAIN, seed=1, attempts=2, eval_version=None,
-                              progress=report.handed_over.get(t)) for i, t in enumerate(report.released)])
-        await second.runner
+        second = await carry_on(fmt, env, report)
         return second, report, env.num_starts - starts
 
     second, report, new_starts = asyncio.run(scenario())
@@ -188,19 +201,8 @@ def test_hand_over_through_a_real_env_server_between_two_pools(tmp_path: Path, f
         async def scenario() -> tuple[RolloutRole, RankReport, list]:
             first_pool, second_pool = make_pool(cfg, [url]), make_pool(cfg, [url])
             try:
-                slow = FakeEngine(lambda prompt: fmt.encode("1"), delay_s=0.02)
-                first = RolloutRole(job(), 0, slow, first_pool, fmt)
-                first.add(claims(1, 1, 8))
-                while min((r.num_turns for r in first.worker._runs.values()), default=0) < 1:
-                    await asyncio.sleep(0.005)
-                report = RankReport(rank=0)
-                await first.release(report, handoff=True)
-                await first.runner
-                second = RolloutRole(job(), 1, FakeEngine(guesser(fmt)), second_pool, fmt)
-                second.add([TaskClaim(task_id=t, group_id=1, index_in_group=i, kind=TaskKind.TRAIN, seed=1,
-                                      attempts=2, eval_version=None, progress=report.handed_over.get(t))
-                            for i, t in enumerate(report.released)])
-                await second.runner
+                report = await hand_over(fmt, first_pool, claims(1, 1, 8), min_turns=1)
+                second = await carry_on(fmt, second_pool, report)
                 return second, report, await second_pool.health()
             finally:
                 await first_pool.close()

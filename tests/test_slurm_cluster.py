@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import submitit
 from submitit.core.utils import UncompletedJobError
+
+from slurm_fakes import FakeRunner
 
 from tiderl.config.schema import build
 from tiderl.config.slurm import SlurmConfig
@@ -25,21 +26,6 @@ from tiderl.slurm.sbatch import make_sbatch_script
 from tiderl.slurm.states import JobState
 
 # --- unit: a stand-in runner ---------------------------------------------------------------
-
-
-class FakeRunner:
-    """Records each argv; answers from a table keyed by the command name."""
-
-    def __init__(self, answers: dict[str, str | Exception]) -> None:
-        self.answers = answers
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv: Sequence[str]) -> str:
-        self.calls.append(list(argv))
-        answer = self.answers[argv[0]]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
 
 
 def test_submit_passes_script_and_parses_job_id(tmp_path: Path) -> None:
@@ -111,27 +97,7 @@ def test_subprocess_runner_errors_are_named() -> None:
 
 # --- integration: the real dev cluster -------------------------------------------------------
 
-DEFAULT_CONF = Path(os.environ.get("TIDERL_SLURM_DIR", "/tmp/tiderl-slurm")) / "etc" / "slurm.conf"
 JOB_TIMEOUT_S = 90.0
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """The running dev cluster, with SLURM_CONF exported for every client (submitit included)."""
-    conf = os.environ.get("SLURM_CONF") or str(DEFAULT_CONF)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLURM_CONF", conf)
-        cluster = SlurmCluster()
-        try:
-            if not Path(conf).is_file():
-                raise SlurmUnavailable(f"no Slurm config at {conf}")
-            cluster.ping()
-        except SlurmUnavailable as e:
-            message = f"Slurm dev cluster not running (start it with slurm/dev-cluster-start.sh): {e}"
-            if os.environ.get("TIDERL_REQUIRE_SLURM") == "1":
-                pytest.fail(message)
-            pytest.skip(message)
-        yield cluster
 
 
 def _executor(folder: Path) -> submitit.AutoExecutor:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from slurm_fakes import FakeRunner
 
 from tiderl.slurm.cluster import SlurmCluster, SlurmCommandError, SlurmUnavailable
 from tiderl.slurm.runjobs import RunJobsError, job_states, jobs_file, record_job, recorded_jobs, slurm_jobs_of_run
@@ -58,23 +58,10 @@ def test_malformed_job_list_names_the_file(tmp_path: Path) -> None:
         slurm_jobs_of_run(tmp_path)
 
 
-class Answers:
-    def __init__(self, answers: dict[str, str | Exception]) -> None:
-        self.answers = answers
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv: Sequence[str]) -> str:
-        self.calls.append(list(argv))
-        answer = self.answers[argv[0]]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-
 def test_states_come_from_squeue_and_sacct_for_jobs_gone_from_the_queue(tmp_path: Path) -> None:
     record_job(tmp_path, "3", job_name="j", slurm_conf=None)
     record_job(tmp_path, "4", job_name="j", slurm_conf=None)
-    runner = Answers({"squeue": "4|RUNNING|None\n", "sacct": "JobID|State|ExitCode\n3|TIMEOUT|0:1\n"})
+    runner = FakeRunner({"squeue": "4|RUNNING|None\n", "sacct": "JobID|State|ExitCode\n3|TIMEOUT|0:1\n"})
     assert slurm_jobs_of_run(tmp_path, SlurmCluster(runner)) == [
         {"job_id": "3", "state": "TIMEOUT", "reason": "exit code 0, signal 1"},
         {"job_id": "4", "state": "RUNNING", "reason": None},
@@ -88,7 +75,7 @@ def test_states_come_from_squeue_and_sacct_for_jobs_gone_from_the_queue(tmp_path
 ])
 def test_slurm_missing_or_down_reads_unknown(tmp_path: Path, error: Exception) -> None:
     record_job(tmp_path, "3", job_name="j", slurm_conf=None)
-    [job] = slurm_jobs_of_run(tmp_path, SlurmCluster(Answers({"squeue": error})))
+    [job] = slurm_jobs_of_run(tmp_path, SlurmCluster(FakeRunner({"squeue": error})))
     assert job["job_id"] == "3" and job["state"] == "UNKNOWN"
     assert job["reason"].startswith("cannot ask Slurm: ")
 

@@ -8,7 +8,6 @@ skip without a cluster unless TIDERL_REQUIRE_SLURM=1, then fail.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -18,14 +17,13 @@ from pathlib import Path
 import pytest
 
 from run_checks import check_run
-from tiderl.slurm.cluster import SlurmCluster, SlurmUnavailable
+from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.cancel import live_job_ids
 from tiderl.slurm.runjobs import recorded_jobs, slurm_jobs_of_run
 from tiderl.slurm.states import JobState
 from tiderl.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONF = Path(os.environ.get("TIDERL_SLURM_DIR", "/tmp/tiderl-slurm")) / "etc" / "slurm.conf"
 # A short run: 2 ranks (actor + rollout) on one node of the dev cluster.
 SHORT = ["trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4", "rollout.eval_every_steps=0",
          "rollout.max_concurrency=8", "launch.num_ranks=2", "system=async", "slurm.time_min=30",
@@ -33,32 +31,14 @@ SHORT = ["trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4
 RUN_TIMEOUT_S = 1500.0  # vLLM's engine start alone takes minutes on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SlurmCluster]:
-    conf = os.environ.get("SLURM_CONF") or str(DEFAULT_CONF)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLURM_CONF", conf)
-        slurm = SlurmCluster()
-        try:
-            if not Path(conf).is_file():
-                raise SlurmUnavailable(f"no Slurm config at {conf}")
-            slurm.ping()
-        except SlurmUnavailable as e:
-            message = f"Slurm dev cluster not running (start it with slurm/dev-cluster-start.sh): {e}"
-            if os.environ.get("TIDERL_REQUIRE_SLURM") == "1":
-                pytest.fail(message)
-            pytest.skip(message)
-        yield slurm
-
-
 @pytest.fixture
-def run_dir(cluster: SlurmCluster, tmp_path: Path) -> Iterator[Path]:
+def run_dir(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Path]:
     """The test's run directory; whatever job of it still runs when the test ends (failed) is cancelled."""
     path = tmp_path / "run"
     yield path
-    live = live_job_ids(slurm_jobs_of_run(path, cluster))
+    live = live_job_ids(slurm_jobs_of_run(path, slurm_cluster))
     if live:
-        cluster.cancel(live)
+        slurm_cluster.cancel(live)
 
 
 def tiderl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -96,14 +76,14 @@ def logs_of(run_dir: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
-def test_submit_wait_runs_to_the_end(cluster: SlurmCluster, run_dir: Path) -> None:
+def test_submit_wait_runs_to_the_end(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     out = submit(run_dir, 2, wait=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + logs_of(run_dir)
     [job] = recorded_jobs(run_dir)
     assert out.stdout.startswith(f"job {job['job_id']}\nrun dir {run_dir}\n")
     assert f"job {job['job_id']} COMPLETED, run finished" in out.stdout
-    assert cluster.wait(job["job_id"], timeout_s=60) is JobState.COMPLETED
-    records = cluster.accounting([job["job_id"]])
+    assert slurm_cluster.wait(job["job_id"], timeout_s=60) is JobState.COMPLETED
+    records = slurm_cluster.accounting([job["job_id"]])
     # The ranks ran as one step of two tasks beside the batch step.
     assert records[f"{job['job_id']}.0"].state is JobState.COMPLETED
     assert run_info(run_dir)["state"] == "finished"
@@ -115,7 +95,7 @@ def test_submit_wait_runs_to_the_end(cluster: SlurmCluster, run_dir: Path) -> No
 
 
 @pytest.mark.slurm
-def test_cancel_ends_the_job_and_marks_the_run(cluster: SlurmCluster, run_dir: Path) -> None:
+def test_cancel_ends_the_job_and_marks_the_run(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     out = submit(run_dir, 50)
     assert out.returncode == 0, out.stderr
     [job] = recorded_jobs(run_dir)
@@ -124,7 +104,7 @@ def test_cancel_ends_the_job_and_marks_the_run(cluster: SlurmCluster, run_dir: P
     cancel = tiderl("cancel", str(run_dir))
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     assert f"job {job['job_id']} CANCELLED" in cancel.stdout
-    assert cluster.wait(job["job_id"], timeout_s=60) is JobState.CANCELLED
+    assert slurm_cluster.wait(job["job_id"], timeout_s=60) is JobState.CANCELLED
     info = run_info(run_dir)
     assert (info["state"], info["message"]) == ("cancelled", "cancelled by `tiderl cancel`")
     # Cancelling again changes nothing and says so.
@@ -133,7 +113,7 @@ def test_cancel_ends_the_job_and_marks_the_run(cluster: SlurmCluster, run_dir: P
 
 
 @pytest.mark.slurm
-def test_time_limit_signal_requeues_and_the_next_attempt_resumes(cluster: SlurmCluster, run_dir: Path) -> None:
+def test_time_limit_signal_requeues_and_the_next_attempt_resumes(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     out = submit(run_dir, 50)
     assert out.returncode == 0, out.stderr
     [job] = recorded_jobs(run_dir)
@@ -141,7 +121,7 @@ def test_time_limit_signal_requeues_and_the_next_attempt_resumes(cluster: SlurmC
     batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
     wait_for("the run running", lambda: run_info(run_dir)["state"] == "running", 300)
     # What `--signal=B:USR2@N` sends before the time limit: SIGUSR2 to the batch step only.
-    cluster.cancel([job_id], signal="USR2", batch_only=True)
+    slurm_cluster.cancel([job_id], signal="USR2", batch_only=True)
     # The run's processes stop, submitit requeues the job, the next attempt resumes the same run.
     wait_for("a second attempt", lambda: batch_log.exists() and "(resumed)" in batch_log.read_text(), 300)
     log = batch_log.read_text()
@@ -151,7 +131,7 @@ def test_time_limit_signal_requeues_and_the_next_attempt_resumes(cluster: SlurmC
     wait_for("the resumed run", lambda: (run_info(run_dir)["state"], run_info(run_dir)["message"]) ==
              ("running", "resumed"), 300)
     assert tiderl("cancel", str(run_dir)).returncode == 0
-    assert cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED
+    assert slurm_cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED
 
 
 def trajectories(run_dir: Path) -> dict[int, str]:
@@ -177,7 +157,7 @@ def reached(run_dir: Path, version: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
-def test_requeued_job_resumes_the_run_losing_nothing(cluster: SlurmCluster, run_dir: Path) -> None:
+def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     steps = 4
     # Env steps of 0.3 s keep the run going for a while after its first step, so the requeue lands mid-run.
     out = submit(run_dir, steps, "trainer.checkpoint_every=1", "env.latency=fixed:0.3")
@@ -185,13 +165,13 @@ def test_requeued_job_resumes_the_run_losing_nothing(cluster: SlurmCluster, run_
     [job] = recorded_jobs(run_dir)
     job_id = job["job_id"]
     wait_for("version 1", lambda: reached(run_dir, 1), RUN_TIMEOUT_S, poll_s=2)
-    cluster.requeue([job_id])
+    slurm_cluster.requeue([job_id])
     # Slurm ends the running attempt (SIGTERM to every process of the job), holds the job back, starts it again.
-    cluster.wait(job_id, timeout_s=120, until=lambda s: s is JobState.PENDING)
+    slurm_cluster.wait(job_id, timeout_s=120, until=lambda s: s is JobState.PENDING)
     requeued_at = run_info(run_dir)["version"]
     assert requeued_at < steps, f"the run reached version {requeued_at} before the requeue"
     before = trajectories(run_dir)
-    final = cluster.wait(job_id, timeout_s=RUN_TIMEOUT_S)
+    final = slurm_cluster.wait(job_id, timeout_s=RUN_TIMEOUT_S)
     assert final is JobState.COMPLETED, logs_of(run_dir)
     info = run_info(run_dir)
     assert info["state"] == "finished", info

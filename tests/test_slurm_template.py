@@ -3,41 +3,20 @@ script stops on SIGUSR2 (the time-limit warning), requeues its job, and the requ
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tiderl.slurm.cluster import SlurmCluster, SlurmUnavailable
+from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.states import JobState
 from tiderl.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONF = Path(os.environ.get("TIDERL_SLURM_DIR", "/tmp/tiderl-slurm")) / "etc" / "slurm.conf"
 SHORT = ["trainer.num_steps=50", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
          "rollout.eval_every_steps=0", "rollout.max_concurrency=8", "launch.num_ranks=2", "system=async"]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SlurmCluster]:
-    conf = os.environ.get("SLURM_CONF") or str(DEFAULT_CONF)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLURM_CONF", conf)
-        slurm = SlurmCluster()
-        try:
-            if not Path(conf).is_file():
-                raise SlurmUnavailable(f"no Slurm config at {conf}")
-            slurm.ping()
-        except SlurmUnavailable as e:
-            message = f"Slurm dev cluster not running (start it with slurm/dev-cluster-start.sh): {e}"
-            if os.environ.get("TIDERL_REQUIRE_SLURM") == "1":
-                pytest.fail(message)
-            pytest.skip(message)
-        yield slurm
 
 
 def run_state(run_dir: Path) -> tuple[str, str | None] | None:
@@ -61,7 +40,7 @@ def wait_for(what: str, check, timeout_s: float) -> None:  # type: ignore[no-unt
 
 
 @pytest.mark.slurm
-def test_plain_sbatch_run_requeues_itself_on_usr2_and_resumes(cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_plain_sbatch_run_requeues_itself_on_usr2_and_resumes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     job_file = tmp_path / "short.yaml"
     config = subprocess.run([sys.executable, "-m", "tiderl", "config", "jobs/quickstart.yaml",
                              *[a for s in SHORT for a in ("--set", s)]],
@@ -74,7 +53,7 @@ def test_plain_sbatch_run_requeues_itself_on_usr2_and_resumes(cluster: SlurmClus
     try:
         wait_for("the run running", lambda: (run_state(run_dir) or ("",))[0] == "running", 300)
         # What the script's --signal=USR2@120 sends before the time limit: SIGUSR2 to the step, `tiderl run`.
-        cluster.cancel([job_id], signal="USR2")
+        slurm_cluster.cancel([job_id], signal="USR2")
         wait_for("the requeued attempt", lambda: "(restart 1)" in out.read_text(), 300)
         text = out.read_text()
         assert "stopped by Slurm (SIGUSR2)" in text and f"tiderl run: requeued job {job_id}" in text, text
@@ -82,5 +61,5 @@ def test_plain_sbatch_run_requeues_itself_on_usr2_and_resumes(cluster: SlurmClus
         assert (run_state(run_dir) or ("",))[0] == "running"
         wait_for("the resumed run running", lambda: run_state(run_dir) == ("running", "resumed"), 300)
     finally:
-        cluster.cancel([job_id])
-    assert cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED
+        slurm_cluster.cancel([job_id])
+    assert slurm_cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED

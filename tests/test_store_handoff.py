@@ -10,10 +10,15 @@ from tiderl.store import RunStore
 from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
 
 
-def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
-    store = RunStore.for_run_dir(tmp_path)
+def new_store(run_dir: Path) -> RunStore:
+    store = RunStore.for_run_dir(run_dir)
     store.create_schema()
     store.init_run(name="t", system="tiderl", config_yaml="")
+    return store
+
+
+def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
+    store = new_store(tmp_path)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     for r in (0, 1, 2):
         store.register_rank(r, Role.ROLLOUT)
@@ -33,9 +38,7 @@ def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
 
 
 def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> None:
-    store = RunStore.for_run_dir(tmp_path)
-    store.create_schema()
-    store.init_run(name="t", system="tiderl", config_yaml="")
+    store = new_store(tmp_path)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     store.register_rank(0, Role.ROLLOUT)
     store.claim_tasks(0, 2)
@@ -49,9 +52,7 @@ def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> Non
 
 
 def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -> None:
-    store = RunStore.for_run_dir(tmp_path)
-    store.create_schema()
-    store.init_run(name="t", system="tiderl", config_yaml="")
+    store = new_store(tmp_path)
     store.tx.write(lambda c: c.exec_driver_sql("alter table tasks drop column progress"))
     store.tx.write(lambda c: c.exec_driver_sql("alter table control drop column fetch_groups"))
     store.close()
@@ -68,9 +69,7 @@ def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -
 def test_whereabouts_of_running_tasks_reach_the_diagnosis(tmp_path: Path) -> None:
     from tiderl.store.types import TaskWhereabouts
 
-    store = RunStore.for_run_dir(tmp_path)
-    store.create_schema()
-    store.init_run(name="t", system="tiderl", config_yaml="")
+    store = new_store(tmp_path)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     store.register_rank(3, Role.ROLLOUT)
     a, b = store.claim_tasks(3, 2)

@@ -33,6 +33,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+# The store's RunState and RankState values, as plain strings: this module imports nothing of the
+# store (tests/test_diagnose.py checks that they agree).
 TERMINAL_STATES = ("finished", "failed", "cancelled")
 LIVE_RANK_STATES = ("starting", "running")
 SLURM_ALIVE = ("RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT")

@@ -88,6 +88,8 @@ def limits_of(config: Any, stall_after_s: float | None = None) -> dg.Limits:
 def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg.EnvServerView, ...] = (),
              slurm_jobs: tuple[dg.SlurmJobView, ...] = ()) -> dg.Snapshot:
     """What the run store says now, as the diagnosis's input (ages relative to `now`)."""
+    from tiderl.store.types import GroupState, TaskKind
+
     info = store.run_info()
     version = int(info["version"])
     last = [v for v in store.version_rows() if v["version"] == version]
@@ -113,7 +115,6 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
         up_s=now - r["started_at"])
         for r in store.ranks())
     plan = store.plan_at(version)
-    counts = store.group_state_counts()
     return dg.Snapshot(
         state=info["state"], version=version, message=info["message"], since_progress_s=max(0.0, now - progress_at),
         control_age_s=now - info["control_seen_at"] if info.get("control_seen_at") else None,
@@ -128,7 +129,7 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
                 for t in g["unfinished"]))
             for g in groups),
         fetch_groups=plan.fetch_groups if plan else None, ra2p_mode=plan.ra2p_mode if plan else None,
-        failed_groups=counts.get(("train", "failed"), 0),
+        failed_groups=store.groups_by_state(TaskKind.TRAIN)[GroupState.FAILED],
         events=tuple(dg.EventView(kind=e["kind"], age_s=now - e["ts"], message=e["message"], rank=e["rank"])
                      for e in store.recent_events(50)),
         env_servers=env_servers, slurm_jobs=slurm_jobs)

@@ -240,7 +240,7 @@ class EnvPool:
         self._owner: dict[str, EnvClient] = {}
         self._load = {id(c): 0 for c in self.clients}
         self._down_until = {id(c): 0.0 for c in self.clients}
-        self.num_failovers = 0
+        self.num_failovers = 0  # sessions started elsewhere because their first server did not answer
 
     def is_up(self, client: EnvClient) -> bool:
         return time.monotonic() >= self._down_until[id(client)]
@@ -315,8 +315,6 @@ class EnvPool:
                 self._load[id(client)] -= 1
                 self._mark_down(client, e)
                 tried.append(e)
-                if len(tried) > 1:
-                    self.num_failovers += 1
                 continue
             except BaseException:
                 self._load[id(client)] -= 1

@@ -161,7 +161,7 @@ class RolloutWorker:
         for task_id, run in runs.items():
             if run.phase is not Phase.FINISHED:  # one that finished meanwhile went to the sink
                 movable = handoff and run.checkpoint is not None
-                left.append((run.spec, progress_of(run, self._server_of(run)) if movable else None))
+                left.append((run.spec, progress_of(run, self.server_of(run)) if movable else None))
         for task_id in stopping:
             self._runs.pop(task_id, None)
             self._tasks.pop(task_id, None)
@@ -174,9 +174,7 @@ class RolloutWorker:
         return dict(self._runs)
 
     def server_of(self, run: TaskRun) -> str | None:
-        return self._server_of(run)
-
-    def _server_of(self, run: TaskRun) -> str | None:
+        """The env server URL of the task's session (None: an in-process env, or the session ended)."""
         server_of = getattr(self.env, "server_of", None)
         if server_of is None or run.session_id is None:
             return None

@@ -62,7 +62,7 @@ class RankContext:
         return version
 
     async def wait_plan(self, version: int, timeout_s: float = 600.0) -> PlanRecord:
-        """The plan of `version`, once the control plane wrote it (heartbeating while waiting)."""
+        """The plan of `version`, once the control plane wrote it (the rank's heartbeat thread beats meanwhile)."""
         deadline = time.monotonic() + timeout_s
         while True:
             plan = self.store.plan_at(version)
@@ -71,7 +71,6 @@ class RankContext:
             self.position()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: no plan for version {version} after {timeout_s:.0f} s")
-            self.store.heartbeat(self.rank)
             await asyncio.sleep(self.poll_s)
 
     def boundary(self, version: int) -> PlanRecord | None:

@@ -26,13 +26,12 @@ log = logging.getLogger("tiderl.rank")
 
 
 async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
-    """Idle (heartbeating) until a version after `version` is published and planned."""
+    """Idle until a version after `version` is published and planned."""
     while True:
         plan = ctx.boundary(version)
         if plan is not None:
             return plan
-        ctx.store.heartbeat(ctx.rank)
-        await asyncio.sleep(ctx.poll_s)
+        await asyncio.sleep(ctx.poll_s)  # heartbeats come from the rank's heartbeat thread
 
 
 async def serve(ctx: RankContext) -> None:

@@ -69,10 +69,34 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
     return ctx.cache["actor"]
 
 
-async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[ReadyTrajectory], int, float | None,
-                                                                          tuple[float, float], int]:
-    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, (wait seconds, of which not yet
-    recorded as TWT), groups dropped as stale)."""
+class _Wait:
+    """A trainer rank's wait for data: its TWT, recorded (`twt_s`) every `TWT_REPORT_S` while it
+    lasts so status and metrics show it, and the rest at the end. (Heartbeats come from the
+    rank's heartbeat thread.)"""
+
+    def __init__(self, ctx: RankContext, version: int, role: Role) -> None:
+        self.ctx, self.version, self.role = ctx, version, role
+        self.started = self.recorded_until = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def tick(self) -> None:
+        if time.monotonic() - self.recorded_until >= TWT_REPORT_S:
+            self.ctx.store.report(RankReport(rank=self.ctx.rank, metrics=[self.rest()]))
+
+    def rest(self) -> MetricPoint:
+        """The wait since the last record, as a metric point; it counts as recorded from now on."""
+        now = time.monotonic()
+        point = MetricPoint("twt_s", now - self.recorded_until, self.version, self.role.value)
+        self.recorded_until = now
+        return point
+
+
+async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
+                  wait: _Wait) -> tuple[list[ReadyTrajectory], int, float | None, int]:
+    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, groups dropped as stale)."""
     cfg = ctx.config.trainer
     start = time.monotonic()
     claimed: list[ReadyTrajectory] = []
@@ -82,7 +106,6 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
     arrivals: list[float] = []  # seconds after the step start when another micro-batch became ready
     seen_tokens = 0
     bound = plan.version - ctx.system.max_staleness
-    reported_at = start
     while len(groups) < need:
         ctx.position()
         buf = ctx.store.buffer_state()
@@ -103,16 +126,9 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
             claimed += fresh
             groups.update(t.group_id for t in fresh)
             continue
-        now = time.monotonic()
-        if now - reported_at >= TWT_REPORT_S:  # the wait shows while it lasts (status, metrics)
-            ctx.store.report(RankReport(rank=ctx.rank, metrics=[
-                MetricPoint("twt_s", now - reported_at, plan.version, "actor")]))
-            reported_at = now
-        else:
-            ctx.store.heartbeat(ctx.rank)
+        wait.tick()
         await asyncio.sleep(ctx.poll_s)
     wait_s = time.monotonic() - start
-    unreported_s = time.monotonic() - reported_at
     if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
         arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
     tprm = None
@@ -120,7 +136,7 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int) -> tuple[list[R
         tprm = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
     elif arrivals:
         tprm = arrivals[0]
-    return claimed, ras or 0, tprm, (wait_s, unreported_s), dropped
+    return claimed, ras or 0, tprm, dropped
 
 
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
@@ -145,7 +161,9 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
         return
     actor = _actor(ctx, plan.version)
     started = time.time()
-    claimed, ras, tprm, (wait_s, twt_unreported_s), dropped = await _gather(ctx, plan, _fetch(ctx, plan))
+    wait = _Wait(ctx, plan.version, Role.ACTOR)
+    claimed, ras, tprm, dropped = await _gather(ctx, plan, _fetch(ctx, plan), wait)
+    wait_s, waited = wait.seconds, wait.rest()
     samples = tuple(sample_from_ready(t) for t in claimed)
     mode = Ra2pMode.parse(plan.ra2p_mode)
     refs = plan.ranks_with(Role.REF)
@@ -167,8 +185,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                         loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     v = plan.version
-    metrics = [MetricPoint("twt_s", twt_unreported_s, v, "actor"),
-               MetricPoint("kl", stats.kl, v, "actor"),
+    metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"),
                MetricPoint("staleness_max", stats.staleness_max, v, "actor"),
                MetricPoint("train_s", stats.duration_s, v, "actor")]
     metrics += [MetricPoint(n, getattr(stats, n), v, "actor") for n in ("t_ref_s", "t_act_f_s", "t_act_b_s",
@@ -233,17 +250,12 @@ async def _wait_marker(ctx: RankContext, version: int, role: Role) -> list[int]:
     """Wait until the leader has the step's data; returns the ref ranks of the step's group. The
     wait is this trainer rank's TWT (recorded every `TWT_REPORT_S` while it lasts)."""
     marker = _step_marker(ctx, version)
-    reported_at = time.monotonic()
+    wait = _Wait(ctx, version, role)
     while not marker.exists():
         ctx.position()  # leaves if the run stopped
-        now = time.monotonic()
-        if now - reported_at >= TWT_REPORT_S:
-            ctx.store.report(RankReport(rank=ctx.rank, metrics=[
-                MetricPoint("twt_s", now - reported_at, version, role.value)]))
-            reported_at = now
+        wait.tick()
         await asyncio.sleep(ctx.poll_s)
-    ctx.store.report(RankReport(rank=ctx.rank, metrics=[
-        MetricPoint("twt_s", time.monotonic() - reported_at, version, role.value)]))
+    ctx.store.report(RankReport(rank=ctx.rank, metrics=[wait.rest()]))
     return list(json.loads(marker.read_text())["refs"])
 
 

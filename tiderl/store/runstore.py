@@ -559,12 +559,6 @@ class RunStore:
 
         return self.tx.read(read)
 
-    def group_state_counts(self) -> dict[tuple[str, str], int]:
-        """Number of groups per (kind, state)."""
-        return self.tx.read(lambda c: {(k, s): n for k, s, n in c.execute(
-            select(task_groups.c.kind, task_groups.c.state, func.count()).group_by(task_groups.c.kind,
-                                                                                  task_groups.c.state))})
-
     def trainer_claims(self) -> list[dict[str, Any]]:
         """Per trainer rank holding claimed trajectories: how many groups and its latest claim time."""
         return self.tx.read(lambda c: [dict(r) for r in c.execute(
