@@ -73,3 +73,30 @@ def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
     # Every process served its Prometheus registry (the control plane's run metrics, each rank's own).
     urls = sorted(p.name for p in (run_dir / "metrics").glob("*.url"))
     assert urls == ["control.url", "rank0.url", "rank1.url", "rank2.url", "rank3.url"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_elastic_actors_join_and_leave_with_the_groups_state(tmp_path: Path) -> None:
+    """`ers.elastic_actors`: ERS moves data-parallel actor ranks to and from rollout at boundaries
+    (a tiny HoL tau makes any waiting micro-batch a consumption deficit, an empty buffer a generation
+    deficit); an actor that joins takes the group's weights and optimizer state, nothing is lost."""
+    run_dir = tmp_path / "run"
+    sets = SHORT + ["system=tiderl", "trainer.num_steps=6", "launch.num_ranks=4", "trainer.actor_ranks=2",
+                    "launch.rollout_fraction=0.5", "ers.elastic_actors=true", "ers.max_ref_ranks=0",
+                    "ers.hol_tau=0.001", "trainer.checkpoint_every=100"]
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    facts = check_run(run_dir, max_staleness=1)
+    assert facts["versions"] == 6
+    db = sqlite3.connect(run_dir / "run.db")
+    actors: dict[int, set[int]] = {}
+    for version, rank in db.execute("select version, rank from control where role = 'actor'"):
+        actors.setdefault(version, set()).add(rank)
+    joined = {v: actors[v] - actors[v - 1] for v in range(1, 6) if actors[v] - actors[v - 1]}
+    assert joined, f"no actor rank joined in 6 steps: {actors}"
+    took = "".join((run_dir / "logs" / f"rank{r}.log").read_text() for r in range(4)).count("from the group, held")
+    assert took >= len(joined), (joined, took)
+    # every actor of a step trained it (the joiners too)
+    trained = db.execute("select version, count(*) from metrics where name = 'train_s' group by version").fetchall()
+    assert all(n == len(actors[v]) for v, n in trained), (trained, actors)

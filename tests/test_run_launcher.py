@@ -24,6 +24,8 @@ def test_progress_line_shows_step_roles_buffer_and_only_complete_evaluations() -
     assert "eval 0.70@v0" in line and "@v5" not in line
     assert "goodput 12 tok/s" in line and "actor:1 rollout:2" in line
     assert "pending 4 running 8 ready 2" in line
+    first = progress_line({**_doc([]), "version": 0, "goodput_tok_s": 0.0, "steps": []})
+    assert first.startswith("v0  reward -  success -") and "goodput - " in first  # no step yet: no figure
 
 
 def test_ranks_get_one_thread_and_their_own_core() -> None:

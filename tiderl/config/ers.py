@@ -27,7 +27,8 @@ class ErsConfig:
     elastic_actors: bool = option(
         False,
         help="Let ERS also move data-parallel actor ranks to and from rollout (the actor group is rebuilt "
-        "at that boundary); false: only dedicated ref ranks move and the actor group is fixed.",
+        "at that boundary and a joining actor takes the weights and optimizer state of a current one); "
+        "false: only dedicated ref ranks move and the actor group is fixed.",
     )
     max_ref_ranks: int | None = option(
         None, ge=0, help="Most dedicated ref ranks ERS provisions for the decoupled RA2P mode. null: no limit."

@@ -251,7 +251,8 @@ def progress_line(doc: dict[str, Any], eval_tasks: int = 0) -> str:
     b = doc["buffer"]
     return (f"v{doc['version']}  reward {_f(last.get('reward_mean'))}  success {_f(last.get('success_rate'))}"
             + (f"  eval {_f(evals[-1]['success_rate'])}@v{evals[-1]['eval_version']}" if evals else "")
-            + f"  goodput {doc['goodput_tok_s']:.0f} tok/s  roles "
+            + (f"  goodput {doc['goodput_tok_s']:.0f} tok/s" if steps else "  goodput -")  # none before a step
+            + "  roles "
             + " ".join(f"{k}:{v}" for k, v in sorted(roles.items()))
             + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}   ")
 

@@ -17,6 +17,10 @@ gloo group for this version (a fresh rendezvous file per version) once the
 leader has the step's data; the leader broadcasts the step input, each actor
 trains its share of the micro-batches (gradients all-reduced), the refs serve
 ref_logprobs, only the leader publishes, the group is torn down at the boundary.
+With `ers.elastic_actors`, an actor that joined the group at this boundary (or
+returns to it) holds an older version: before the step it takes the weights
+and optimizer state of an actor that holds the step's version
+(`ActorRank.catch_up`), so the data-parallel replicas stay identical.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
             _discard_uncommitted(ctx, version)
         actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True)
-        if actor.version != version:
+        # A data-parallel follower that holds another version takes it from the group (catch_up).
+        if leader and actor.version != version:
             raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
                                f"the run store is at version {version}")
         ctx.cache["actor"] = actor
@@ -209,6 +214,11 @@ def _train_in(actor: Any, comm: Any, inp: Any) -> Any:
     previous, actor.comm = actor.comm, comm
     previous_dp, actor.actor.dp_group = actor.actor.dp_group, comm.dp_group
     try:
+        held, exact = actor.version, actor.exact
+        if actor.catch_up(inp.version):
+            log.info("actor group rank %d: took version %d (weights and optimizer state) from the group, "
+                     "held version %d%s", comm.rank, inp.version, held,
+                     "" if exact else " with the optimizer state of another version")
         return actor.train_step(inp)
     finally:
         actor.comm, actor.actor.dp_group = previous, previous_dp

@@ -128,6 +128,9 @@ class ActorRank:
         )
         self.resumed_from = point
         self.version = point.version
+        # Whether the optimizer state belongs to these weights: fresh moments do at version 0, a
+        # checkpoint of another version does not; after a step (or a catch_up) it always does.
+        self.exact = point.version == 0 or point.is_exact
         optim = OptimConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self.actor: ActorBackend = make_backend(
             config.backend, "actor", point.weights_path, device=device, optim=optim, dp_group=comm.dp_group
@@ -146,6 +149,46 @@ class ActorRank:
     def is_leader(self) -> bool:
         return self.comm.actor_index == 0
 
+    def catch_up(self, version: int) -> bool:
+        """Bring every actor of this rank's data-parallel group to the same state before it trains
+        ``version``.
+
+        Collective over ``comm.dp_group`` (every actor of the step calls it). An actor that joined
+        the group at this boundary (an elastic-actor move) loaded the published weights with the
+        optimizer moments of an older checkpoint; one that returns holds the version it had when it
+        left. The lowest group rank whose weights are ``version`` and whose optimizer state belongs
+        to them (:attr:`exact`) sends both to every member that differs, so the replicas stay
+        identical. If no member is exact, members at ``version`` loaded the same files and the
+        lowest of them is the source. Returns whether this rank's state was replaced; raises if no
+        actor holds ``version``.
+        """
+        import torch.distributed as dist
+
+        group = self.comm.dp_group
+        if group is None:
+            if self.version != version:
+                raise RuntimeError(f"actor: holds version {self.version}, the step trains version {version}, "
+                                   f"and no other actor rank can send it")
+            return False
+        states: list[tuple[int, bool] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, (self.version, self.exact), group=group)
+        at_version = [i for i, st in enumerate(states) if st is not None and st[0] == version]
+        sources = [i for i in at_version if states[i][1]] or at_version  # type: ignore[index]
+        if not sources:
+            raise RuntimeError(f"actor group: no rank holds version {version} to train it "
+                               f"(ranks hold versions {[st[0] for st in states if st is not None]})")
+        best = states[sources[0]]
+        if all(st == best for st in states):
+            return False
+        src = dist.get_global_rank(group, sources[0])
+        box = [self.actor.checkpoint_state() if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        if (self.version, self.exact) == best:
+            return False
+        self.actor.load_checkpoint_state(box[0])
+        self.version, self.exact = best  # type: ignore[misc]
+        return True
+
     def train_step(self, inp: StepInput, sink: VersionSink | None = None) -> StepResult | StepStats:
         """Train one step; the leader publishes and returns a StepResult, the others their StepStats."""
         if inp.version != self.version:
@@ -157,6 +200,7 @@ class ActorRank:
             max_aggregate=self.config.max_aggregate, started=started,
         )
         self.version += 1
+        self.exact = True
         self.steps_done += 1
         if not self.is_leader:
             return stats
