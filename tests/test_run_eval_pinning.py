@@ -22,8 +22,8 @@ from tiderl.run.rollout_role import run_rollout
 from tiderl.run.systems import behaviour
 from tiderl.rundir import create_run
 from tiderl.store import RunStore, codec
-from tiderl.store.types import (GroupState, NewGroup, Role, RunState, StepRecord, TaskKind,
-                                TaskState)
+from tiderl.store.types import (GroupState, NewGroup, RankReport, RankState, Role, RunState, StepRecord,
+                                TaskKind, TaskState)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,18 +67,27 @@ def test_expired_evaluations_fail_and_no_longer_hold_the_run(tmp_path: Path) -> 
         "select kind from events where kind='eval_expired'").mappings()])] == ["eval_expired"]
 
 
-def test_control_plane_expires_evaluations_no_rank_can_hold(tmp_path: Path) -> None:
+def test_control_plane_expires_evaluations_only_once_no_rollout_rank_can_run_them(tmp_path: Path) -> None:
     config, _, store = _run(tmp_path, "rollout.max_staleness=1")
     plane = ControlPlane(config, store)
+    store.register_rank(0, Role.ROLLOUT)
+    store.register_rank(1, Role.ACTOR)
     store.add_groups([NewGroup(TaskKind.EVAL, 100, 1, eval_version=0)])
-    plane.tick()
-    assert store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN] == 1  # ranks may still hold v0 at v1
+    assert plane.expire_evaluations() == 0
+    # An open evaluation keeps ERS in preemptive maximum rollout (eval_every_steps is 0 here).
     _publish(store, 1, {0: Role.ROLLOUT, 1: Role.ACTOR})
-    plane.tick()
-    assert store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN] == 1
     _publish(store, 2, {0: Role.ROLLOUT, 1: Role.ACTOR})
-    plane.tick()
+    assert plane.signals(2).is_eval_next
+    # Rank 0 still holds v0 (its evaluation is running long): the tasks stay, however old.
+    store.report(RankReport(rank=0, role=Role.ROLLOUT, version=0))
+    assert plane.expire_evaluations() == 0 and store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN] == 1
+    # A dead rank that held v0 does not keep them alive; a rollout rank on v2 cannot run them.
+    store.register_rank(2, Role.ROLLOUT)
+    store.report(RankReport(rank=2, role=Role.ROLLOUT, version=2))
+    store.set_rank_state(0, RankState.DEAD)
+    assert plane.expire_evaluations() == 1
     assert store.groups_by_state(TaskKind.EVAL)[GroupState.FAILED] == 1
+    assert not plane.signals(2).is_eval_next
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +117,8 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
         rank = asyncio.create_task(run_rollout(ctx, store.plan_at(0)))
         while store.buffer_state()["tasks_running"] < 2:  # the rank holds both evaluation tasks
             await asyncio.sleep(0.02)
-        _publish(store, 1, {0: Role.ROLLOUT, 1: Role.ACTOR})
+        for v in (1, 2, 3):  # the run moves on by more than the staleness bound meanwhile
+            _publish(store, v, {0: Role.ROLLOUT, 1: Role.ACTOR})
         store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
         deadline = asyncio.get_running_loop().time() + 60
         while len(trajectories()) < 4:
@@ -122,8 +132,8 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
     for t in trajectories():
         by_kind[t["kind"]] |= {v for v in codec.unpack_ints(t["token_versions"]) if v >= 0}
     assert by_kind["eval"] == {0}, "an evaluation of v0 generated with other weights"
-    assert by_kind["train"] == {1}, "training tasks were claimed before the rank loaded v1"
-    assert [v for _, v in engine.reloads] == [1]
+    assert by_kind["train"] == {3}, "training tasks were claimed before the rank loaded v3"
+    assert [v for _, v in engine.reloads] == [3]
     states = dict(store.tx.read(lambda c: c.exec_driver_sql(
         "select state, count(*) from tasks group by state").all()))
     assert states == {TaskState.DONE.value: 4}

@@ -152,7 +152,9 @@ class ErsSignals:
     step_history_s: tuple[float, ...] = ()
     """Durations of the recent steps, oldest first. Empty: cold start."""
     is_eval_next: bool = False
-    """The next step runs evaluation tasks."""
+    """An evaluation starts with the next step or is still running (the real control plane: an
+    evaluation group is open; the simulator: the next step is an evaluation step, as its
+    evaluation never outlasts the step: the publish waits for it)."""
     fetch_groups: int | None = None
     """The fetch size step k used (None: groups_ideal)."""
     last_rollout_change: int = 0

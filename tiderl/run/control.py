@@ -25,7 +25,8 @@ from tiderl.policy import ers
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
-from tiderl.store.types import GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, Role, RunState, TaskKind
+from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
+                                TaskKind)
 
 log = logging.getLogger("tiderl.control")
 TICK_S = 0.2
@@ -60,6 +61,7 @@ class ControlPlane:
         else:
             self._watched_at = now
             dead = self.store.reclaim_expired(self.config.launch.heartbeat_timeout_s, control_tick=True)
+            self.expire_evaluations()
         if dead is not None and dead.dead_ranks:
             log.warning("ranks %s missed heartbeats: %d tasks and %d trajectories back in the pool",
                         dead.dead_ranks, dead.tasks_returned, dead.trajectories_returned)
@@ -69,11 +71,6 @@ class ControlPlane:
         if version < self.config.trainer.num_steps:
             self.feed(version)
         self.feed_eval(version)
-        # Ranks may keep the weights of an evaluated version at most max(1, staleness) versions
-        # (rollout_role); evaluation tasks older than that can no longer run anywhere.
-        expired = self.store.expire_evaluations(version - max(1, self.system.max_staleness))
-        if expired:
-            log.warning("%d evaluation tasks expired: no rank holds their weights version any more", expired)
         if version >= self.config.trainer.num_steps and self._evals_open() == 0:
             self.store.set_run_state(RunState.FINISHED, f"{version} steps done")
             log.info("run finished at version %d", version)
@@ -102,6 +99,22 @@ class ControlPlane:
             size = 1 if self.config.rollout.eval_temperature == 0 else self.config.rollout.group_size
             self.store.add_groups([NewGroup(TaskKind.EVAL, EVAL_SEED_BASE + i, size,
                                             eval_version=version) for i in range(self.config.rollout.eval_groups)])
+
+    def expire_evaluations(self) -> int:
+        """Fail the evaluation tasks that can no longer run anywhere. A rollout rank that holds the
+        weights of an evaluation keeps them until its evaluation tasks are done (rollout_role) and
+        ranks only ever load newer weights: once every running rollout rank holds weights newer
+        than an evaluation's version, nobody can run its pending tasks. Returns how many failed."""
+        if not self._evals_open():
+            return 0
+        held = [int(r["version"]) for r in self.store.ranks()
+                if r["role"] == Role.ROLLOUT.value and r["state"] == RankState.RUNNING.value]
+        if not held:
+            return 0
+        expired = self.store.expire_evaluations(min(held))
+        if expired:
+            log.warning("%d evaluation tasks expired: no rollout rank holds their weights version any more", expired)
+        return expired
 
     def _evals_open(self) -> int:
         return self.store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN]
@@ -152,7 +165,8 @@ class ControlPlane:
             ras_microbatches=int(buf["ready_tokens"]) // mb_tokens, ready_groups=int(buf["groups_ready"]),
             hol_latency_s=max(0.0, now - oldest) if oldest else 0.0,
             tprm_s=last["tprm_s"] if last else None, step_history_s=history,
-            is_eval_next=bool(every) and version % every == 0 and version > 0,
+            # preemptive rollout for an evaluation that starts now or is still running
+            is_eval_next=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), microbatches_per_step=max(per_step, 1 if last else 0))
 

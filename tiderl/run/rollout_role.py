@@ -188,9 +188,9 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     version = plan.version  # the weights the engine holds
     planned = plan.version  # the newest version this rank has reached the boundary of
     # An evaluation runs on the weights it evaluates: a rank holding evaluation tasks keeps its
-    # weights past a boundary (claiming no new training task) until they finish, for at most
-    # max(1, max_staleness) versions; then it reloads and its unfinished evaluation tasks go back.
-    keep_versions = max(1, ctx.system.max_staleness)
+    # weights past boundaries (claiming only evaluation tasks of that version; its training tasks
+    # go back once too stale) until they finish, then it reloads. An evaluation is a fixed number
+    # of bounded tasks, so the rank is back within one evaluation's time.
     kept_for = -1
     stats = RolloutStats(ctx.rank)
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
@@ -217,7 +217,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                 planned = nxt.version
                 await role.release(report, role.stale(planned - ctx.system.max_staleness))
                 role.drain(report)
-            if version < planned and role.holds_evaluation(version) and planned - version <= keep_versions:
+            if version < planned and role.holds_evaluation(version):
                 if kept_for != planned:
                     kept_for = planned
                     report.events.append(EventRecord("weights_kept", f"rank {ctx.rank} keeps weights v{version} "
