@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tiderl.run import procs
-from tiderl.run.launcher import progress_line, rank_env
+from tiderl.run.launcher import eval_trend, progress_line, rank_env
 
 
 def _doc(evals: list[dict]) -> dict:
@@ -26,6 +26,16 @@ def test_progress_line_shows_step_roles_buffer_and_only_complete_evaluations() -
     assert "pending 4 running 8 ready 2" in line
     first = progress_line({**_doc([]), "version": 0, "goodput_tok_s": 0.0, "steps": []})
     assert first.startswith("v0  reward -  success -") and "goodput - " in first  # no step yet: no figure
+
+
+def test_eval_trend_gives_first_last_and_a_better_one_between() -> None:
+    def ev(version: int, rate: float | None) -> dict:
+        return {"eval_version": version, "success_rate": rate}
+
+    assert eval_trend([ev(0, 0.5)]) is None
+    assert eval_trend([ev(0, 0.5), ev(5, 0.75)]) == "eval success rate: 0.50 at version 0 -> 0.75 at version 5"
+    assert eval_trend([ev(0, 0.5), ev(5, 0.9), ev(10, 0.75), ev(15, None)]) == (
+        "eval success rate: 0.50 at version 0 -> 0.75 at version 10 (best 0.90 at version 5)")
 
 
 def test_ranks_get_one_thread_and_their_own_core() -> None:

@@ -22,7 +22,16 @@ class TrainerConfig:
         help="Token budget of one actor rank's share of a micro-batch (one forward pass); a global "
         "micro-batch holds up to this times the number of actor ranks.",
     )
-    lr: float = option(1e-4, gt=0, help="AdamW learning rate.")
+    lr: float = option(1e-4, gt=0, help="AdamW learning rate (the peak, with a decaying `lr_schedule`).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = option(
+        "constant",
+        help="Learning rate over the run's steps: `constant`, or decaying from `lr` at step 0 to "
+        "`lr` x `lr_final_ratio` at `num_steps` (`linear` or `cosine`). A function of the step's "
+        "version only, so a resumed run and every data-parallel actor use the same value.",
+    )
+    lr_final_ratio: float = option(
+        0.0, ge=0, le=1, help="A decaying `lr_schedule` reaches `lr` times this at `num_steps`."
+    )
     grad_clip: float = option(1.0, gt=0, help="Gradient-norm clip.")
     clip_eps: float = option(0.2, gt=0, help="PPO-style clip of the importance ratio (1 +/- eps).")
     kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")

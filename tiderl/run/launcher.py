@@ -262,11 +262,24 @@ def summary(store: RunStore) -> str:
 
     doc = collect(store)
     lines = [render(doc)]
-    evals = [e for e in doc["eval"] if e["success_rate"] is not None]
-    if len(evals) >= 2:
-        lines.append(f"eval success rate: {evals[0]['success_rate']:.2f} at version {evals[0]['eval_version']} -> "
-                     f"{evals[-1]['success_rate']:.2f} at version {evals[-1]['eval_version']}")
+    trend = eval_trend(doc["eval"])
+    if trend:
+        lines.append(trend)
     return "\n".join(lines)
+
+
+def eval_trend(evals: list[dict[str, Any]]) -> str | None:
+    """The first and last evaluation's success rate, and the best one between if it is neither."""
+    done = [e for e in evals if e["success_rate"] is not None]
+    if len(done) < 2:
+        return None
+    first, last = done[0], done[-1]
+    best = max(done[1:], key=lambda e: e["success_rate"])
+    line = (f"eval success rate: {first['success_rate']:.2f} at version {first['eval_version']} -> "
+            f"{last['success_rate']:.2f} at version {last['eval_version']}")
+    if best["success_rate"] > last["success_rate"]:
+        line += f" (best {best['success_rate']:.2f} at version {best['eval_version']})"
+    return line
 
 
 def _f(value: float | None) -> str:

@@ -81,6 +81,10 @@ class ActorBackend(SwappableModel):
         """Accumulate the gradients of ``loss`` (no reduction across ranks yet)."""
 
     @abstractmethod
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (a schedule's value for this step)."""
+
+    @abstractmethod
     def step(self) -> OptimStats:
         """Reduce gradients over the data-parallel group (SUM), clip, AdamW step, zero grads."""
 

@@ -14,6 +14,7 @@ StepResult -> version row).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,18 @@ def find_resume_point(base_model: Path, weights_root: Path, ckpt_root: Path, kee
 
 def loss_config(config: TrainerConfig) -> LossConfig:
     return LossConfig(clip_eps=config.clip_eps, kl_coef=config.kl_coef, kl_estimator=config.kl_estimator)
+
+
+def lr_at(config: TrainerConfig, version: int) -> float:
+    """The learning rate of the step that trains ``version`` under ``config.lr_schedule``."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    progress = min(max(version / config.num_steps, 0.0), 1.0)
+    if config.lr_schedule == "linear":
+        shape = 1.0 - progress
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.lr_final_ratio + (1.0 - config.lr_final_ratio) * shape)
 
 
 def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id: int = 0) -> StepPlan:
@@ -194,6 +207,7 @@ class ActorRank:
         if inp.version != self.version:
             raise ValueError(f"step input trains version {inp.version}, this rank holds version {self.version}")
         started = time.perf_counter()
+        self.actor.set_lr(lr_at(self.config, inp.version))
         plan = build_plan(inp, self.config, self.comm)
         stats = run_actor(
             plan, self.actor, self.ref, self.comm, loss_config(self.config),

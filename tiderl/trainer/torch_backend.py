@@ -160,6 +160,10 @@ class TorchActor(ActorBackend):
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self) -> OptimStats:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before the optimizer step")
