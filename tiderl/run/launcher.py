@@ -269,7 +269,7 @@ def summary(store: RunStore) -> str:
 
 
 def eval_trend(evals: list[dict[str, Any]]) -> str | None:
-    """The first and last evaluation's success rate, and the best one between if it is neither."""
+    """The first and last evaluation's success rate, and the best later one if it beats the last."""
     done = [e for e in evals if e["success_rate"] is not None]
     if len(done) < 2:
         return None
