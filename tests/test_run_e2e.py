@@ -23,6 +23,12 @@ def tiderl(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[st
                           timeout=timeout_s)
 
 
+def run_job(run_dir: Path, sets: list[str]) -> None:
+    """`tiderl run` of the quickstart job with these overrides; it must finish."""
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 def test_bad_config_exits_2_and_creates_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     out = tiderl("run", "jobs/quickstart.yaml", "--set", "trainer.num_steps=0", "--run-dir", str(run_dir))
@@ -36,9 +42,7 @@ def test_bad_config_exits_2_and_creates_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("system", ["sync", "async", "stream", "tiderl"])
 def test_short_run_per_system(tmp_path: Path, system: str) -> None:
     run_dir = tmp_path / "run"
-    sets = [a for s in SHORT + [f"system={system}"] for a in ("--set", s)]
-    out = tiderl("run", "jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_job(run_dir, SHORT + [f"system={system}"])
     status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
     assert status["state"] == "finished" and status["version"] == 3
     assert {"rwt_s", "twt_s", "goodput_tok_s", "ranks", "steps"} <= set(status)
@@ -55,8 +59,7 @@ def test_data_parallel_actors_with_a_decoupled_ref(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     sets = SHORT + ["system=async", "trainer.ra2p_mode=decoupled", "launch.num_ranks=4", "trainer.actor_ranks=2",
                     "launch.rollout_fraction=0.25", "monitor.metrics_port=0"]
-    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_job(run_dir, sets)
     facts = check_run(run_dir, max_staleness=1)
     assert facts["versions"] == 3
     db = sqlite3.connect(run_dir / "run.db")
@@ -85,8 +88,7 @@ def test_elastic_actors_join_and_leave_with_the_groups_state(tmp_path: Path) -> 
     sets = SHORT + ["system=tiderl", "trainer.num_steps=6", "launch.num_ranks=4", "trainer.actor_ranks=2",
                     "launch.rollout_fraction=0.5", "ers.elastic_actors=true", "ers.max_ref_ranks=0",
                     "ers.hol_tau=0.001", "trainer.checkpoint_every=100"]
-    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_job(run_dir, sets)
     facts = check_run(run_dir, max_staleness=1)
     assert facts["versions"] == 6
     db = sqlite3.connect(run_dir / "run.db")
