@@ -30,6 +30,21 @@ def test_lognormal_matches_mean_and_p99() -> None:
     assert profile.mean_s == pytest.approx(0.1)
 
 
+def test_benchmark_job_heavy_tail() -> None:
+    """jobs/bench-latency.yaml's delay: mean 0.5 s, p99 4 s (8x the mean, a heavy tail close to the
+    15x a lognormal allows), read from the job file as the env servers get it."""
+    from tiderl.config import load_job
+
+    job = load_job(Path(__file__).resolve().parents[1] / "jobs" / "bench-latency.yaml")
+    profile = parse_latency(job.env.latency)
+    assert profile.kind == "lognormal" and profile.mean_s == pytest.approx(0.5)
+    rng = random.Random(2)
+    samples = sorted(profile.sample_s(rng) for _ in range(100_000))
+    assert statistics.fmean(samples) == pytest.approx(0.5, rel=0.05)
+    assert samples[int(0.99 * len(samples))] == pytest.approx(4.0, rel=0.1)
+    assert statistics.median(samples) < 0.3  # most steps are quick; the mean is the tail's
+
+
 def test_recorded_file(tmp_path: Path) -> None:
     path = tmp_path / "delays.txt"
     path.write_text("# recorded\n0.1\n\n0.3  # slow one\n")

@@ -77,7 +77,7 @@ def test_control_plane_expires_evaluations_only_once_no_rollout_rank_can_run_the
     # An open evaluation keeps ERS in preemptive maximum rollout (eval_every_steps is 0 here).
     _publish(store, 1, {0: Role.ROLLOUT, 1: Role.ACTOR})
     _publish(store, 2, {0: Role.ROLLOUT, 1: Role.ACTOR})
-    assert plane.signals(2).is_eval_next
+    assert plane.signals(2, {0: Role.ROLLOUT, 1: Role.ACTOR}).is_eval_next
     # Rank 0 still holds v0 (its evaluation is running long): the tasks stay, however old.
     store.report(RankReport(rank=0, role=Role.ROLLOUT, version=0))
     assert plane.expire_evaluations() == 0 and store.groups_by_state(TaskKind.EVAL)[GroupState.OPEN] == 1
@@ -87,7 +87,7 @@ def test_control_plane_expires_evaluations_only_once_no_rollout_rank_can_run_the
     store.set_rank_state(0, RankState.DEAD)
     assert plane.expire_evaluations() == 1
     assert store.groups_by_state(TaskKind.EVAL)[GroupState.FAILED] == 1
-    assert not plane.signals(2).is_eval_next
+    assert not plane.signals(2, {0: Role.ROLLOUT, 1: Role.ACTOR}).is_eval_next
 
 
 @pytest.fixture(scope="module")

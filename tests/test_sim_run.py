@@ -74,8 +74,8 @@ def test_ctb_keeps_contexts_resident_under_kv_pressure():
 
 
 def test_systems_table_lists_each_policy_once():
-    assert set(SYSTEMS) == {"sync", "async", "stream", "stream+ra2p", "stream+ra2p+ers", "tiderl", "tiderl-noers",
-                            "run:sync", "run:async", "run:stream", "run:tiderl"}
+    assert set(SYSTEMS) == {"sync", "async", "stream", "stream+ra2p", "stream+ra2p+ers", "stream+ra2p+ers-rate",
+                            "tiderl", "tiderl-paper", "tiderl-noers", "run:sync", "run:async", "run:stream", "run:tiderl"}
     with pytest.raises(ValueError):
         parse_system("sync@0.5")
     with pytest.raises(ValueError):

@@ -1,13 +1,24 @@
 """The simulator against the real job: simulate each system `tools/bench_systems.py` ran and
 print the error per system.
 
-    python tools/sim_vs_real.py BENCH.json [--workload jobs/sim/hilo-bench.workload.yaml]
+    python tools/sim_vs_real.py BENCH.json [--job JOB.yaml] [--workload jobs/sim/hilo-bench.workload.yaml]
         [--cluster jobs/sim/cpu.cluster.yaml] [--seed 0] [--json]
 
 BENCH.json is the JSON line `tools/bench_systems.py` prints (one object per system, each with
 `run_dir`). Each real `system:` is simulated as `run:NAME` (tiderl/sim/systems.py) with the run's
-`rollout.scheduler`, for as many steps as the run published. Figures compared, each the same
-quantity on both sides:
+`rollout.scheduler`, for as many steps as the run published.
+
+Without --job the workload and cluster files are simulated as they are (their defaults describe
+the quickstart benchmark of docs/simulator.md: 3 ranks, 2 groups a step). With --job JOB.yaml (the
+job bench_systems ran with --job) the workload defaults to jobs/sim/JOBSTEM.workload.yaml, and the
+settings both files take from the job ([J] in them) are replaced by each run's resolved config
+(RUN_DIR/config.yaml, so --set overrides count): ranks, rollout split, tasks per rollout rank,
+micro-batch tokens, staleness, B_min/B_ideal, actor ranks, report interval and the `ers:` section
+for the cluster; group size, groups a step, evaluations and the context limit for the workload.
+The measured costs stay the calibration file's. Every value replaced is listed in `job_settings`;
+a task type whose turn limit differs from the run's `env.max_turns` is reported in
+`job_mismatch` (not replaced: the turn statistics belong to that limit).
+Figures compared, each the same quantity on both sides:
 - steady goodput: generated tokens trained by versions 2..N per second between the publication of
   version 1 and of version N (bench_systems' `steady_goodput_tok_s`: start-up left out);
 - mean step time: seconds between two publications, versions 2..N;
@@ -19,6 +30,7 @@ The error is (simulated - measured) / measured; `over_threshold` lists what is o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -100,14 +112,75 @@ def real_steps(run_dir: Path) -> list[dict]:
             for r in rows]
 
 
-def simulate(system: str, scheduler: str, workload: Path, cluster: Path, steps: int, seed: int) -> dict:
+def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dict, dict, list[str]]:
+    """The cluster and workload documents (as loaded from YAML) with the values they take from the
+    job ([J]) replaced by a run's resolved `config`. Returns (cluster, workload, the replaced values
+    as {"cluster.KEY" or "workload.KEY": [file value, run value]}, mismatches not replaced)."""
+    cluster, workload = copy.deepcopy(cluster), copy.deepcopy(workload)
+    r, t, launch = config["rollout"], config["trainer"], config["launch"]
+    changed: dict = {}
+
+    missing = object()
+
+    def put(doc: dict, label: str, path: str, value, default=missing) -> None:
+        """Set doc[path] to value; record it unless it was so already (or absent and `default`)."""
+        *parents, key = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        before = node.get(key, default)
+        node[key] = value
+        if before != value:
+            changed[f"{label}.{path}"] = [None if before is missing else before, value]
+
+    put(cluster, "cluster", "num_gpus", launch["num_ranks"])
+    put(cluster, "cluster", "rollout.max_num_seqs", r["max_concurrency"])
+    put(cluster, "cluster", "training.micro_batch_tokens", t["micro_batch_tokens"])
+    put(cluster, "cluster", "training.max_staleness", r["max_staleness"])
+    put(cluster, "cluster", "training.min_batch_fraction", round(t["groups_min"] / t["groups_ideal"], 6))
+    put(cluster, "cluster", "training.actor_ranks", t["actor_ranks"])
+    put(cluster, "cluster", "training.default_rollout_fraction", launch["rollout_fraction"])
+    put(cluster, "cluster", "training.rollout_fraction_sweep", [launch["rollout_fraction"]])
+    if "control" in cluster:
+        put(cluster, "cluster", "control.report_interval_s", r["report_interval_s"])
+    # The `ers:` keys the simulator's cluster section knows (its field names, whatever version of
+    # the section this checkout has); a key it does not know stays out.
+    import typing
+    from dataclasses import fields
+
+    from tiderl.sim.spec import ClusterSpec
+
+    ers_type = typing.get_type_hints(ClusterSpec)["ers"]
+    defaults = ers_type()
+    known = {f.name for f in fields(ers_type)}
+    for key, value in config.get("ers", {}).items():
+        if key in known:
+            put(cluster, "cluster", f"ers.{key}", value, getattr(defaults, key))
+
+    put(workload, "workload", "group_size", r["group_size"])
+    put(workload, "workload", "groups_per_step", t["groups_ideal"])
+    put(workload, "workload", "eval_every_steps", r["eval_every_steps"])
+    if r["eval_every_steps"]:
+        put(workload, "workload", "eval_groups", r["eval_groups"])
+        # Greedy evaluation plays one task per prompt (the control plane's feed_eval).
+        put(workload, "workload", "eval_group_size", 1 if r["eval_temperature"] == 0 else r["group_size"])
+    put(workload, "workload", "max_context_tokens", config["model"]["max_context_tokens"])
+    mismatch = [f"workload.task_types[{task['name']}].turns_max {task.get('turns_max')} != env.max_turns "
+                f"{config['env']['max_turns']}"
+                for task in workload.get("task_types", []) if task.get("turns_max") != config["env"]["max_turns"]]
+    return cluster, workload, changed, mismatch
+
+
+def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: int) -> dict:
+    """One simulated run of `run:SYSTEM`; `workload` and `cluster` are loaded specs or file paths."""
     from tiderl.sim.simulator import Simulation
     from tiderl.sim.spec import load_cluster, load_workload
     from tiderl.sim.systems import parse_system, with_scheduler
 
-    cl = load_cluster(cluster)
+    cl = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+    wl = load_workload(workload) if isinstance(workload, (str, Path)) else workload
     sim_system = with_scheduler(parse_system(f"run:{system}"), scheduler)
-    result = Simulation(load_workload(workload), cl, sim_system, steps=steps, seed=seed,
+    result = Simulation(wl, cl, sim_system, steps=steps, seed=seed,
                         rollout_fraction=cl.training.default_rollout_fraction).run()
     return result
 
@@ -120,31 +193,66 @@ def sim_steps(result: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
+    from tiderl.config.schema import build
+    from tiderl.sim.spec import ClusterSpec, WorkloadSpec
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", type=Path, help="The JSON line tools/bench_systems.py printed, in a file.")
-    parser.add_argument("--workload", type=Path, default=ROOT / "jobs" / "sim" / "hilo-bench.workload.yaml")
+    parser.add_argument("--job", type=Path, default=None,
+                        help="The job bench_systems ran (its --job): the workload defaults to "
+                             "jobs/sim/JOBSTEM.workload.yaml and the job's settings in both files come "
+                             "from each run's resolved config.")
+    parser.add_argument("--workload", type=Path, default=None,
+                        help="Simulator workload (default: jobs/sim/hilo-bench.workload.yaml, or with --job "
+                             "jobs/sim/JOBSTEM.workload.yaml).")
     parser.add_argument("--cluster", type=Path, default=ROOT / "jobs" / "sim" / "cpu.cluster.yaml")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.workload is None:
+        args.workload = (ROOT / "jobs" / "sim" / f"{args.job.stem}.workload.yaml" if args.job is not None
+                         else ROOT / "jobs" / "sim" / "hilo-bench.workload.yaml")
+    if not args.workload.exists():
+        parser.error(f"no workload file {args.workload}" + (" (the job's default; pass --workload)" if args.job else ""))
     bench = json.loads(args.bench.read_text().strip().splitlines()[-1])
-    measured, simulated, raw = {}, {}, {}
+    cluster_doc = yaml.safe_load(args.cluster.read_text())
+    workload_doc = yaml.safe_load(args.workload.read_text())
+    measured, simulated, raw, settings, mismatches = {}, {}, {}, {}, set()
     for name, run in bench.items():
-        if "error" in run:
+        if not isinstance(run, dict) or "error" in run or "run_dir" not in run:
             continue
         run_dir = Path(run["run_dir"])
         measured[name] = steady_from_steps(real_steps(run_dir))
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
-        result = simulate(name, config["rollout"]["scheduler"], args.workload, args.cluster, run["steps"],
-                          args.seed)
+        if args.job is not None:
+            cl_doc, wl_doc, changed, mismatch = job_settings(cluster_doc, workload_doc, config)
+            settings[name] = changed
+            mismatches.update(mismatch)
+            cluster = build(ClusterSpec, cl_doc, f"{args.cluster} with {run_dir / 'config.yaml'}")
+            workload = build(WorkloadSpec, wl_doc, f"{args.workload} with {run_dir / 'config.yaml'}")
+        else:
+            cluster, workload = args.cluster, args.workload
+        result = simulate(name, config["rollout"]["scheduler"], workload, cluster, run["steps"], args.seed)
         simulated[name] = steady_from_steps(sim_steps(result))
         raw[name] = {k: result[k] for k in ("goodput_gen_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "gpu_s",
                                             "ra2p", "roles_timeline")}
     out = compare(measured, simulated)
+    out["workload"], out["cluster"] = str(args.workload), str(args.cluster)
+    if args.job is not None:
+        out["job"] = str(args.job)
+        out["job_settings"] = settings
+        out["job_mismatch"] = sorted(mismatches)
     out["simulated_runs"] = raw
     if args.json:
         print(json.dumps(out))
         return 0
+    print(f"workload {args.workload}, cluster {args.cluster}" + (f", job settings from the runs of {args.job}"
+                                                                  if args.job else ""))
+    for name, changed in settings.items():
+        if changed:
+            print(f"  {name}: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    for line in sorted(mismatches):
+        print(f"  mismatch (kept): {line}")
     print(f"{'system':8} {'figure':22} {'measured':>10} {'simulated':>10} {'error':>8}")
     for name, row in out["systems"].items():
         for fig, v in row.items():

@@ -7,12 +7,26 @@ trainer's elastic batch bounds into its limits.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from tiderl.config.schema import option, section
 
 
 @section
 class ErsConfig:
     enabled: bool = option(True, help="Move ranks between rollout and trainer roles at sync boundaries.")
+    policy: Literal["paper", "rate"] = option(
+        "rate",
+        help="`rate`: move toward the split where the measured generation rate meets the trainer's consumption "
+        "rate (tiderl.policy.ers_rate); `paper`: the paper's threshold rules on HoL latency, RAS and the "
+        "generation deficit (section 5.2). Cold start and evaluation rules apply to both.",
+    )
+    rate_margin: float = option(
+        0.05,
+        ge=0,
+        help="Rate policy: move ranks only when the predicted goodput gain exceeds this share (hysteresis "
+        "against noise).",
+    )
     hol_tau: float = option(
         1.0, gt=0, help="Consumption deficit when the oldest ready micro-batch waited > tau x mean step time."
     )

@@ -81,10 +81,12 @@ from tiderl.roles import Role
 __all__ = [
     "ErsLimits",
     "ErsPlan",
+    "ErsPolicy",
     "ErsReason",
     "ErsSignals",
     "Role",
     "RoleMove",
+    "StepObservation",
     "plan",
 ]
 
@@ -96,6 +98,16 @@ class ErsReason(enum.Enum):
     CONSUMPTION_DEFICIT = "consumption_deficit"
     GENERATION_DEFICIT = "generation_deficit"
     STEADY = "steady"
+    RATE_TO_ROLLOUT = "rate_to_rollout"
+    RATE_TO_TRAINER = "rate_to_trainer"
+    RATE_REBALANCE = "rate_rebalance"
+
+
+class ErsPolicy(enum.Enum):
+    PAPER = "paper"
+    """The paper's threshold rules on HoL latency, RAS and the generation deficit (this module)."""
+    RATE = "rate"
+    """The rate-matching planner (tiderl.policy.ers_rate): the split where generation meets consumption."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,18 +125,30 @@ class ErsLimits:
     elastic_actors: bool = False
     preemptive_rollout: bool = True
     adaptive_retention: bool = True
+    policy: ErsPolicy = ErsPolicy.PAPER
+    max_staleness: int = 1
+    """The system's staleness bound (versions): at most (max_staleness + 1) batches are in flight."""
+    rate_margin: float = 0.05
+    """Rate planner hysteresis: move only for a predicted goodput gain above this share."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.groups_min <= self.groups_ideal:
             raise ValueError(f"groups_min: need 1 <= groups_min <= groups_ideal, got {self.groups_min}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.rate_margin < 0:
+            raise ValueError(f"rate_margin: must be >= 0, got {self.rate_margin}")
 
     @classmethod
-    def from_config(cls, ers: object, groups_min: int, groups_ideal: int) -> ErsLimits:
-        """From the job's `ers:` section (tiderl.config.ers.ErsConfig, read by attribute)
-        and the trainer's elastic batch bounds."""
+    def from_config(cls, ers: object, groups_min: int, groups_ideal: int, max_staleness: int = 1) -> ErsLimits:
+        """From the job's `ers:` section (tiderl.config.ers.ErsConfig, read by attribute),
+        the trainer's elastic batch bounds and the system's staleness bound."""
         return cls(
             groups_min=groups_min,
             groups_ideal=groups_ideal,
+            policy=ErsPolicy(ers.policy),  # type: ignore[attr-defined]
+            max_staleness=max_staleness,
+            rate_margin=ers.rate_margin,  # type: ignore[attr-defined]
             enabled=ers.enabled,  # type: ignore[attr-defined]
             hol_tau=ers.hol_tau,  # type: ignore[attr-defined]
             max_moves_per_step=ers.max_moves_per_step,  # type: ignore[attr-defined]
@@ -135,6 +159,35 @@ class ErsLimits:
             preemptive_rollout=ers.preemptive_rollout,  # type: ignore[attr-defined]
             adaptive_retention=ers.adaptive_retention,  # type: ignore[attr-defined]
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StepObservation:
+    """One finished training step, as the control plane and the simulator both record it."""
+
+    duration_s: float
+    """From the previous publish to this one."""
+    consumed_tokens: int
+    """Trajectory tokens the step trained on."""
+    rollout_ranks: int
+    actor_ranks: int
+    ref_ranks: int
+    produced_tokens: int = 0
+    """Tokens of the training groups that completed during the step (generation supply)."""
+    groups_completed: int = 0
+    """Training groups that completed during the step."""
+    group_latency_sum_s: float = 0.0
+    """Sum over those groups of the seconds from the group's creation to its completion."""
+    group_env_sum_s: float = 0.0
+    """Sum over those groups of their slowest task's environment seconds (session start and steps)."""
+    rollout_idle_rank_s: float = 0.0
+    """Rollout rank-seconds with no task to play (staleness bound, empty pool) during the step."""
+    rollout_busy_rank_s: float = 0.0
+    """Rollout rank-seconds with the engine generating (0: not measured)."""
+    trainer_wait_s: float = 0.0
+    """Seconds the actor group waited for ready data during the step."""
+    tprm_s: float | None = None
+    """TPRM the step observed (None: no post-start arrival)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +218,16 @@ class ErsSignals:
     """Micro-batches a full step consumes (for the break-even RAS)."""
     rollout_idle_ranks: float = 0.0
     """Rollout rank-seconds idle for lack of admissible work (RWT) in step k / its duration."""
+    window: tuple[StepObservation, ...] = ()
+    """The recent steps the rate planner estimates its rates from, oldest first."""
+    group_latency_s: float | None = None
+    """Mean seconds from a training group's creation to its completion, over the window."""
+    tokens_per_group: float | None = None
+    """Mean tokens of a completed training group, over the window."""
+    group_env_s: float | None = None
+    """Mean environment seconds (start and steps) of the slowest task of each such group."""
+    micro_batch_tokens: int = 0
+    """Tokens of one actor rank's share of a micro-batch (trainer.micro_batch_tokens; 0: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +268,8 @@ def consumption_deficit(roles: Sequence[Role], signals: ErsSignals, limits: ErsL
 
 
 def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
-    """The next role map, RA2P mode and fetch size (see the module invariants)."""
+    """The next role map, RA2P mode and fetch size, by ``limits.policy`` (see the module invariants;
+    the rate planner's own are in tiderl.policy.ers_rate)."""
     current = tuple(roles)
     fetch = limits.groups_ideal
     if not limits.enabled:
@@ -216,6 +280,16 @@ def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPl
         new = tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in current)
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
         return _finish(current, new, fetch, reason)
+    if limits.policy is ErsPolicy.RATE:
+        from tiderl.policy import ers_rate  # it builds on this module's types: imported here, not above
+
+        return ers_rate.plan_rate(current, signals, limits)
+    return plan_paper(current, signals, limits)
+
+
+def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
+    """The paper's threshold rules (section 5.2), after the cold-start and evaluation rules."""
+    fetch = limits.groups_ideal
 
     num_rollout = sum(1 for r in current if r is Role.ROLLOUT)
     num_ref = sum(1 for r in current if r is Role.REF)

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+import time
 import zlib
 from typing import Protocol
 
@@ -116,7 +117,9 @@ async def run_task(
             run.context_tokens = len(trajectory.token_ids)
             gate.after_turn(run)
             run.checkpoint = None  # from here until the answer is in, the task cannot move
+            env_t0 = time.monotonic()
             step = await env.step(session_id, fmt.action_text(generation.token_ids))
+            trajectory.env_s += time.monotonic() - env_t0
             run.num_turns += 1
             if step.done:
                 break
@@ -185,11 +188,14 @@ async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) ->
         run.num_turns, run.num_pauses = progress.num_turns, progress.num_pauses
         run.num_prompt_tokens = progress.num_prompt_tokens
     else:
+        env_t0 = time.monotonic()
         started = await env.start(spec.env, spec.seed, spec.options)
+        env_s = time.monotonic() - env_t0
         run.session_id = started.session_id
         prompt = fmt.prompt_ids(started.observation)
         trajectory = Trajectory(task=spec, token_ids=[], loss_mask=[], logprobs=[], versions=[],
                                 num_prompt_tokens=len(prompt))
+        trajectory.env_s = env_s
         trajectory.append(prompt, sampled=False)
         run.num_prompt_tokens = len(prompt)
     run.context_tokens = len(trajectory.token_ids)

@@ -133,6 +133,8 @@ class Trajectory:
     finish: str = ""  # "done" | "max_turns" | "max_context"
     num_pauses: int = 0
     env_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env_s: float = 0.0
+    """Seconds this rank waited on the environment for the task (session start and steps)."""
 
     def __post_init__(self) -> None:
         self.check()

@@ -112,6 +112,11 @@ class RolloutWorker:
         return len(self._runs) - len(self._paused)
 
     @property
+    def num_generating(self) -> int:
+        """Tasks waiting on the engine now (not on their environment, not paused)."""
+        return sum(1 for run in self._runs.values() if run.phase is Phase.GENERATING)
+
+    @property
     def num_unfinished(self) -> int:
         return sum(len(v) for v in self._pending.values()) + len(self._runs)
 

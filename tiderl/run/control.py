@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.paths import RunPaths
 from tiderl.policy import ers
+from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
@@ -46,8 +46,10 @@ class ControlPlane:
         self.store = store
         self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
                                                  ra2p_mode=config.trainer.ra2p_mode)
-        self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal)
+        self.limits = build_limits(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
+                                   self.system.max_staleness)
         self._watched_at = float("-inf")
+        self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -132,8 +134,8 @@ class ControlPlane:
         reason = "fixed"
         if self.system.uses_ers:
             ranks = sorted(current)
-            decision = ers.plan([ers.Role(current[r].value) for r in ranks], self.signals(version), self.limits)
-            current = {r: Role(role.value) for r, role in zip(ranks, decision.roles)}
+            decision = ers.plan([current[r] for r in ranks], self.signals(version, current), self.limits)
+            current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
             mode = decision.mode.value if cfg.trainer.ra2p_mode == "auto" else cfg.trainer.ra2p_mode
             reason = decision.reason.value
@@ -145,30 +147,54 @@ class ControlPlane:
         self._record_step(version)
         return plan
 
-    def signals(self, version: int) -> ers.ErsSignals:
+    def signals(self, version: int, roles: dict[int, Role]) -> ers.ErsSignals:
+        """The ERS signals of the boundary before `version`, through the builder the simulator uses too."""
         cfg = self.config
-        steps = self.store.steps()
-        history = tuple(float(s["duration_s"]) for s in steps[-cfg.ers.history_steps:] if s["duration_s"])
         buf = self.store.buffer_state()
-        now = time.time()
         oldest = self.store.oldest_ready_at()
-        last = steps[-1] if steps and steps[-1]["version"] == version else None
         previous = self.store.plan_at(version - 1) if version > 0 else None
         before = self.store.plan_at(version - 2) if version > 1 else None
         change = 0
         if previous is not None and before is not None:
             change = len(previous.ranks_with(Role.ROLLOUT)) - len(before.ranks_with(Role.ROLLOUT))
-        mb_tokens = cfg.trainer.micro_batch_tokens
-        per_step = math.ceil((last["consumed_tokens"] or 0) / mb_tokens) if last else 0
         every = cfg.rollout.eval_every_steps
-        return ers.ErsSignals(
-            ras_microbatches=int(buf["ready_tokens"]) // mb_tokens, ready_groups=int(buf["groups_ready"]),
-            hol_latency_s=max(0.0, now - oldest) if oldest else 0.0,
-            tprm_s=last["tprm_s"] if last else None, step_history_s=history,
+        snapshot = ErsSnapshot(
+            roles=tuple(roles[r] for r in sorted(roles)),
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            ready_tokens=int(buf["ready_tokens"]), ready_groups=int(buf["groups_ready"]),
+            oldest_ready_age_s=max(0.0, time.time() - oldest) if oldest else None,
+            steps=self._observations(version),
             # preemptive rollout for an evaluation that starts now or is still running
-            is_eval_next=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
+            is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
-            stage_times=self._stage_times(), microbatches_per_step=max(per_step, 1 if last else 0))
+            stage_times=self._stage_times())
+        return build_signals(snapshot, cfg.ers.history_steps)
+
+    def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
+        """The finished steps up to `version` (the newest history_steps + 1 of them: the rate window
+        drops the first step on a split), read from the store once each."""
+        rows = {r["version"]: r for r in self.store.version_rows()}
+        wanted = [v for v in range(max(1, version - self.config.ers.history_steps), version + 1) if v in rows]
+        for v in wanted:
+            if v not in self._observed and v - 1 in rows:
+                self._observed[v] = self._observe(v, rows[v - 1], rows[v])
+        return tuple(self._observed[v] for v in wanted if v in self._observed)
+
+    def _observe(self, version: int, before: dict, row: dict) -> ers.StepObservation:
+        start, end = float(before["created_at"]), float(row["created_at"])
+        window = self.store.step_window(version, start, end)
+        roles = self.store.roles_at(version - 1)  # the roles of the step that trained version - 1 into `version`
+        counts = {role: sum(1 for r in roles.values() if r is role) for role in Role}
+        actors = max(1, counts[Role.ACTOR])
+        return ers.StepObservation(
+            duration_s=end - start, consumed_tokens=window.consumed_tokens,
+            rollout_ranks=counts[Role.ROLLOUT], actor_ranks=counts[Role.ACTOR], ref_ranks=counts[Role.REF],
+            produced_tokens=window.produced_tokens, groups_completed=window.groups_completed,
+            group_latency_sum_s=window.group_latency_sum_s, group_env_sum_s=window.group_env_sum_s,
+            rollout_idle_rank_s=window.rank_s.get(("rollout_idle_s", Role.ROLLOUT.value), 0.0),
+            rollout_busy_rank_s=window.rank_s.get(("rollout_busy_s", Role.ROLLOUT.value), 0.0),
+            trainer_wait_s=min(end - start, window.rank_s.get(("twt_s", Role.ACTOR.value), 0.0) / actors),
+            tprm_s=row["tprm_s"])
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")

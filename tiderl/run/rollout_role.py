@@ -14,7 +14,8 @@ the weights it evaluates (see `run_rollout`).
 RWT (`rwt_s`) counts the seconds the rank had free slots but nothing to claim
 (the feeder holds tasks back for staleness, or the buffer is full), even while
 it played other tasks; `rollout_idle_s` counts the seconds it had no task at
-all (its accelerator idle: the paper's RWT).
+all (its accelerator idle: the paper's RWT); `rollout_busy_s` the seconds at least
+one of its tasks waited on the engine (ERS's supply rate).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class RolloutRole:
         self.finished.append(FinishedTrajectory(
             task_id=claim.task_id, token_ids=traj.token_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
             token_versions=traj.versions, num_turns=traj.num_turns, reward=traj.reward,
-            success=bool(found) if found is not None else traj.reward > 0))
+            success=bool(found) if found is not None else traj.reward > 0, env_s=traj.env_s))
 
     def _failed(self, spec: TaskSpec, error: BaseException) -> None:
         claim = self.claims.pop(spec.task_id)
@@ -202,6 +203,8 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             tick_s, last = now - last, now
             if role.worker.num_unfinished == 0:  # nothing at all to play: the rank (its GPU) idled
                 report.metrics.append(MetricPoint("rollout_idle_s", tick_s, version, "rollout"))
+            elif role.worker.num_generating:  # the engine had work (sampled once a tick): ERS's supply rate
+                report.metrics.append(MetricPoint("rollout_busy_s", tick_s, version, "rollout"))
             role.drain(report)
             stats.observe(role)
             nxt = ctx.boundary(planned)

@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="tiderl",
         help="sync, async, stream, stream+ra2p, stream+ra2p+ers, tiderl, tiderl-noers, and run:sync, "
         "run:async, run:stream, run:tiderl (the `system:` values of `tiderl run`); NAME@F fixes the "
-        "rollout fraction; `all` runs every system and the ablations (default: tiderl).",
+        "rollout fraction (NAME@F+refR: with R dedicated ref ranks, decoupled); `best-fixed` sweeps every "
+        "fixed CTB+RA2P split the ranks allow, colocated and decoupled, and reports the best; `all` runs every "
+        "system, the ablations and that sweep (default: tiderl).",
     )
     parser.add_argument("--steps", type=int, default=100, help="Training steps to simulate (default 100).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the task sampling (default 0).")
@@ -42,8 +44,22 @@ def run(args: argparse.Namespace) -> int:
     fractions = cluster.training.rollout_fraction_sweep
     default = cluster.training.default_rollout_fraction
 
+    if args.system == "best-fixed":
+        results = report.run_many(args.workload, args.cluster, report.fixed_partitions(cluster), args.steps,
+                                  args.seed, args.jobs)
+        best = report.best_fixed(results)
+        if args.plot:
+            report.plot(results, args.plot)
+        if args.json:
+            print(json.dumps(best))
+        else:
+            print(report.format_table(results))
+            print()
+            print("\n".join(report.format_best_fixed(best)))
+        return 0
+
     if args.system == "all":
-        systems = report.all_systems(default, fractions)
+        systems = report.all_systems(default, fractions, report.fixed_partitions(cluster))
         results = report.run_many(args.workload, args.cluster, systems, args.steps, args.seed, args.jobs)
         out = report.compare(results, default)
         if args.plot:

@@ -10,11 +10,24 @@ run had to play) on the same GPUs, if every GPU-second went to useful work:
 each prompt and observation token prefilled exactly once, each generated
 token decoded at the largest batch the KV capacity allows, each trained
 token's reference forward and actor forward/backward done once; no waiting,
-no model switch, no weight sync, no optimizer communication.
+no model switch, no weight sync, no optimizer communication. On a shared host
+(`measured.host_compute_slots`) that work also has to fit the host's slots,
+a busy rollout rank weighing `rollout_busy_cores`.
+
+Staleness-latency bound (docs/simulator.md, "Bounds"): at most
+(max_staleness + 1) x B_ideal training groups hold a place in flight (from
+their release until the feed after their consumption), and a group holds one
+at least as long as its slowest task's unavoidable latency (environment start
+and steps, the engine's own minimum for its prefills and its decode at batch
+1, the turn overhead) plus the control loop's delays and its own training
+tail. By Little's law over the run, goodput <= in-flight groups x tokens per
+group / time held per group. `bound_tok_s` is the smaller of the two bounds;
+`bound_term` names it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from tiderl.sim.costs import Costs, describe
@@ -22,6 +35,12 @@ from tiderl.sim.costs import Costs, describe
 if TYPE_CHECKING:
     from tiderl.sim.rollout import SimTask
     from tiderl.sim.simulator import Simulation
+    from tiderl.sim.workload import TaskPlan
+
+# The engine's chunked prefill is a fluid backlog re-evaluated at every event: within the last chunk it
+# drains geometrically, so by the time a request starts decoding at least (1 - 1/e) of its backlog's
+# prefill tokens have been computed (docs/simulator.md, "Bounds").
+PREFILL_DRAINED = 1.0 - math.exp(-1.0)
 
 
 def _generation_gpu_s(tasks: list[SimTask], costs: Costs, decode_s_per_token: float) -> float:
@@ -47,10 +66,126 @@ def upper_bound_tok_s(sim: Simulation) -> float:
     everything = consumed + sim.eval_tasks_done
     mean_ctx = sum(t.plan.total_tokens / 2 for t in everything) / len(everything)
     per_token = costs.best_decode_s_per_token(mean_ctx)
-    gpu_s = _generation_gpu_s(everything, costs, per_token)
-    gpu_s += sum(costs.train_s(t.plan.total_tokens) for t in consumed)
+    rollout_s = _generation_gpu_s(everything, costs, per_token)
+    train_s = sum(costs.train_s(t.plan.total_tokens) for t in consumed)
     tokens = sum(t.plan.total_tokens for t in consumed)
-    return tokens / (gpu_s / sim.num_gpus)
+    seconds = (rollout_s + train_s) / sim.num_gpus
+    if costs.host_compute_slots is not None:
+        # A shared host runs `host_compute_slots` cores' worth of work at once; a busy rollout rank
+        # occupies `rollout_busy_cores` of them (Costs.host_speed).
+        seconds = max(seconds, (rollout_s * costs.rollout_busy_cores + train_s) / costs.host_compute_slots)
+    return tokens / seconds
+
+
+def turn_prefill_min_s(costs: Costs, new_tokens: float, context_tokens: float) -> float:
+    """The least time the engine spends before a request with `new_tokens` to prefill (its whole
+    context `context_tokens`) decodes its first token: max(1, new / chunk) iterations of at least the
+    batch-1 iteration time, and at least (1 - 1/e) of the new tokens' dense prefill FLOPs."""
+    c = costs
+    iterations = max(1.0, new_tokens / c.prefill_chunk_tokens)
+    memory = c.weights_read_s + context_tokens * c.kv_read_s_per_token
+    compute = iterations * c.flop_s_per_token + PREFILL_DRAINED * new_tokens * c.prefill_s_per_token
+    return iterations * c.step_overhead_s + max(iterations * max(memory, c.flop_s_per_token), compute)
+
+
+def task_min_latency_s(plan: TaskPlan, costs: Costs, engine_free_s: float = 0.0) -> float:
+    """A task's unavoidable latency from its release: environment start (and the engines' weight
+    reload still running `engine_free_s` after the release), then per turn the engine's
+    minimum prefill (the prompt, then each observation: a prefix hit is the best case), its generated
+    tokens at the batch-1 decode iteration (the fastest per sequence), the turn overhead and the
+    environment step. No queueing, no preemption, no weight sync but the one given. On a shared host a rank playing a
+    task runs at most at the share one busy rollout rank alone gets (`Costs.host_speed(1)`); engine
+    time and turn overhead stretch by its inverse."""
+    c = costs
+    stretch = 1.0 / c.host_speed(1, 0)
+    total = max(plan.start_latency_s, engine_free_s)
+    ctx = plan.prompt_tokens
+    new = plan.prompt_tokens
+    for i, gen in enumerate(plan.gen_tokens):
+        engine = turn_prefill_min_s(c, new, ctx) + gen * c.decode_iteration_s(1, ctx, 0.0)
+        total += (engine + c.turn_overhead_s) * stretch + plan.env_latency_s[i]
+        ctx += gen
+        if i < len(plan.obs_tokens):
+            new = plan.obs_tokens[i]
+            ctx += new
+    return total
+
+
+def train_tail_min_s(plans: list[TaskPlan], costs: Costs) -> float:
+    """The least trainer time after a group is claimed until its step's weights exist: its longest
+    sequence's actor forward (or reference forward, whichever is longer: the backward needs both) and
+    backward on one rank, then the optimizer step."""
+    c = costs
+    longest = max(p.total_tokens for p in plans)
+    compute = c.forward_s(longest) * (max(1.0, c.ref_ratio) + c.backward_ratio) / c.host_speed(0, 1)
+    return compute + min(c.optimizer_s_single_node, c.optimizer_s_multi_node)
+
+
+def little_bound_tok_s(tokens: list[float], holds_s: list[float], in_flight_groups: float) -> float:
+    """Little's law over a run: at most `in_flight_groups` groups hold a place in flight at once and
+    group g holds one for at least holds_s[g], so the run lasts at least sum(holds) / in_flight and
+    goodput <= in_flight x sum(tokens) / sum(holds) (in-flight tokens / latency per group)."""
+    latency = sum(holds_s)
+    if not tokens:
+        return 0.0
+    return in_flight_groups * sum(tokens) / latency if latency > 0 else math.inf
+
+
+def in_flight_limit_groups(sim: Simulation) -> int:
+    """The staleness bound's most training groups in flight: (max_staleness + 1) x the largest batch
+    the feeder keeps out (B_ideal; ERS's adaptive retention only fetches fewer)."""
+    batch = max([sim.b_ideal, sim.fetch] + [r.fetch_groups for r in sim.records])
+    return (sim.staleness + 1) * batch
+
+
+def latency_bound_parts(sim: Simulation) -> dict:
+    """The staleness-latency bound of a finished run and its terms (docs/simulator.md).
+
+    A group holds its place in flight from its release until the next release after its consumption
+    (the feeder refills only at a feed, after a publish): at least its slowest task's unavoidable
+    latency, the polling delay before the trainer sees it (and `sync`'s switch to training), its
+    training tail and optimizer step, and the delay from the publish to the next feed (not for the
+    last step's groups: the run ends at its publish). A group released at a feed (every group but
+    those of the first release) also finds the engines reloading weights until weight_sync_s after
+    the publish."""
+    groups: dict[int, list[TaskPlan]] = {}
+    index: dict[int, int] = {}
+    for task in sim.consumed_tasks:  # claim order
+        groups.setdefault(id(task.group), []).append(task.plan)
+        index[id(task.group)] = task.group.id[1]  # ("t", release order)
+    costs, c = sim.costs, sim.cluster.control
+    seen_delay = (c.report_interval_s + c.poll_s) / 2  # Simulation._group_done
+    release_delay = (c.control_tick_s + c.report_interval_s) / 2  # Simulation._publish -> _feed
+    reload_left = max(0.0, costs.weight_sync_s - release_delay)  # flush_all at the publish, then _feed
+    if sim.system.synchronous:
+        seen_delay += costs.phase_switch_s  # _sync_train starts after the switch
+        release_delay = costs.phase_switch_s  # _sync_publish -> _sync_start_version
+        reload_left = 0.0  # the engines wake with the release
+    in_flight = in_flight_limit_groups(sim)
+    last_step = sim.records[-1].fetch_groups if sim.records else 0
+    tokens, holds, latency, after = [], [], 0.0, 0.0
+    for i, (key, plans) in enumerate(groups.items()):
+        # The first release (at t = 0, no reload) is at most `in_flight` groups.
+        free = reload_left if index[key] >= in_flight else 0.0
+        slowest = max(task_min_latency_s(p, costs, free) for p in plans)
+        tail = train_tail_min_s(plans, costs) + (release_delay if i < len(groups) - last_step else 0.0)
+        tokens.append(sum(p.total_tokens for p in plans))
+        holds.append(slowest + seen_delay + tail)
+        latency += slowest
+        after += tail
+    n = max(len(groups), 1)
+    return {
+        "latency_bound_tok_s": little_bound_tok_s(tokens, holds, in_flight),
+        "in_flight_groups": in_flight,
+        "tokens_per_group": round(sum(tokens) / n, 1),
+        "slowest_task_s": round(latency / n, 3),
+        "seen_delay_s": round(seen_delay, 3),
+        "after_consumption_s": round(after / n, 3),
+    }
+
+
+def latency_bound_tok_s(sim: Simulation) -> float:
+    return latency_bound_parts(sim)["latency_bound_tok_s"]
 
 
 def summarize(sim: Simulation, wall_s: float) -> dict:
@@ -70,6 +205,9 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         sum(abs(p - a) / a for a, p in predicted) / len(predicted) if predicted else None
     )
     modes = [r.mode for r in records]
+    compute_bound = upper_bound_tok_s(sim)
+    latency_parts = latency_bound_parts(sim)
+    latency_bound = latency_parts.pop("latency_bound_tok_s")
     return {
         "system": sim.system.label,
         "rollout_fraction": sim.rollout_fraction,
@@ -77,7 +215,11 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         "sim_time_s": round(sim.end_s, 3),
         "goodput_tok_s": round(consumed_tokens / end, 1),
         "goodput_gen_tok_s": round(consumed_gen / end, 1),
-        "upper_bound_tok_s": round(upper_bound_tok_s(sim), 1),
+        "upper_bound_tok_s": round(compute_bound, 1),
+        "latency_bound_tok_s": round(latency_bound, 1),
+        "bound_tok_s": round(min(compute_bound, latency_bound), 1),
+        "bound_term": "compute" if compute_bound <= latency_bound else "staleness_latency",
+        "latency_bound": latency_parts,
         "rwt_s": round(acc["rwt"], 1),
         "twt_s": round(sim.twt_gpu_s, 1),
         "kv_hit_rate": round(counters["hit"] / counters["query"], 4) if counters["query"] else None,

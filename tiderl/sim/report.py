@@ -8,8 +8,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from tiderl.sim.costs import Costs, derive_costs
 from tiderl.sim.simulator import Simulation
-from tiderl.sim.spec import load_cluster, load_workload
+from tiderl.sim.spec import ClusterSpec, load_cluster, load_workload
 from tiderl.sim.systems import SYSTEMS, System
 
 # The paper's figures the `all` report is compared with (text-only workloads, section 6).
@@ -58,10 +59,81 @@ def best_of(results: list[dict]) -> dict:
     return out
 
 
-def all_systems(default_fraction: float, fractions: tuple[float, ...]) -> list[System]:
+FIXED = "tiderl-noers"
+"""The system of the best-fixed-partition oracle: CTB + RA2P on a fixed split (no ERS)."""
+
+
+def refs_to_keep_up(costs: Costs, actors: int) -> int:
+    """The fewest ref ranks (at least 1) that keep up with `actors` actor ranks in the decoupled
+    pipeline: the smallest R with M t_ref / R <= t_act_f + t_act_b (the cost model's stage times of
+    one share, as in Simulation._stage_times; their ratio does not depend on the sequence length)."""
+    refs = 1
+    while actors * costs.ref_ratio > refs * (1.0 + costs.backward_ratio) * (1 + 1e-9):
+        refs += 1
+    return refs
+
+
+def fixed_partitions(cluster: ClusterSpec) -> list[System]:
+    """Every fixed split of `FIXED` the cluster's ranks allow: each rollout rank count, colocated
+    (no ref ranks) and decoupled (dedicated ref ranks, as few as keep up with the actors). With
+    `training.actor_ranks` the actor group is that size and the split keeps it whole."""
+    costs = derive_costs(cluster)
+    n = cluster.num_gpus
+    fixed_actors = cluster.training.actor_ranks
+    base = SYSTEMS[FIXED]
+    colocated, decoupled = [], []
+    for rollout in range(1, n):
+        rest = n - rollout
+        if fixed_actors is None or fixed_actors <= rest or rollout == 1:
+            colocated.append(replace(base, rollout_fraction=rollout / n))
+        if fixed_actors is not None:
+            refs = refs_to_keep_up(costs, fixed_actors)
+            if fixed_actors + refs > rest:
+                continue
+        else:
+            # The rest split into M actors and R refs, R the fewest that keep up with M = rest - R.
+            refs = next((r for r in range(1, rest) if refs_to_keep_up(costs, rest - r) <= r), rest)
+            if rest - refs < 1:
+                continue
+        decoupled.append(replace(base, rollout_fraction=rollout / n, fixed_refs=refs))
+    return colocated + decoupled
+
+
+def _roles(result: dict) -> dict:
+    first = result["roles_timeline"][0]
+    return {"rollout_ranks": first["rollout"], "actor_ranks": first["actor"], "ref_ranks": first["ref"],
+            "ra2p_mode": first["mode"]}
+
+
+def best_fixed(results: list[dict]) -> dict | None:
+    """The best of the fixed partitions (`FIXED` runs) among `results`, with the whole sweep."""
+    fixed = [r for r in results if r["system"].split("@")[0] == FIXED and r["system"] != FIXED]
+    if not fixed:
+        return None
+    best = max(fixed, key=lambda r: r["goodput_tok_s"])
+    return {
+        "system": best["system"],
+        "goodput_tok_s": best["goodput_tok_s"],
+        "rollout_fraction": best["rollout_fraction"],
+        **_roles(best),
+        "rwt_s": best["rwt_s"],
+        "twt_s": best["twt_s"],
+        "bound_tok_s": best["bound_tok_s"],
+        "bound_term": best["bound_term"],
+        "sweep": [{"system": r["system"], **_roles(r), "goodput_tok_s": r["goodput_tok_s"], "rwt_s": r["rwt_s"],
+                   "twt_s": r["twt_s"]} for r in fixed],
+    }
+
+
+def all_systems(default_fraction: float, fractions: tuple[float, ...],
+                fixed: list[System] | None = None) -> list[System]:
+    """`--system all`: sync, the async and stream sweeps, the fixed CTB+RA2P partitions (`fixed`,
+    e.g. fixed_partitions(cluster); None: the `tiderl-noers` sweep over `fractions`) and the ablation
+    chain at `default_fraction`."""
     out = [SYSTEMS["sync"]]
-    for name in ("async", "stream", "tiderl-noers"):
+    for name in ("async", "stream"):
         out += expand(SYSTEMS[name], fractions)
+    out += expand(SYSTEMS[FIXED], fractions) if fixed is None else list(fixed)
     for name in ("stream+ra2p", "stream+ra2p+ers", "tiderl"):
         out.append(replace(SYSTEMS[name], rollout_fraction=default_fraction))
     if default_fraction not in fractions:
@@ -95,16 +167,21 @@ def compare(results: list[dict], default_fraction: float) -> dict:
                          "improvement": round(g / prev - 1, 3) if prev else None})
         prev = g
     waits = tiderl["rwt_s"] + tiderl["twt_s"]
-    fixed = group("tiderl-noers")
+    fixed = [r for r in group(FIXED) if r["system"] != FIXED]
     reductions = {r["system"]: round(1 - waits / (r["rwt_s"] + r["twt_s"]), 3)
                   for r in fixed if r["rwt_s"] + r["twt_s"] > 0}
-    best_fixed = max(fixed, key=lambda r: r["goodput_tok_s"]) if fixed else None
+    oracle = best_fixed(results)
     return {
+        "best_fixed": oracle,
+        "bound_tok_s": tiderl["bound_tok_s"],
+        "bound_term": tiderl["bound_term"],
         "ratios": {
             "tiderl_over_sync": _ratio(tg, sync["goodput_tok_s"]),
             "tiderl_over_async_best": _ratio(tg, best_async["goodput_tok_s"]),
             "tiderl_over_stream_best": _ratio(tg, best_stream["goodput_tok_s"]),
+            "tiderl_over_best_fixed": _ratio(tg, oracle["goodput_tok_s"]) if oracle else None,
             "tiderl_over_upper_bound": _ratio(tg, tiderl["upper_bound_tok_s"]),
+            "tiderl_over_bound": _ratio(tg, tiderl["bound_tok_s"]),
             "async_best": best_async["system"],
             "stream_best": best_stream["system"],
         },
@@ -112,8 +189,8 @@ def compare(results: list[dict], default_fraction: float) -> dict:
         "ers_wait_reduction": {
             "tiderl_rwt_plus_twt_s": round(waits, 1),
             "vs_fixed_partition": reductions,
-            "vs_best_fixed_partition": reductions.get(best_fixed["system"]) if best_fixed else None,
-            "best_fixed_partition": best_fixed["system"] if best_fixed else None,
+            "vs_best_fixed_partition": reductions.get(oracle["system"]) if oracle else None,
+            "best_fixed_partition": oracle["system"] if oracle else None,
         },
         "paper": PAPER,
         "systems": {r["system"]: {**r, "ratio_to_tiderl": _ratio(r["goodput_tok_s"], tg)} for r in results},
@@ -121,30 +198,66 @@ def compare(results: list[dict], default_fraction: float) -> dict:
 
 
 def format_table(results: list[dict], reference: float | None = None) -> str:
-    head = f"{'system':24} {'goodput tok/s':>13} {'vs tiderl':>9} {'bound':>9} {'RWT GPU-s':>10} " \
+    head = f"{'system':26} {'goodput tok/s':>13} {'vs tiderl':>9} {'compute':>9} {'latency':>9} {'RWT GPU-s':>10} " \
            f"{'TWT GPU-s':>10} {'KV hit':>7} {'step s':>7} {'stale':>6}"
     lines = [head, "-" * len(head)]
     for r in results:
         ratio = f"{r['goodput_tok_s'] / reference:.2f}" if reference else "-"
         hit = f"{r['kv_hit_rate']:.3f}" if r["kv_hit_rate"] is not None else "-"
         lines.append(
-            f"{r['system']:24} {r['goodput_tok_s']:>13,.0f} {ratio:>9} {r['upper_bound_tok_s']:>9,.0f} "
+            f"{r['system']:26} {r['goodput_tok_s']:>13,.0f} {ratio:>9} {r['upper_bound_tok_s']:>9,.0f} "
+            f"{r['latency_bound_tok_s']:>9,.0f} "
             f"{r['rwt_s']:>10,.0f} {r['twt_s']:>10,.0f} {hit:>7} {r['step_time_s']:>7.1f} "
             f"{r['mean_staleness']:>6.2f}"
         )
     return "\n".join(lines)
 
 
+def format_best_fixed(best: dict) -> list[str]:
+    """The oracle's line and its sweep, one row per rollout rank count (colocated | decoupled)."""
+    out = [f"Best fixed partition ({FIXED}, every split the ranks allow, both RA2P modes): {best['system']}: "
+           f"{best['goodput_tok_s']:,.0f} tok/s, {best['rollout_ranks']} rollout / {best['actor_ranks']} actor / "
+           f"{best['ref_ranks']} ref ranks, {best['ra2p_mode']}, RWT {best['rwt_s']:,.0f} / TWT {best['twt_s']:,.0f} "
+           "GPU-s"]
+    rows: dict[int, dict[str, dict]] = {}
+    for row in best["sweep"]:
+        rows.setdefault(row["rollout_ranks"], {})[row["ra2p_mode"]] = row
+    out.append(f"  {'rollout':>7} {'colocated (actors)':>22} {'decoupled (actors+refs)':>26}")
+    for n in sorted(rows):
+        cells = []
+        for mode, width in (("colocated", 22), ("decoupled", 26)):
+            x = rows[n].get(mode)
+            if x is None:
+                cells.append(f"{'-':>{width}}")
+                continue
+            ranks = f"{x['actor_ranks']}" + (f"+{x['ref_ranks']}" if mode == "decoupled" else "")
+            mark = "*" if x["system"] == best["system"] else " "
+            cells.append(f"{x['goodput_tok_s']:>{width - len(ranks) - 4},.0f}{mark} ({ranks})")
+        out.append(f"  {n:>7} " + " ".join(cells))
+    return out
+
+
 def format_report(report: dict) -> str:
     systems = list(report["systems"].values())
-    tiderl_g = next(r["goodput_tok_s"] for r in systems if r["system"].startswith("tiderl@"))
-    out = [format_table(systems, tiderl_g), ""]
+    tiderl = next(r for r in systems if r["system"].startswith("tiderl@"))
+    tiderl_g = tiderl["goodput_tok_s"]
+    best = report.get("best_fixed")
+    # The fixed-partition sweep is listed below, not in the table (but for its best split).
+    shown = [r for r in systems if r["system"].split("@")[0] != FIXED or (best and r["system"] == best["system"])]
+    out = [format_table(shown, tiderl_g), ""]
+    if best:
+        out += format_best_fixed(best) + [""]
+    out.append(f"Bound of the TideRL run: {report['bound_tok_s']:,.0f} tok/s ({report['bound_term']}; compute "
+               f"{tiderl['upper_bound_tok_s']:,.0f}, staleness-latency {tiderl['latency_bound_tok_s']:,.0f})")
+    out.append("")
     r, p = report["ratios"], report["paper"]
     out.append("TideRL goodput ratios (simulated | paper):")
     out.append(f"  / sync (VeRL-like)          {r['tiderl_over_sync']:>6} | {p['tiderl_over_verl']}")
     out.append(f"  / async best ({r['async_best']:>12}) {r['tiderl_over_async_best']:>6} | {p['tiderl_over_areal']}")
     out.append(f"  / stream best ({r['stream_best']:>11}) {r['tiderl_over_stream_best']:>6} | >{p['tiderl_over_streamrl']}")
-    out.append(f"  / physical upper bound      {r['tiderl_over_upper_bound']:>6} | -")
+    out.append(f"  / best fixed partition      {str(r['tiderl_over_best_fixed']):>6} | -")
+    out.append(f"  / bound (min of both)       {str(r['tiderl_over_bound']):>6} | -")
+    out.append(f"  / compute bound             {str(r['tiderl_over_upper_bound']):>6} | -")
     out.append("")
     out.append("Ablation (cumulative, like Table 2; paper's improvements: +10.4%, +35.7%, +4.8%):")
     for row in report["ablation"]:
@@ -154,9 +267,16 @@ def format_report(report: dict) -> str:
     out.append("")
     out.append(f"RWT+TWT of TideRL: {e['tiderl_rwt_plus_twt_s']:,.0f} GPU-s; reduction vs the fixed partitions "
                "with the same CTB+RA2P (paper: 68.6-77.6%):")
-    for label, red in e["vs_fixed_partition"].items():
-        mark = "  <- best goodput" if label == e["best_fixed_partition"] else ""
-        out.append(f"  vs {label:22} {red:+.1%}{mark}")
+    reductions = e["vs_fixed_partition"]
+    if len(reductions) <= 8:
+        for label, red in reductions.items():
+            mark = "  <- best goodput" if label == e["best_fixed_partition"] else ""
+            out.append(f"  vs {label:26} {red:+.1%}{mark}")
+    else:
+        if e["vs_best_fixed_partition"] is not None:
+            out.append(f"  vs {e['best_fixed_partition']:26} {e['vs_best_fixed_partition']:+.1%}  <- best goodput")
+        out.append(f"  vs the {len(reductions)} fixed partitions: {min(reductions.values()):+.1%} to "
+                   f"{max(reductions.values()):+.1%}")
     return "\n".join(out)
 
 
@@ -173,7 +293,8 @@ def plot(results: list[dict], path: str | Path) -> None:
     x = range(len(results))
     ax = axes[0]
     ax.bar(x, [r["goodput_tok_s"] for r in results], color="tab:blue", label="goodput")
-    ax.plot(x, [r["upper_bound_tok_s"] for r in results], "k_", markersize=18, label="upper bound")
+    ax.plot(x, [r["upper_bound_tok_s"] for r in results], "k_", markersize=18, label="compute bound")
+    ax.plot(x, [r["latency_bound_tok_s"] for r in results], "r_", markersize=18, label="staleness-latency bound")
     ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("trajectory tokens consumed / s")
     ax.set_title("Goodput")

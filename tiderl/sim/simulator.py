@@ -25,11 +25,12 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tiderl.policy import ers
 from tiderl.policy.ctb import PriorityWeights
-from tiderl.policy.ers import ErsLimits, ErsSignals, Role
+from tiderl.policy.ers import ErsSignals, Role, StepObservation
+from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
@@ -113,29 +114,26 @@ class Simulation:
         fraction = rollout_fraction or system.rollout_fraction or cluster.training.default_rollout_fraction
         self.rollout_fraction = None if system.synchronous else fraction
         num_rollout = min(self.num_gpus - 1, max(1, round(fraction * self.num_gpus)))
-        num_actor = self.num_gpus - num_rollout
+        num_refs = system.fixed_refs or 0  # a fixed decoupled split: dedicated ref ranks
+        num_actor = self.num_gpus - num_rollout - num_refs
+        if num_actor < 1:
+            raise ValueError(f"{system.label}: {num_rollout} rollout and {num_refs} ref ranks leave no actor "
+                             f"rank of {self.num_gpus}")
         if cluster.training.actor_ranks is not None:
             num_actor = min(num_actor, cluster.training.actor_ranks)
         # Spare ranks (a fixed actor group smaller than the rest): ref ranks under ERS, else idle.
         spare = Role.REF if system.ers else Role.IDLE
-        self.roles: list[Role] = ([Role.ROLLOUT] * num_rollout + [Role.ACTOR] * num_actor
-                                  + [spare] * (self.num_gpus - num_rollout - num_actor))
+        self.roles: list[Role] = ([Role.ROLLOUT] * num_rollout + [Role.ACTOR] * num_actor + [Role.REF] * num_refs
+                                  + [spare] * (self.num_gpus - num_rollout - num_actor - num_refs))
         if system.synchronous:
             self.roles = [Role.ROLLOUT] * self.num_gpus
         e = cluster.ers
-        self.ers_limits = ErsLimits(
-            groups_min=self.b_min,
-            groups_ideal=self.b_ideal,
-            enabled=system.ers,
-            hol_tau=e.hol_tau,
-            max_moves_per_step=e.max_moves_per_step,
-            min_rollout_ranks=e.min_rollout_ranks,
-            min_actor_ranks=e.min_actor_ranks,
-            max_ref_ranks=e.max_ref_ranks,
-            elastic_actors=e.elastic_actors,
-        )
+        if system.ers_policy is not None:
+            e = replace(e, policy=system.ers_policy)
+        self.ers_limits = replace(build_limits(e, self.b_min, self.b_ideal, self.staleness),
+                                  enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
-        self.mode = Ra2pMode.COLOCATED
+        self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
         self.fetch = self.b_min if system.fetch_min else self.b_ideal
         self.last_rollout_change = 0
         self.next_group = {False: 0, True: 0}
@@ -160,6 +158,11 @@ class Simulation:
         self.regroup_gpu_s = 0.0
         self.rwt_at_publish = 0.0
         self.rwt_since_publish = 0.0
+        self.busy_at_publish = 0.0
+        # What ERS reads: one StepObservation per step, and each training group's release and completion.
+        self.observations: list[StepObservation] = []
+        self.released_s: dict[tuple, float] = {}
+        self.groups_seen: list[tuple[float, float, int, float]] = []  # this step's: (seen at, latency s, tokens, env s)
         self.end_s = 0.0
 
     # -- event loop --------------------------------------------------------------------------
@@ -231,7 +234,10 @@ class Simulation:
         allowed = consumed + (self.staleness + 1) * batch - self.train_released
         if allowed > 0:
             self.train_released += allowed
-            self.rollout.release(t, self._new_groups(allowed, False))
+            groups = self._new_groups(allowed, False)
+            for group in groups:
+                self.released_s[group.id] = t
+            self.rollout.release(t, groups)
 
     @staticmethod
     def _after(t: float, *intervals: float) -> float:
@@ -260,6 +266,9 @@ class Simulation:
                     self._publish(t)
             return
         self.buffer.append(group)
+        released = self.released_s.pop(group.id, t)
+        env_s = max(x.plan.start_latency_s + sum(x.plan.env_latency_s) for x in group.tasks)
+        self.groups_seen.append((t, t - released, sum(group.seq_tokens), env_s))
         if self.system.synchronous:
             self.phase_done += 1
             if self.phase_done == self.b_ideal:
@@ -302,33 +311,51 @@ class Simulation:
         return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd, t_swap_s=c.swap_s)
 
     def _signals(self, t: float, stats: StepStats | None) -> ErsSignals:
-        cap = self.cluster.training.micro_batch_tokens * max(1, self._num(Role.ACTOR))
-        ready_tokens = sum(sum(g.seq_tokens) for g in self.buffer)
-        history = tuple(r.duration_s for r in self.records[-self.history_steps:])
-        seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
-        per_step = math.ceil(self.b_ideal * self.workload.group_size * (sum(seqs) / len(seqs)) / cap)
-        return ErsSignals(
-            ras_microbatches=math.ceil(ready_tokens / cap),
+        """The snapshot the control plane would take now, through the same builder."""
+        snapshot = ErsSnapshot(
+            roles=tuple(self.roles),
+            micro_batch_tokens=self.cluster.training.micro_batch_tokens,
+            ready_tokens=sum(sum(g.seq_tokens) for g in self.buffer),
             ready_groups=len(self.buffer),
-            hol_latency_s=t - self.buffer[0].ready_s if self.buffer else 0.0,
-            tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s) if stats else None,
-            step_history_s=history,
-            is_eval_next=self._eval_due(self.version + 1) if stats else self._eval_due(0),
+            oldest_ready_age_s=t - self.buffer[0].ready_s if self.buffer else None,
+            steps=tuple(self.observations),
+            is_eval_open=self._eval_due(self.version + 1) if stats else self._eval_due(0),
             fetch_groups=self.fetch,
             last_rollout_change=self.last_rollout_change,
-            stage_times=self._stage_times(),
-            microbatches_per_step=per_step,
-            rollout_idle_ranks=self._rollout_idle_ranks(t),
+            stage_times=self._stage_times() if self.consumed_tasks else None,
         )
+        return build_signals(snapshot, self.history_steps)
 
-    def _rollout_idle_ranks(self, t: float) -> float:
-        """Mean rollout ranks idle behind the staleness bound since the last publish."""
+    def _observe_step(self, t: float, stats: StepStats, block: float) -> None:
+        """The step that just ended, as ERS sees it (the control plane records the same)."""
+        duration = t - self.last_publish_s
+        seen = self.groups_seen
+        trainers = max(1, stats.num_actors + stats.num_refs)
+        self.observations.append(StepObservation(
+            duration_s=duration, consumed_tokens=stats.consumed_tokens,
+            rollout_ranks=self._num(Role.ROLLOUT), actor_ranks=stats.num_actors, ref_ranks=stats.num_refs,
+            produced_tokens=sum(g[2] for g in seen), groups_completed=len(seen),
+            group_latency_sum_s=sum(g[1] for g in seen), group_env_sum_s=sum(g[3] for g in seen),
+            rollout_idle_rank_s=self._rollout_idle_rank_s(t),
+            rollout_busy_rank_s=self._rollout_busy_rank_s(),
+            trainer_wait_s=min(duration, stats.twt_gpu_s / trainers + block),
+            tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s)))
+        self.groups_seen = []
+
+    def _rollout_busy_rank_s(self) -> float:
+        """Rollout rank-seconds with the engine generating since the last publish (after the accounting
+        of _rollout_idle_rank_s at the same time)."""
+        busy = self.rollout.accounts["busy"]
+        since, self.busy_at_publish = busy - self.busy_at_publish, busy
+        return since
+
+    def _rollout_idle_rank_s(self, t: float) -> float:
+        """Rollout rank-seconds with nothing to play (behind the staleness bound) since the last publish."""
         self.rollout.account_all(t, force=True)
         rwt = self.rollout.accounts["rwt"]
         self.rwt_since_publish = rwt - self.rwt_at_publish
-        idle = self.rwt_since_publish / max(t - self.last_publish_s, 1e-9)
         self.rwt_at_publish = rwt
-        return idle
+        return self.rwt_since_publish
 
     def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
         before = self._num(Role.ROLLOUT)
@@ -352,6 +379,7 @@ class Simulation:
         self.twt_gpu_s += stats.twt_gpu_s + block * (stats.num_actors + stats.num_refs)
         self.ers_reason = None
         self._record_step(t, stats, block)
+        self._observe_step(t, stats, block)
         signals = self._signals(t, stats)
         self.records[-1].ready_groups = signals.ready_groups
         self.records[-1].hol_s = signals.hol_latency_s

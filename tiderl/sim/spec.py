@@ -4,11 +4,14 @@ built with the project's config machinery (errors name the file and the key).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
 from pathlib import Path
 
 import yaml
 
+from tiderl.config.ers import ErsConfig
 from tiderl.config.schema import ConfigError, build, option, section
 
 
@@ -71,6 +74,61 @@ class TaskType:
 
 
 @section
+class Phase:
+    """A change of the workload from a training step on: groups that start at or after `from_step`
+    (the version their tasks are released under) sample with these settings. A key left out keeps
+    the value of the phase before (the task types' own values before the first phase)."""
+
+    from_step: int = option(ge=1, help="First step (version) whose new groups sample with this phase.")
+    env_latency_scale: float | None = option(
+        None,
+        gt=0,
+        help="Factor on every task type's `env_latency` (mean and p99; relative to the task type, not "
+        "to the phase before). null: as the phase before (1 before the first phase).",
+    )
+    env_start_scale: float | None = option(
+        None,
+        gt=0,
+        help="Factor on every task type's `env_start` (mean and p99; relative to the task type). "
+        "null: as the phase before.",
+    )
+    share: dict[str, float] | None = option(
+        None,
+        help="New shares of training groups by task type name (>= 0; 0 drops the type from the mix; "
+        "types not named keep their share from the phase before). Evaluation groups keep the task "
+        "types' own shares. null: as the phase before.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.from_step < 1:
+            raise ValueError(f"from_step: must be >= 1, got {self.from_step}")
+        for name in ("env_latency_scale", "env_start_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
+        if self.share is not None:
+            shares = {}
+            for key, value in self.share.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"share: keys must be task type names, got {key!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    raise ValueError(f"share: {key} must be a number >= 0, got {value!r}")
+                shares[key] = float(value)
+            object.__setattr__(self, "share", types.MappingProxyType(shares))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedPhase:
+    """The settings in force from `from_step` on (0: the workload as written), every key filled in."""
+
+    from_step: int
+    env_latency_scale: float
+    env_start_scale: float
+    shares: tuple[float, ...]
+    """Training-group share of each task type, in `task_types` order (not normalised)."""
+
+
+@section
 class WorkloadSpec:
     name: str = option(help="Workload name.")
     group_size: int = option(ge=1, help="GRPO group size G: tasks per prompt.")
@@ -81,10 +139,56 @@ class WorkloadSpec:
     max_context_tokens: int = option(ge=64, help="Context limit of one task; a task reaching it ends.")
     drift_steps: int = option(100, ge=1, help="Steps over which the drifting statistics move from start to end.")
     task_types: tuple[TaskType, ...] = option(help="Task families of the mix.")
+    phases: tuple[Phase, ...] = option(
+        (),
+        help="Changes of the workload during the run (environment latency, task mix), each from a step "
+        "on, in increasing `from_step` order. Empty: the workload is the same throughout (up to the drift).",
+    )
 
     def __post_init__(self) -> None:
         if not self.task_types:
             raise ValueError("task_types: at least one task type is required")
+        names = [t.name for t in self.task_types]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task_types: task type names must be unique, got {names}")
+        previous = 0
+        for i, phase in enumerate(self.phases):
+            if phase.from_step <= previous:
+                raise ValueError(
+                    f"phases: [{i}].from_step must be greater than the phase before's ({previous}), "
+                    f"got {phase.from_step}"
+                )
+            previous = phase.from_step
+            unknown = sorted(set(phase.share or {}) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"phases: [{i}].share names unknown task types {unknown} (task types: {', '.join(names)})"
+                )
+        for i, resolved in enumerate(self.resolved_phases()):
+            if not sum(resolved.shares) > 0:
+                raise ValueError(f"phases: [{i - 1}].share leaves no task type with a share > 0")
+
+    def resolved_phases(self) -> tuple[ResolvedPhase, ...]:
+        """The workload as written (from step 0), then each phase with what it leaves out carried over."""
+        current = ResolvedPhase(0, 1.0, 1.0, tuple(t.share for t in self.task_types))
+        out = [current]
+        for phase in self.phases:
+            shares = current.shares
+            if phase.share is not None:
+                shares = tuple(phase.share.get(t.name, s) for t, s in zip(self.task_types, shares))
+            current = ResolvedPhase(
+                phase.from_step,
+                current.env_latency_scale if phase.env_latency_scale is None else phase.env_latency_scale,
+                current.env_start_scale if phase.env_start_scale is None else phase.env_start_scale,
+                shares,
+            )
+            out.append(current)
+        return tuple(out)
+
+    def phase_at(self, step: int) -> ResolvedPhase:
+        """The settings in force for a group that starts at `step`."""
+        resolved = self.resolved_phases()
+        return next(r for r in reversed(resolved) if step >= r.from_step)
 
 
 @section
@@ -158,17 +262,6 @@ class TrainingSpec:
 
 
 @section
-class ErsSpec:
-    hol_tau: float = option(1.0, gt=0, help="HoL threshold in mean step times.")
-    max_moves_per_step: int = option(1, ge=0, help="Most role moves per boundary (preemptive rollout exempt).")
-    min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks.")
-    min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks.")
-    max_ref_ranks: int | None = option(None, ge=0, help="Most ref ranks. null: no limit.")
-    elastic_actors: bool = option(True, help="Actor ranks may move to/from rollout (group rebuild per move).")
-    history_steps: int = option(5, ge=1, help="Steps in the mean step time.")
-
-
-@section
 class MeasuredSpec:
     """Costs measured on the machine itself (`tools/calibrate_cpu.py`), used instead of the roofline."""
 
@@ -228,7 +321,9 @@ class ClusterSpec:
     )
     rollout: RolloutSpec = option(help="Rollout engine.")
     training: TrainingSpec = option(help="Trainer.")
-    ers: ErsSpec = option(default_factory=ErsSpec, help="ERS planner limits.")
+    ers: ErsConfig = option(
+        default_factory=ErsConfig, help="ERS planner: the `ers:` section of a job (tiderl.config.ers), read the same way."
+    )
     control: ControlSpec = option(default_factory=ControlSpec, help="Control-loop polling intervals.")
 
     def __post_init__(self) -> None:

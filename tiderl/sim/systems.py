@@ -7,8 +7,10 @@ mechanics (engine, trainer, staleness bound, weight sync).
 | `async` | vanilla | whole batch, colocated ref/actor (AReaL-like) | fixed split |
 | `stream` | vanilla | a micro-batch at a time, swap pair each (StreamRL-like) | fixed split |
 | `stream+ra2p` | vanilla | RA2P: aggregation + dispatchers | fixed split |
-| `stream+ra2p+ers` | vanilla | RA2P, decoupled when ERS provisions ref ranks | ERS |
-| `tiderl` | CTB | RA2P | ERS |
+| `stream+ra2p+ers` | vanilla | RA2P, decoupled when ERS provisions ref ranks | ERS, the paper's rules |
+| `stream+ra2p+ers-rate` | vanilla | RA2P, decoupled when ERS provisions ref ranks | ERS, the rate planner |
+| `tiderl-paper` | CTB | RA2P | ERS, the paper's rules |
+| `tiderl` | CTB | RA2P | ERS (the cluster's `ers.policy`, default the rate planner) |
 | `tiderl-noers` | CTB | RA2P | fixed split |
 
 `NAME@F` runs a fixed-partition system with rollout fraction F (TideRL
@@ -47,12 +49,17 @@ class System:
     """A step trains on B_min groups (the feed still keeps (staleness + 1) x B_ideal groups out)."""
     gather_first: bool = False
     """A step claims its whole fetch before computing anything (the real trainer role)."""
+    fixed_refs: int | None = None
+    """A fixed partition with this many dedicated ref ranks, RA2P decoupled throughout (None: no ref
+    ranks, colocated). The actors are the ranks left after rollout and refs."""
+    ers_policy: str | None = None
+    """`paper` or `rate`: override the cluster's `ers.policy` (None: the cluster's, by default `rate`)."""
 
     @property
     def label(self) -> str:
         if self.rollout_fraction is None or self.synchronous:
-            return self.name
-        return f"{self.name}@{self.rollout_fraction:g}"
+            return self.name + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
+        return f"{self.name}@{self.rollout_fraction:g}" + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
 
 
 SYSTEMS: dict[str, System] = {
@@ -62,7 +69,9 @@ SYSTEMS: dict[str, System] = {
         System("async", TrainerKind.BATCH),
         System("stream", TrainerKind.STREAM),
         System("stream+ra2p", TrainerKind.RA2P),
-        System("stream+ra2p+ers", TrainerKind.RA2P, ers=True, sweep=False),
+        System("stream+ra2p+ers", TrainerKind.RA2P, ers=True, sweep=False, ers_policy="paper"),
+        System("stream+ra2p+ers-rate", TrainerKind.RA2P, ers=True, sweep=False, ers_policy="rate"),
+        System("tiderl-paper", TrainerKind.RA2P, ctb=True, ers=True, sweep=False, ers_policy="paper"),
         System("tiderl", TrainerKind.RA2P, ctb=True, ers=True, sweep=False),
         System("tiderl-noers", TrainerKind.RA2P, ctb=True),
         System("run:sync", TrainerKind.BATCH, ctb=True, sweep=False, max_staleness=0, gather_first=True),
@@ -85,8 +94,9 @@ class UnknownSystemError(ValueError):
 
 
 def parse_system(text: str) -> System:
-    """`NAME` or `NAME@FRACTION`."""
+    """`NAME`, `NAME@FRACTION` or `NAME@FRACTION+refR` (a fixed split with R ref ranks, decoupled)."""
     name, sep, frac = text.partition("@")
+    frac, plus, refs = frac.partition("+ref")
     if name not in SYSTEMS:
         raise UnknownSystemError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)}, all)")
     system = SYSTEMS[name]
@@ -100,4 +110,10 @@ def parse_system(text: str) -> System:
         raise UnknownSystemError(f"{text!r}: the rollout fraction must lie in (0, 1)")
     if system.synchronous:
         raise UnknownSystemError(f"{text!r}: `sync` has no rollout fraction (every GPU does both)")
-    return replace(system, rollout_fraction=value)
+    if not plus:
+        return replace(system, rollout_fraction=value)
+    if not refs.isdigit() or int(refs) < 1:
+        raise UnknownSystemError(f"{text!r}: the ref ranks after +ref must be a whole number >= 1")
+    if not system.sweep or system.trainer is not TrainerKind.RA2P:
+        raise UnknownSystemError(f"{text!r}: dedicated ref ranks need a fixed-partition RA2P system")
+    return replace(system, rollout_fraction=value, fixed_refs=int(refs))

@@ -87,6 +87,7 @@ class Trainer:
         self._burst_speed = 1.0
         self.stats: StepStats | None = None
         self.active = False
+        self.busy = False
 
     def begin_step(self, t: float, num_actors: int, num_refs: int, mode: Ra2pMode, fetch_groups: int) -> None:
         if mode is Ra2pMode.DECOUPLED and (num_refs < 1 or self.kind is not TrainerKind.RA2P):

@@ -8,7 +8,10 @@ observation tokens per turn are set so the mean trajectory length matches the
 workload's `tokens_mean`. A task whose context would pass the context limit
 ends there. Every group draws from its own random stream seeded by (seed,
 group index), so two systems simulated with one seed see the same tasks
-(up to the drift step at which a group starts).
+(up to the drift step and the phase at which a group starts). A phase
+(`WorkloadSpec.phases`) scales the environment latencies (the same draws,
+multiplied) and reweights the training mix of the groups that start at or
+after its step.
 """
 
 from __future__ import annotations
@@ -70,24 +73,42 @@ def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
     return math.exp(math.log(mean) - sigma * sigma / 2 + sigma * rng.gauss(0.0, 1.0))
 
 
+def _cumulative(task_types: tuple[TaskType, ...], shares: tuple[float, ...]) -> list[tuple[float, TaskType]]:
+    total = sum(shares)
+    cum: list[tuple[float, TaskType]] = []
+    acc = 0.0
+    for t, share in zip(task_types, shares):
+        if share > 0:
+            acc += share / total
+            cum.append((acc, t))
+    return cum
+
+
 class TaskSampler:
     def __init__(self, workload: WorkloadSpec, seed: int) -> None:
         self.workload = workload
         self.seed = seed
-        total = sum(t.share for t in workload.task_types)
-        self._cum: list[tuple[float, TaskType]] = []
-        acc = 0.0
-        for t in workload.task_types:
-            acc += t.share / total
-            self._cum.append((acc, t))
+        self._phases = workload.resolved_phases()
+        self._eval_cum = _cumulative(workload.task_types, self._phases[0].shares)
+        self._train_cum = [_cumulative(workload.task_types, r.shares) for r in self._phases]
 
     def group(self, group_index: int, step: int, size: int, is_eval: bool) -> list[TaskPlan]:
+        """The tasks of a group that starts at `step`: drift and phases read that step. The random
+        stream is the group's own and a phase consumes it the same way: the same uniform picks the
+        type under the phase's shares, and the latencies are the same draws, scaled."""
         rng = random.Random(f"{self.seed}:{'eval' if is_eval else 'train'}:{group_index}")
+        index = max(i for i, r in enumerate(self._phases) if step >= r.from_step)
+        phase = self._phases[index]
+        cum = self._eval_cum if is_eval else self._train_cum[index]
         u = rng.random()
-        task_type = next((t for acc, t in self._cum if u <= acc), self._cum[-1][1])
-        return [self._task(rng, task_type, step) for _ in range(size)]
+        task_type = next((t for acc, t in cum if u <= acc), cum[-1][1])
+        return [
+            self._task(rng, task_type, step, phase.env_latency_scale, phase.env_start_scale) for _ in range(size)
+        ]
 
-    def _task(self, rng: random.Random, tt: TaskType, step: int) -> TaskPlan:
+    def _task(
+        self, rng: random.Random, tt: TaskType, step: int, latency_scale: float = 1.0, start_scale: float = 1.0
+    ) -> TaskPlan:
         w = self.workload
         turns_mean = tt.turns_mean.at(step, w.drift_steps)
         tokens_mean = tt.tokens_mean.at(step, w.drift_steps)
@@ -106,7 +127,7 @@ class TaskSampler:
         for i in range(turns):
             g = max(1, round(_lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
             o = max(1, round(_lognormal(rng, obs_mean, tt.obs_tokens_sigma)))
-            latency = math.exp(lat_mu + lat_sigma * rng.gauss(0.0, 1.0))
+            latency = latency_scale * math.exp(lat_mu + lat_sigma * rng.gauss(0.0, 1.0))
             if ctx + g >= w.max_context_tokens:
                 g = max(1, w.max_context_tokens - ctx)
                 gen.append(g)
@@ -125,5 +146,5 @@ class TaskSampler:
             gen_tokens=gen,
             obs_tokens=obs,
             env_latency_s=lat,
-            start_latency_s=rng.lognormvariate(start_mu, start_sigma),
+            start_latency_s=start_scale * rng.lognormvariate(start_mu, start_sigma),
         )

@@ -44,6 +44,7 @@ from tiderl.store.schema import (
     versions,
 )
 from tiderl.store.types import (
+    StepWindow,
     FinishedTrajectory,
     GroupState,
     ClaimRequest,
@@ -527,6 +528,35 @@ class RunStore:
             raise StoreError(f"unknown view {name!r} (views: {', '.join(VIEWS)})")
         return self.tx.read(lambda c: [dict(r) for r in c.execute(text(f"SELECT * FROM {name}")).mappings()])
 
+    def step_window(self, version: int, start_ts: float, end_ts: float) -> StepWindow:
+        """What ERS reads of the step that published `version` (tiderl.policy.ers.StepObservation): the
+        trajectory tokens it trained on, the training groups completed in
+        [start_ts, end_ts) (their tokens, creation-to-completion seconds and slowest task's environment
+        seconds) and the rank-seconds of the rollout and wait metrics recorded in it, by metric and role."""
+        def read(c: Connection) -> StepWindow:
+            per_group = (select(trajectories.c.group_id, func.sum(trajectories.c.num_tokens).label("tokens"),
+                                func.max(func.coalesce(trajectories.c.env_s, 0.0)).label("env_s"))
+                         .group_by(trajectories.c.group_id).subquery())
+            rows = c.execute(select(task_groups.c.created_at, task_groups.c.completed_at, per_group.c.tokens,
+                                    per_group.c.env_s).join(per_group, per_group.c.group_id == task_groups.c.id)
+                             .where(task_groups.c.kind == TaskKind.TRAIN.value,
+                                    task_groups.c.completed_at >= start_ts,
+                                    task_groups.c.completed_at < end_ts)).all()
+            sums = c.execute(select(metrics.c.name, metrics.c.role, func.sum(metrics.c.value))
+                             .where(metrics.c.ts >= start_ts, metrics.c.ts < end_ts,
+                                    metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
+                             .group_by(metrics.c.name, metrics.c.role)).all()
+            consumed = c.execute(select(func.coalesce(func.sum(trajectories.c.num_tokens), 0)).where(
+                trajectories.c.consumed_version == version)).scalar()
+            return StepWindow(
+                groups_completed=len(rows), produced_tokens=int(sum(r.tokens or 0 for r in rows)),
+                group_latency_sum_s=sum(max(0.0, r.completed_at - r.created_at) for r in rows),
+                group_env_sum_s=sum(r.env_s or 0.0 for r in rows),
+                rank_s={(name, role): float(v or 0.0) for name, role, v in sums},
+                consumed_tokens=int(consumed or 0))
+
+        return self.tx.read(read)
+
     def buffer_state(self) -> dict[str, Any]:
         return self.view("buffer_state")[0]
 
@@ -671,7 +701,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
             logprobs=codec.pack_floats(t.logprobs), token_versions=codec.pack_ints(t.token_versions),
             num_tokens=len(t.token_ids), num_generated=len(gen_versions), num_turns=t.num_turns,
             reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
-            max_version=max(gen_versions, default=0), finished_at=now))
+            max_version=max(gen_versions, default=0), finished_at=now, env_s=t.env_s))
     if rows:
         c.execute(insert(trajectories), rows)
         c.execute(update(tasks).where(tasks.c.id.in_([r["task_id"] for r in rows])).values(

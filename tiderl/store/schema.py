@@ -130,6 +130,7 @@ trajectories = Table(
     Column("min_version", Integer, nullable=False),
     Column("max_version", Integer, nullable=False),
     Column("finished_at", Float, nullable=False),
+    Column("env_s", Float),  # seconds the task waited on its environment (session start and steps)
     Column("ready_at", Float),
     Column("claim_owner", Integer),
     Column("claim_token", String),

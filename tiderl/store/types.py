@@ -78,6 +78,18 @@ class TaskClaim:
 
 
 @dataclass(frozen=True, slots=True)
+class StepWindow:
+    """One step as the store saw it, for ERS (RunStore.step_window)."""
+
+    groups_completed: int
+    produced_tokens: int  # trajectory tokens of the training groups completed in the step
+    group_latency_sum_s: float  # sum of their creation-to-completion seconds
+    group_env_sum_s: float  # sum of their slowest task's environment seconds
+    rank_s: dict[tuple[str, str], float]  # (metric, role) -> seconds summed over ranks
+    consumed_tokens: int  # trajectory tokens the step trained on
+
+
+@dataclass(frozen=True, slots=True)
 class FinishedTrajectory:
     task_id: int
     token_ids: list[int]
@@ -87,6 +99,7 @@ class FinishedTrajectory:
     num_turns: int
     reward: float
     success: bool
+    env_s: float | None = None  # seconds the task waited on its environment (start and steps); None: not measured
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

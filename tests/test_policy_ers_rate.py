@@ -1,0 +1,122 @@
+"""The rate-matching ERS planner (tiderl.policy.ers_rate): one test per invariant of its docstring."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
+from tiderl.policy.ers_rate import Split, estimate, latency_s, predict_tok_s, regime
+from tiderl.policy.ra2p import Ra2pMode, StageTimes
+from tiderl.roles import Role
+
+R, A, F = Role.ROLLOUT, Role.ACTOR, Role.REF
+TIMES = StageTimes(t_ref_s=0.1, t_act_f_s=0.2, t_act_b_s=0.4, t_swap_s=0.01)
+LIMITS = ErsLimits(groups_min=2, groups_ideal=4, policy=ErsPolicy.RATE, max_staleness=1)
+ELASTIC = replace(LIMITS, elastic_actors=True)
+
+
+def obs(rollout: int, actors: int, refs: int = 0, *, latency_s: float = 20.0, env_s: float = 10.0,
+        wait_s: float = 0.0, idle_rank_s: float = 0.0, duration_s: float = 10.0) -> StepObservation:
+    return StepObservation(duration_s=duration_s, consumed_tokens=4000, rollout_ranks=rollout, actor_ranks=actors,
+                           ref_ranks=refs, produced_tokens=4000, groups_completed=4,
+                           group_latency_sum_s=4 * latency_s, group_env_sum_s=4 * env_s,
+                           rollout_idle_rank_s=idle_rank_s, rollout_busy_rank_s=rollout * duration_s - idle_rank_s,
+                           trainer_wait_s=wait_s)
+
+
+def signals(*window: StepObservation, times: StageTimes | None = TIMES) -> ErsSignals:
+    groups = sum(s.groups_completed for s in window)
+    return ErsSignals(ras_microbatches=0, ready_groups=4, hol_latency_s=0.0, tprm_s=None,
+                      step_history_s=tuple(s.duration_s for s in window), stage_times=times,
+                      microbatches_per_step=8, window=window, micro_batch_tokens=250,
+                      group_latency_s=sum(s.group_latency_sum_s for s in window) / groups,
+                      group_env_s=sum(s.group_env_sum_s for s in window) / groups, tokens_per_group=1000.0)
+
+
+# A generation-bound run (the trainer waits half of each step) and a trainer-bound one.
+SHORT = signals(obs(2, 2, wait_s=5.0, latency_s=60.0), obs(2, 2, wait_s=5.0, latency_s=60.0))
+SLOW_TRAINER = signals(obs(4, 2, idle_rank_s=20.0, latency_s=8.0, env_s=6.0),
+                       obs(4, 2, idle_rank_s=20.0, latency_s=8.0, env_s=6.0))
+ALL = [SHORT, SLOW_TRAINER, signals(obs(3, 3)), signals(obs(3, 3), times=None)]
+MAPS = [(R, R, A, A), (R, R, R, R, A, A), (R, R, R, F, A, A, A), (R, F, A)]
+
+
+def count(roles, role) -> int:
+    return sum(1 for r in roles if r is role)
+
+
+@pytest.mark.parametrize("limits", [LIMITS, ELASTIC, replace(LIMITS, max_moves_per_step=2)])
+@pytest.mark.parametrize("roles", MAPS)
+@pytest.mark.parametrize("sig", ALL)
+def test_1_the_general_invariants_hold(roles, sig, limits):
+    p = plan(roles, sig, limits)
+    assert len(p.roles) == len(roles)
+    assert (p.mode is Ra2pMode.DECOUPLED) == (F in p.roles)
+    assert len(p.moves) <= limits.max_moves_per_step
+    assert {(m.from_role, m.to_role) for m in p.moves} <= {(R, F), (F, R), (R, A), (A, R)}
+    assert [m.rank for m in p.moves] == [i for i, (a, b) in enumerate(zip(roles, p.roles)) if a is not b]
+    assert count(p.roles, R) >= limits.min_rollout_ranks
+    if not limits.elastic_actors:
+        assert count(p.roles, A) == count(roles, A)
+    assert count(p.roles, A) >= min(limits.min_actor_ranks, count(roles, A))
+    assert plan(roles, sig, limits) == plan(list(roles), sig, limits)  # pure
+
+
+def test_2_no_move_without_a_gain_above_the_margin_or_without_measurements():
+    empty = replace(SHORT, window=())
+    assert plan((R, R, A, A), empty, ELASTIC).moves == ()
+    moved = plan((R, R, A, A), SHORT, ELASTIC)
+    assert moved.moves  # the gain is real at a margin of 5%...
+    huge = replace(ELASTIC, rate_margin=10.0)
+    assert plan((R, R, A, A), SHORT, huge).moves == () and plan((R, R, A, A), SHORT, huge).reason is ErsReason.STEADY
+
+
+def test_3_moves_go_toward_the_best_split():
+    p = plan((R, R, A, A), SHORT, ELASTIC)  # generation-bound: the best split has more rollout
+    assert p.reason is ErsReason.RATE_TO_ROLLOUT and count(p.roles, R) == 3
+    q = plan((R, R, R, R, A, A), SLOW_TRAINER, ELASTIC)  # trainer-bound: more trainer ranks
+    assert q.reason is ErsReason.RATE_TO_TRAINER and count(q.roles, R) == 3
+    # The model agrees: the chosen split predicts more goodput than staying.
+    for sig, old, new in ((SHORT, Split(2, 2, 0), Split(3, 1, 0)), (SLOW_TRAINER, Split(4, 2, 0), Split(3, 3, 0))):
+        model = estimate(sig, ELASTIC, 250)
+        assert predict_tok_s(new, model)[2] > predict_tok_s(old, model)[2]
+
+
+def test_4_the_measured_regime_overrides_the_model():
+    assert regime(SHORT) == "supply" and regime(SLOW_TRAINER) == "trainer"
+    # A model that would take rollout ranks away while the trainer starves is overruled: a window whose
+    # latency says "more trainer" (tiny generation share) but whose trainer waited half the time.
+    starving = signals(obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9), obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9))
+    assert regime(starving) == "supply"
+    assert count(plan((R, R, R, A, A, A), starving, ELASTIC).roles, R) >= 3
+    idle = signals(obs(4, 2, idle_rank_s=20.0, latency_s=100.0, env_s=0.0), obs(4, 2, idle_rank_s=20.0,
+                                                                             latency_s=100.0, env_s=0.0))
+    assert regime(idle) == "trainer"
+    assert count(plan((R, R, R, R, A, A), idle, ELASTIC).roles, R) <= 4
+
+
+def test_5_ref_ranks_only_while_the_refs_cannot_keep_up():
+    heavy_ref = StageTimes(t_ref_s=0.5, t_act_f_s=0.2, t_act_b_s=0.4, t_swap_s=0.3)
+    sig = replace(SLOW_TRAINER, stage_times=heavy_ref)
+    p = plan((R, R, R, R, A, A), sig, LIMITS)  # fixed actors: a ref rank is the trainer's only way up
+    assert p.moves and count(p.roles, F) == 1 and p.mode is Ra2pMode.DECOUPLED
+    # One ref keeps up with two actors here (2 x 0.1 <= 0.6): a second one would idle.
+    q = plan((R, R, R, F, A, A), SLOW_TRAINER, replace(LIMITS, max_moves_per_step=3))
+    assert count(q.roles, F) <= 1
+
+
+def test_6_the_fetch_size_is_always_the_ideal_batch():
+    for sig in ALL:
+        for roles in MAPS:
+            assert plan(roles, sig, ELASTIC).fetch_groups == ELASTIC.groups_ideal
+
+
+def test_latency_grows_as_rollout_ranks_shrink_and_the_environment_part_stays():
+    model = estimate(SHORT, ELASTIC, 250)
+    assert latency_s(2, model) == pytest.approx(60.0)
+    assert latency_s(1, model) == pytest.approx(10.0 + 50.0 * 2)
+    assert latency_s(4, model) == pytest.approx(10.0 + 50.0 / 2)
+    # Little's law: (s + 1/2) x B x tokens per group over the latency.
+    assert predict_tok_s(Split(2, 2, 0), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / 60.0)

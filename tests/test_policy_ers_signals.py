@@ -1,0 +1,113 @@
+"""The one signal path: tiderl.policy.ers_signals (one test per invariant), and the control plane
+and the simulator building the same signals from the same measurements."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tiderl.config import load_job
+from tiderl.policy.ers import ErsPolicy, StepObservation
+from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals, rate_window
+from tiderl.policy.ra2p import StageTimes
+from tiderl.roles import Role
+
+R, A, F = Role.ROLLOUT, Role.ACTOR, Role.REF
+TIMES = StageTimes(t_ref_s=0.2, t_act_f_s=0.4, t_act_b_s=0.8, t_swap_s=0.1)
+
+
+def step(rollout: int = 2, actors: int = 2, refs: int = 0, **kw: float) -> StepObservation:
+    values = dict(duration_s=10.0, consumed_tokens=4000, produced_tokens=4000, groups_completed=4,
+                  group_latency_sum_s=40.0, group_env_sum_s=20.0, rollout_idle_rank_s=5.0)
+    values.update(kw)
+    return StepObservation(rollout_ranks=rollout, actor_ranks=actors, ref_ranks=refs, **values)  # type: ignore[arg-type]
+
+
+def snapshot(**kw: object) -> ErsSnapshot:
+    values: dict = dict(roles=(R, R, A, A), micro_batch_tokens=500, ready_tokens=2600, ready_groups=3,
+                        oldest_ready_age_s=4.0, steps=(step(), step(), step()), stage_times=TIMES)
+    values.update(kw)
+    return ErsSnapshot(**values)
+
+
+def test_1_equal_snapshots_give_equal_signals():
+    assert build_signals(snapshot(), 5) == build_signals(snapshot(), 5)
+
+
+def test_2_ras_microbatches_and_idle_ranks_follow_the_definitions():
+    s = build_signals(snapshot(), 5)
+    assert s.ras_microbatches == 2600 // (500 * 2)  # full micro-batches of the actor group
+    assert s.microbatches_per_step == 4  # ceil(4000 / (500 x 2))
+    assert s.rollout_idle_ranks == pytest.approx(0.5)  # 5 rank-seconds over a 10 s step
+    assert s.micro_batch_tokens == 500 and s.hol_latency_s == 4.0
+    assert build_signals(snapshot(roles=(R, R, F)), 5).ras_microbatches == 0  # no actor rank
+
+
+def test_3_no_history_is_a_cold_start():
+    s = build_signals(snapshot(steps=()), 5)
+    assert s.step_history_s == () and s.tprm_s is None and s.window == () and s.group_latency_s is None
+
+
+def test_4_the_rate_window_is_the_settled_steps_of_the_last_split():
+    steps = (step(3, 1), step(2, 2), step(2, 2, duration_s=11.0), step(2, 2, duration_s=12.0))
+    window = rate_window(steps, 5)
+    assert [s.duration_s for s in window] == [11.0, 12.0]  # the first step on 2/2 is left out
+    assert rate_window(steps, 1) == (steps[-1],)
+    assert rate_window((step(3, 1), step(2, 2)), 5) == ()  # one step on the split: not settled yet
+    s = build_signals(snapshot(steps=steps), 5)
+    assert s.group_latency_s == pytest.approx(10.0) and s.group_env_s == pytest.approx(5.0)
+    assert s.tokens_per_group == pytest.approx(1000.0)
+    assert s.step_history_s == (10.0, 10.0, 11.0, 12.0)  # the HoL rule keeps every recent step
+
+
+def test_limits_come_from_the_ers_section_and_the_system():
+    from tiderl.config.ers import ErsConfig
+
+    limits = build_limits(ErsConfig(policy="paper", rate_margin=0.1, max_moves_per_step=2), 2, 4, 0)
+    assert (limits.policy, limits.rate_margin, limits.max_moves_per_step, limits.max_staleness) == (
+        ErsPolicy.PAPER, 0.1, 2, 0)
+    assert build_limits(ErsConfig(), 2, 4, 1).policy is ErsPolicy.RATE  # the default
+
+
+def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tmp_path: Path) -> None:
+    """The control plane's path (store -> StepObservation -> build_signals) against a snapshot written
+    by hand from the same facts: the measurements a simulator would hand over."""
+    from tiderl.rundir import create_run
+    from tiderl.run.control import ControlPlane
+    from tiderl.store.types import FinishedTrajectory, MetricPoint, NewGroup, RankReport, StepRecord, TaskKind
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_job(root / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0", "launch.num_ranks=3",
+                                                          "trainer.num_steps=3", "trainer.micro_batch_tokens=16"])
+    _, store = create_run(config, tmp_path / "run")
+    store.register_initial_version("model", "0")
+    plane = ControlPlane(config, store)
+    roles = {0: A, 1: R, 2: R}
+    store.plan_roles(0, roles, ra2p_mode="colocated", fetch_groups=1)
+    store.register_rank(1, R)
+    store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
+    claims = store.claim_tasks(1, 2)
+    trajectories = [FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                                       logprobs=[0.0, -1.0, -1.0], token_versions=[-1, 0, 0], num_turns=1,
+                                       reward=float(i), success=bool(i), env_s=0.5 + i) for i, c in enumerate(claims)]
+    time.sleep(0.01)
+    store.report(RankReport(rank=1, role=R, version=0, finished=trajectories,
+                            metrics=[MetricPoint("rollout_busy_s", 0.75, 0, "rollout")]))
+    got = store.claim_ready_groups(0, 1)
+    time.sleep(0.01)
+    store.publish_version(StepRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
+                                     step_started_at=0.0, duration_s=1.0), owner=0)
+    signals = plane.signals(1, roles)
+    rows = {r["version"]: r for r in store.version_rows()}
+    duration = rows[1]["created_at"] - rows[0]["created_at"]
+    created, completed = store.tx.read(lambda c: c.exec_driver_sql(
+        "select created_at, completed_at from task_groups").one())
+    expected = StepObservation(duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
+                               produced_tokens=6, groups_completed=1, group_latency_sum_s=completed - created,
+                               group_env_sum_s=1.5, rollout_busy_rank_s=0.75)
+    assert len(got) == 2 and signals.window == ()  # one step on this split: not settled
+    assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
+                                  oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1),
+                         config.ers.history_steps) == signals

@@ -1,0 +1,300 @@
+"""The rate-matching ERS planner: move ranks toward the split where the
+generation rate of the rollout ranks meets the consumption rate of the
+trainer ranks (``ers.policy: rate``).
+
+Pure: no torch, no database, no HTTP, no processes. :func:`tiderl.policy.ers.plan`
+calls :func:`plan_rate` after its cold-start and evaluation rules.
+
+Model (every rate from the signals' window of recent steps, as measured)
+- Generation, by Little's law: at most (max_staleness + 1) x groups_ideal
+  groups are in flight (released, not yet trained); a group resides its
+  generation latency ``L`` and then, on average, half a step until the step
+  that trains it ends and frees its slot. With the trainer keeping up,
+  ``G = F / (L + T / 2)`` and ``T = B tok / G`` give
+  ``G_gen(n) = (s + 1/2) B tok / L(n)``.
+- Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
+  the environment time of a group's slowest task (start and steps, measured)
+  and ``L_gen`` the rest (generation, prefill, queueing for engine time).
+  The engines are taken as saturated, so the tasks of ``n_now`` ranks spread
+  over ``n`` ranks generate ``n_now / n`` times slower:
+  ``L(n) = L_env + L_gen n_now / n``. (An engine below saturation gains less
+  from a further rank: the model then errs toward rollout.)
+- Without a latency measurement, supply is linear: ``r`` = tokens of the
+  completed groups / rollout rank-seconds with the engine generating
+  (or with any task), ``G_gen(n) = n r``.
+- Consumption: a step of ``B tok`` tokens takes ``compute(M, R) + overhead``;
+  ``compute`` is the RA2P cost model (:mod:`tiderl.policy.ra2p`) with the
+  measured stage times and every micro-batch ready (colocated with no ref
+  rank, decoupled with R ref ranks), ``overhead`` the measured busy time of
+  the trainer beyond that (optimizer, publish, polling). Without stage times
+  the measured consumption rate per actor rank scales with M.
+- Goodput of a split: ``min(G_gen(n), D(M, R))``.
+
+Decision: the best split over every split the limits allow (rollout ranks
+>= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
+up to the count that keeps up with the actors, and within max_ref_ranks);
+ties go to the current split, then to fewer moves. The plan moves toward it,
+at most ``max_moves_per_step`` ranks, and only if the predicted gain of the
+best split over the current one exceeds ``rate_margin`` (hysteresis).
+
+Invariants (each has a test in tests/test_policy_ers_rate.py)
+1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
+2. No move without a predicted gain above ``rate_margin``; no move at all
+   while the window has no measured supply or demand.
+3. Every move goes toward the best split: rollout ranks move the same way as
+   the target's rollout count (or, at an equal count, a rank passes through
+   rollout on its way between ref and actor).
+4. Supply-bound (the trainer waited at least 10% of the window, the rollout
+   ranks idled less than half a rank): rollout ranks never decrease.
+   Trainer-bound (the trainer waited under 2%, the rollout ranks idled half a
+   rank or more): rollout ranks never increase. What the window measured
+   overrides the model's extrapolation (:func:`regime`).
+5. Ref ranks are added only while the refs do not keep up with the actors
+   (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move).
+6. The fetch size is always groups_ideal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, _finish, _move
+from tiderl.policy.ra2p import StageTimes, colocated_cost_s, decoupled_cost_s
+
+__all__ = ["RateModel", "Split", "estimate", "plan_rate", "predict_tok_s"]
+
+IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average: the staleness bound, not the rollout ranks, limits
+SUPPLY_WAIT_SHARE = 0.1  # the trainer waited this share of the window or more: generation is short
+TRAINER_WAIT_SHARE = 0.02  # the trainer waited less than this share: it never lacked data
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Split:
+    rollout: int
+    actors: int
+    refs: int
+
+
+@dataclass(frozen=True, slots=True)
+class RateModel:
+    """The rates the window shows (tokens per second)."""
+
+    supply_tok_s_per_rank: float
+    """Tokens generated per busy rollout rank-second."""
+    step_tokens: float
+    """Tokens of a full step (groups_ideal groups)."""
+    overhead_s: float
+    """Trainer busy time per step beyond the cost model's compute (or the whole step without stage times)."""
+    stage_times: StageTimes | None
+    micro_batch_tokens_per_actor: float
+    """Tokens of one actor's share of a micro-batch (for the cost model)."""
+    consumed_tok_s_per_actor: float | None
+    """Without stage times: tokens consumed per busy actor-second."""
+    rollout_ranks: int
+    """Rollout ranks of the split the latency was measured on."""
+    little_tokens: float
+    """(s + 1/2) x B x tokens per group (Little's law, see the module docstring)."""
+    group_latency_s: float | None
+    """Measured latency of a group from its creation to its completion (None: not measured)."""
+    group_env_s: float
+    """Environment time of a group's slowest task, in that latency."""
+
+
+def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) -> RateModel | None:
+    """The rates of the window, or None when it shows no supply or no demand."""
+    window = signals.window
+    produced = sum(s.produced_tokens for s in window)
+    rank_s = sum(s.rollout_ranks * s.duration_s for s in window)
+    busy_rank_s = sum(s.rollout_busy_rank_s for s in window)
+    if busy_rank_s <= 0:  # the engines' busy time was not measured: count every rank-second with work
+        busy_rank_s = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
+    consumed = sum(s.consumed_tokens for s in window)
+    trainer_busy = [max(0.0, s.duration_s - s.trainer_wait_s) for s in window]
+    if produced <= 0 or busy_rank_s <= 0 or consumed <= 0 or sum(trainer_busy) <= 0:
+        return None
+    per_group = signals.tokens_per_group or consumed / max(1, limits.groups_ideal * len(window))
+    step_tokens = limits.groups_ideal * per_group
+    times = signals.stage_times
+    per_actor_mb = float(micro_batch_tokens)
+    overhead = 0.0
+    per_actor_rate = None
+    if times is not None:
+        extra = [busy - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
+                 for s, busy in zip(window, trainer_busy)]
+        overhead = max(0.0, sum(extra) / len(extra))
+    else:
+        actor_s = sum(b * max(1, s.actor_ranks) for s, b in zip(window, trainer_busy))
+        per_actor_rate = consumed / actor_s
+    latency = signals.group_latency_s if signals.group_latency_s and signals.group_latency_s > 0 else None
+    last = window[-1]
+    return RateModel(
+        supply_tok_s_per_rank=produced / busy_rank_s,
+        step_tokens=step_tokens,
+        overhead_s=overhead,
+        stage_times=times,
+        micro_batch_tokens_per_actor=per_actor_mb,
+        consumed_tok_s_per_actor=per_actor_rate,
+        rollout_ranks=last.rollout_ranks,
+        little_tokens=(limits.max_staleness + 0.5) * limits.groups_ideal * per_group,
+        group_latency_s=latency,
+        group_env_s=min(signals.group_env_s or 0.0, latency or 0.0),
+    )
+
+
+def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
+    """The cost model's compute time of a step of `tokens`, every micro-batch ready at the start."""
+    if tokens <= 0 or actors < 1:
+        return 0.0
+    ready = [0.0] * max(1, math.ceil(tokens / (per_actor_mb * actors)))
+    if refs >= 1:
+        return decoupled_cost_s(ready, times, actors, refs)
+    return colocated_cost_s(ready, times)
+
+
+def latency_s(rollout: int, model: RateModel) -> float | None:
+    """The predicted group latency with `rollout` ranks (None: no latency measured)."""
+    if model.group_latency_s is None or rollout < 1:
+        return None
+    gen = model.group_latency_s - model.group_env_s
+    return model.group_env_s + gen * model.rollout_ranks / rollout
+
+
+def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
+    """(supply, demand, goodput) of a split, tokens per second."""
+    latency = latency_s(split.rollout, model)
+    if latency is not None and latency > 0:
+        supply = model.little_tokens / latency
+    else:
+        supply = split.rollout * model.supply_tok_s_per_rank
+    if split.actors < 1:
+        return supply, 0.0, 0.0
+    if model.stage_times is not None:
+        step_s = _compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
+                            model.micro_batch_tokens_per_actor) + model.overhead_s
+    else:
+        step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors)  # type: ignore[operator]
+    demand = model.step_tokens / step_s if step_s > 0 else math.inf
+    return supply, demand, min(supply, demand)
+
+
+def refs_needed(actors: int, times: StageTimes | None) -> int:
+    """Ref ranks beyond which a further one idles: the smallest R with M t_ref / R <= t_act_f + t_act_b."""
+    if times is None or actors < 1:
+        return 0
+    work = times.t_act_f_s + times.t_act_b_s
+    if work <= 0:
+        return actors
+    return max(1, math.ceil(actors * times.t_ref_s / work))
+
+
+def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> list[Split]:
+    """Every split the limits allow from `current` (same number of movable ranks)."""
+    movable = current.rollout + current.refs + (current.actors if limits.elastic_actors else 0)
+    actor_counts = range(limits.min_actor_ranks, movable - limits.min_rollout_ranks + 1) \
+        if limits.elastic_actors else [current.actors]
+    out = []
+    for actors in actor_counts:
+        free = movable - (actors if limits.elastic_actors else 0)
+        max_refs = refs_needed(actors, times)
+        if limits.max_ref_ranks is not None:
+            max_refs = min(max_refs, limits.max_ref_ranks)
+        # Refs already present stay candidates: the planner may keep them rather than move at once.
+        for refs in range(0, max(max_refs, current.refs if actors == current.actors else 0) + 1):
+            rollout = free - refs
+            if rollout >= limits.min_rollout_ranks:
+                out.append(Split(rollout, actors, refs))
+    return out
+
+
+def _distance(a: Split, b: Split) -> int:
+    return abs(a.rollout - b.rollout) + abs(a.actors - b.actors) + abs(a.refs - b.refs)
+
+
+def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
+    fetch = limits.groups_ideal
+    now = Split(sum(1 for r in current if r is Role.ROLLOUT), sum(1 for r in current if r is Role.ACTOR),
+                sum(1 for r in current if r is Role.REF))
+    model = estimate(signals, limits, signals.micro_batch_tokens) if signals.micro_batch_tokens else None
+    if model is None or now.actors < 1:
+        return _finish(current, current, fetch, ErsReason.STEADY)
+    options = candidates(now, limits, model.stage_times)
+    # What the window measured overrides the model's extrapolation in the clear cases.
+    seen = regime(signals)
+    if seen == "supply":
+        options = [s for s in options if s.rollout >= now.rollout]
+    elif seen == "trainer":
+        options = [s for s in options if s.rollout <= now.rollout]
+    scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
+    best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
+    now_g = predict_tok_s(now, model)[2]
+    if best == now or best_g <= now_g * (1 + limits.rate_margin):
+        return _finish(current, current, fetch, ErsReason.STEADY)
+    new = current
+    split = now
+    for _ in range(limits.max_moves_per_step):
+        step = _one_move(new, split, best, limits, model.stage_times)
+        if step is None:
+            break
+        new, split = step
+    if split.rollout > now.rollout:
+        reason = ErsReason.RATE_TO_ROLLOUT
+    elif split.rollout < now.rollout:
+        reason = ErsReason.RATE_TO_TRAINER
+    else:
+        reason = ErsReason.RATE_REBALANCE
+    return _finish(current, new, fetch, reason)
+
+
+def regime(signals: ErsSignals) -> str:
+    """What the window shows, independent of the model: `supply` (the trainer waited at least
+    SUPPLY_WAIT_SHARE of the time and the rollout ranks never idled), `trainer` (it never waited and the
+    rollout ranks idled) or `mixed`."""
+    window = signals.window
+    total = sum(s.duration_s for s in window)
+    if total <= 0:
+        return "mixed"
+    wait = sum(s.trainer_wait_s for s in window) / total
+    idle = sum(s.rollout_idle_rank_s for s in window) / total
+    if wait >= SUPPLY_WAIT_SHARE and idle < IDLE_CAP_RANKS:
+        return "supply"
+    if wait < TRAINER_WAIT_SHARE and idle >= IDLE_CAP_RANKS:
+        return "trainer"
+    return "mixed"
+
+
+def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits,
+              times: StageTimes | None) -> tuple[tuple[Role, ...], Split] | None:
+    """One rank moved toward `target`, or None when no allowed move gets closer."""
+    if now.rollout < target.rollout or (now.rollout == target.rollout and now != target):
+        if now.refs > target.refs:
+            return _move(roles, Role.REF, Role.ROLLOUT, 1), Split(now.rollout + 1, now.actors, now.refs - 1)
+        if limits.elastic_actors and now.actors > target.actors and now.actors > limits.min_actor_ranks:
+            return (_move(roles, Role.ACTOR, Role.ROLLOUT, 1, lowest_first=True),
+                    Split(now.rollout + 1, now.actors - 1, now.refs))
+        return None
+    if now.rollout > target.rollout and now.rollout > limits.min_rollout_ranks:
+        ref_room = limits.max_ref_ranks is None or now.refs < limits.max_ref_ranks
+        if now.refs < target.refs and ref_room and (now.refs == 0 or _refs_short(now, times)):
+            return _move(roles, Role.ROLLOUT, Role.REF, 1), Split(now.rollout - 1, now.actors, now.refs + 1)
+        if limits.elastic_actors and now.actors < target.actors:
+            return _move(roles, Role.ROLLOUT, Role.ACTOR, 1), Split(now.rollout - 1, now.actors + 1, now.refs)
+    return None
+
+
+def _refs_short(now: Split, times: StageTimes | None) -> bool:
+    if times is None:
+        return False
+    return now.actors * times.t_ref_s / now.refs > times.t_act_f_s + times.t_act_b_s
+
+
+def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> dict[str, float] | None:
+    """The model's view of the current split (for logs and metrics): supply, demand, goodput."""
+    model = estimate(signals, limits, signals.micro_batch_tokens) if signals.micro_batch_tokens else None
+    if model is None:
+        return None
+    now = Split(sum(1 for r in roles if r is Role.ROLLOUT), sum(1 for r in roles if r is Role.ACTOR),
+                sum(1 for r in roles if r is Role.REF))
+    supply, demand, goodput = predict_tok_s(now, model)
+    return {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_goodput_tok_s": goodput}

@@ -1,0 +1,134 @@
+"""The inputs of the ERS planner, built from one snapshot of the run: the only
+way the real control plane (:mod:`tiderl.run.control`) and the simulator
+(:mod:`tiderl.sim.simulator`) make :class:`~tiderl.policy.ers.ErsSignals` and
+:class:`~tiderl.policy.ers.ErsLimits`.
+
+Pure: no torch, no database, no HTTP, no processes. Each mechanism measures
+the same few things (the buffer now, each finished step, the stage times) and
+hands them over as an :class:`ErsSnapshot`; every definition (RAS, the
+micro-batches of a step, idle rollout ranks, the rate window) lives here once.
+
+Definitions
+- A micro-batch is the global unit the actor group consumes:
+  ``micro_batch_tokens`` x the actor ranks (as in :mod:`tiderl.policy.ra2p`).
+  RAS counts the *full* micro-batches the ready trajectories make now:
+  ``ready_tokens // (micro_batch_tokens x actors)``.
+- The micro-batches of a full step: ``ceil(consumed_tokens / (micro_batch_tokens
+  x actors of that step))`` of the last step.
+- Idle rollout ranks: rollout rank-seconds with no task to play (the staleness
+  bound or an empty pool) during the last step, over its duration.
+- The rate window: the trailing steps that ran on the current split (the
+  role map of the last step), without the first of them (its groups were
+  mostly generated on the split before), at most ``history_steps``. The rate
+  planner (:mod:`tiderl.policy.ers_rate`) estimates its rates from them, so a
+  move is judged only once the split it made has been measured. Group
+  latency, environment time and tokens are the means over the groups that
+  completed in the window.
+
+Invariants (tests/test_policy_ers_signals.py)
+1. Equal snapshots give equal signals (the run and the simulator agree when
+   they measured the same).
+2. RAS, the micro-batches per step and the idle ranks follow the definitions
+   above; with no actor rank RAS is 0.
+3. No step history: cold start (empty ``step_history_s``), no TPRM.
+4. The window holds at most ``history_steps`` steps, the newest last, all on
+   the split of the last step, never the first step on that split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ra2p import StageTimes
+from tiderl.roles import Role
+
+__all__ = ["ErsSnapshot", "StepObservation", "build_limits", "build_signals", "rate_window"]
+
+
+@dataclass(frozen=True, slots=True)
+class ErsSnapshot:
+    """What a mechanism measured at a sync boundary, before planning the next version."""
+
+    roles: tuple[Role, ...]
+    """The role map in force during the step that just ended."""
+    micro_batch_tokens: int
+    """trainer.micro_batch_tokens: tokens of one actor rank's share of a micro-batch."""
+    ready_tokens: int
+    """Tokens of the trajectories ready for the trainer now."""
+    ready_groups: int
+    """Complete groups ready now."""
+    oldest_ready_age_s: float | None
+    """Age of the oldest ready trajectory now (None: nothing ready)."""
+    steps: tuple[StepObservation, ...] = ()
+    """The finished steps, oldest first (at least the last ``history_steps``)."""
+    is_eval_open: bool = False
+    """An evaluation starts with the next version or is still running."""
+    fetch_groups: int | None = None
+    """The fetch size the last step used (None: groups_ideal)."""
+    last_rollout_change: int = 0
+    """Rollout ranks added (+) or removed (-) by the previous plan."""
+    stage_times: StageTimes | None = None
+    """Per-share RA2P stage times measured on the actor group (None: not measured yet)."""
+
+
+def build_limits(ers_config: object, groups_min: int, groups_ideal: int, max_staleness: int) -> ErsLimits:
+    """The planner's limits from an `ers:` section (tiderl.config.ers.ErsConfig), the trainer's elastic
+    batch bounds and the staleness bound of the system."""
+    return ErsLimits.from_config(ers_config, groups_min, groups_ideal, max_staleness)
+
+
+def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
+    """The ERS signals of one snapshot (see the module definitions)."""
+    if history_steps < 1:
+        raise ValueError(f"history_steps: must be >= 1, got {history_steps}")
+    mb = snapshot.micro_batch_tokens
+    if mb < 1:
+        raise ValueError(f"micro_batch_tokens: must be >= 1, got {mb}")
+    actors = sum(1 for r in snapshot.roles if r is Role.ACTOR)
+    recent = snapshot.steps[-history_steps:]
+    last = recent[-1] if recent else None
+    window = rate_window(snapshot.steps, history_steps)
+    groups = sum(s.groups_completed for s in window)
+    per_step = 0
+    idle = 0.0
+    if last is not None:
+        per_step = max(1, math.ceil(last.consumed_tokens / (mb * max(1, last.actor_ranks))))
+        idle = last.rollout_idle_rank_s / last.duration_s if last.duration_s > 0 else 0.0
+    return ErsSignals(
+        ras_microbatches=snapshot.ready_tokens // (mb * actors) if actors else 0,
+        ready_groups=snapshot.ready_groups,
+        hol_latency_s=max(0.0, snapshot.oldest_ready_age_s or 0.0),
+        tprm_s=last.tprm_s if last is not None else None,
+        step_history_s=tuple(s.duration_s for s in recent if s.duration_s > 0),
+        is_eval_next=snapshot.is_eval_open,
+        fetch_groups=snapshot.fetch_groups,
+        last_rollout_change=snapshot.last_rollout_change,
+        stage_times=snapshot.stage_times,
+        microbatches_per_step=per_step,
+        rollout_idle_ranks=idle,
+        window=window,
+        group_latency_s=sum(s.group_latency_sum_s for s in window) / groups if groups else None,
+        tokens_per_group=sum(s.produced_tokens for s in window) / groups if groups else None,
+        group_env_s=sum(s.group_env_sum_s for s in window) / groups if groups else None,
+        micro_batch_tokens=mb,
+    )
+
+
+def _split(step: StepObservation) -> tuple[int, int, int]:
+    return step.rollout_ranks, step.actor_ranks, step.ref_ranks
+
+
+def rate_window(steps: tuple[StepObservation, ...], history_steps: int) -> tuple[StepObservation, ...]:
+    """The trailing steps on the last step's split, less the first step on it, at most `history_steps`."""
+    if not steps:
+        return ()
+    split = _split(steps[-1])
+    run = 0
+    for step in reversed(steps):
+        if _split(step) != split:
+            break
+        run += 1
+    settled = steps[len(steps) - run + 1:] if run > 1 else ()
+    return tuple(settled[-history_steps:])
