@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import Split, estimate, latency_s, predict_tok_s, regime
+from tiderl.policy.ers_rate import Split, estimate, fit_gen_latency, latency_s, predict_tok_s, regime
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
 
@@ -85,7 +85,7 @@ def test_3_moves_go_toward_the_best_split():
 
 
 def test_4_the_measured_regime_overrides_the_model():
-    assert regime(SHORT) == "supply" and regime(SLOW_TRAINER) == "trainer"
+    assert regime(SHORT) == "supply" and regime(SLOW_TRAINER) == "idle"
     # A model that would take rollout ranks away while the trainer starves is overruled: a window whose
     # latency says "more trainer" (tiny generation share) but whose trainer waited half the time.
     starving = signals(obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9), obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9))
@@ -93,7 +93,7 @@ def test_4_the_measured_regime_overrides_the_model():
     assert count(plan((R, R, R, A, A, A), starving, ELASTIC).roles, R) >= 3
     idle = signals(obs(4, 2, idle_rank_s=20.0, latency_s=100.0, env_s=0.0), obs(4, 2, idle_rank_s=20.0,
                                                                              latency_s=100.0, env_s=0.0))
-    assert regime(idle) == "trainer"
+    assert regime(idle) == "idle"
     assert count(plan((R, R, R, R, A, A), idle, ELASTIC).roles, R) <= 4
 
 
@@ -114,9 +114,20 @@ def test_6_the_fetch_size_is_always_the_ideal_batch():
 
 
 def test_latency_grows_as_rollout_ranks_shrink_and_the_environment_part_stays():
-    model = estimate(SHORT, ELASTIC, 250)
+    model = estimate(SHORT, ELASTIC, 250)  # one split measured: half of the 50 s beyond the env scales
     assert latency_s(2, model) == pytest.approx(60.0)
-    assert latency_s(1, model) == pytest.approx(10.0 + 50.0 * 2)
-    assert latency_s(4, model) == pytest.approx(10.0 + 50.0 / 2)
+    assert latency_s(1, model) == pytest.approx(10.0 + 25.0 + 25.0 * 2)
+    assert latency_s(4, model) == pytest.approx(10.0 + 25.0 + 25.0 / 2)
     # Little's law: (s + 1/2) x B x tokens per group over the latency.
     assert predict_tok_s(Split(2, 2, 0), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / 60.0)
+
+
+def test_the_latency_curve_is_fitted_to_the_splits_measured():
+    # Measured L_gen = 10 + 60 / n at n = 2, 3, 4: the fit recovers it and predicts n = 6.
+    points = tuple((n, 10 + 60 / n) for n in (2, 3, 4))
+    assert fit_gen_latency(points, 3, 30.0) == pytest.approx((10.0, 60.0))
+    # A split measured slower with more ranks (noise) fits no negative scaling.
+    assert fit_gen_latency(((2, 20.0), (4, 30.0)), 4, 30.0) == pytest.approx((30.0, 0.0))
+    # SHORT measures L_gen = 50 s on 2 ranks; with 30 s measured on 4 the curve is 10 + 80 / n.
+    model = estimate(replace(SHORT, gen_latency_by_rollout=((2, 50.0), (4, 30.0))), ELASTIC, 250)
+    assert latency_s(8, model) == pytest.approx(10.0 + 10.0 + 80.0 / 8)

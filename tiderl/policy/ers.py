@@ -226,6 +226,9 @@ class ErsSignals:
     """Mean tokens of a completed training group, over the window."""
     group_env_s: float | None = None
     """Mean environment seconds (start and steps) of the slowest task of each such group."""
+    gen_latency_by_rollout: tuple[tuple[int, float], ...] = ()
+    """(rollout ranks, mean group latency beyond the environment's) of each recent settled split, newest
+    measurement per rollout count: how generation latency answers to rollout ranks."""
     micro_batch_tokens: int = 0
     """Tokens of one actor rank's share of a micro-batch (trainer.micro_batch_tokens; 0: unknown)."""
 

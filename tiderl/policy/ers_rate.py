@@ -15,10 +15,12 @@ Model (every rate from the signals' window of recent steps, as measured)
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
-  The engines are taken as saturated, so the tasks of ``n_now`` ranks spread
-  over ``n`` ranks generate ``n_now / n`` times slower:
-  ``L(n) = L_env + L_gen n_now / n``. (An engine below saturation gains less
-  from a further rank: the model then errs toward rollout.)
+  An engine iteration costs a fixed part plus a part per running sequence,
+  so spreading the same tasks over ``n`` ranks gives ``L_gen(n) = p + q / n``.
+  ``p`` and ``q`` are fitted to the measured ``L_gen`` of the recent splits
+  (``gen_latency_by_rollout``); with one split measured, half of ``L_gen``
+  is taken to scale (``FIXED_SHARE_PRIOR``), an even prior the next split's
+  measurement replaces.
 - Without a latency measurement, supply is linear: ``r`` = tokens of the
   completed groups / rollout rank-seconds with the engine generating
   (or with any task), ``G_gen(n) = n r``.
@@ -45,10 +47,10 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    the target's rollout count (or, at an equal count, a rank passes through
    rollout on its way between ref and actor).
 4. Supply-bound (the trainer waited at least 10% of the window, the rollout
-   ranks idled less than half a rank): rollout ranks never decrease.
-   Trainer-bound (the trainer waited under 2%, the rollout ranks idled half a
-   rank or more): rollout ranks never increase. What the window measured
-   overrides the model's extrapolation (:func:`regime`).
+   ranks idled less than half a rank): rollout ranks never decrease. Rollout
+   ranks idle (one rank or more on average, for lack of admissible work):
+   rollout ranks never increase. What the window measured overrides the
+   model's extrapolation (:func:`regime`).
 5. Ref ranks are added only while the refs do not keep up with the actors
    (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move).
 6. The fetch size is always groups_ideal.
@@ -65,9 +67,10 @@ from tiderl.policy.ra2p import StageTimes, colocated_cost_s, decoupled_cost_s
 
 __all__ = ["RateModel", "Split", "estimate", "plan_rate", "predict_tok_s"]
 
-IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average: the staleness bound, not the rollout ranks, limits
+FIXED_SHARE_PRIOR = 0.5  # share of L_gen that does not shrink with more rollout ranks, until two splits are measured
+IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
+IDLE_RANKS = 1.0  # rollout ranks idle on average from which a further rollout rank would idle too
 SUPPLY_WAIT_SHARE = 0.1  # the trainer waited this share of the window or more: generation is short
-TRAINER_WAIT_SHARE = 0.02  # the trainer waited less than this share: it never lacked data
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -100,6 +103,10 @@ class RateModel:
     """Measured latency of a group from its creation to its completion (None: not measured)."""
     group_env_s: float
     """Environment time of a group's slowest task, in that latency."""
+    gen_fixed_s: float = 0.0
+    """p of L_gen(n) = p + q / n (seconds)."""
+    gen_scaled_s: float = 0.0
+    """q of L_gen(n) = p + q / n (rank-seconds)."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) -> RateModel | None:
@@ -129,6 +136,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
         per_actor_rate = consumed / actor_s
     latency = signals.group_latency_s if signals.group_latency_s and signals.group_latency_s > 0 else None
     last = window[-1]
+    env = min(signals.group_env_s or 0.0, latency or 0.0)
+    fixed, scaled = fit_gen_latency(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
     return RateModel(
         supply_tok_s_per_rank=produced / busy_rank_s,
         step_tokens=step_tokens,
@@ -139,8 +148,27 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
         rollout_ranks=last.rollout_ranks,
         little_tokens=(limits.max_staleness + 0.5) * limits.groups_ideal * per_group,
         group_latency_s=latency,
-        group_env_s=min(signals.group_env_s or 0.0, latency or 0.0),
+        group_env_s=env,
+        gen_fixed_s=fixed,
+        gen_scaled_s=scaled,
     )
+
+
+def fit_gen_latency(points: tuple[tuple[int, float], ...], rollout_now: int, gen_now_s: float) -> tuple[float, float]:
+    """(p, q) of L_gen(n) = p + q / n: least squares over the measured points (p, q >= 0), anchored so the
+    current split's prediction is its measurement; with fewer than two points, FIXED_SHARE_PRIOR of it."""
+    if rollout_now < 1:
+        return 0.0, 0.0
+    others = [(n, g) for n, g in points if n != rollout_now and n >= 1]
+    if not others:
+        return FIXED_SHARE_PRIOR * gen_now_s, (1 - FIXED_SHARE_PRIOR) * gen_now_s * rollout_now
+    xs = [1.0 / rollout_now] + [1.0 / n for n, _ in others]
+    ys = [gen_now_s] + [g for _, g in others]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    q = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var > 0 else 0.0
+    q = min(q, gen_now_s * rollout_now)  # p >= 0 at the current split
+    return gen_now_s - q / rollout_now, q
 
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
@@ -157,8 +185,7 @@ def latency_s(rollout: int, model: RateModel) -> float | None:
     """The predicted group latency with `rollout` ranks (None: no latency measured)."""
     if model.group_latency_s is None or rollout < 1:
         return None
-    gen = model.group_latency_s - model.group_env_s
-    return model.group_env_s + gen * model.rollout_ranks / rollout
+    return model.group_env_s + model.gen_fixed_s + model.gen_scaled_s / rollout
 
 
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
@@ -224,7 +251,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     seen = regime(signals)
     if seen == "supply":
         options = [s for s in options if s.rollout >= now.rollout]
-    elif seen == "trainer":
+    elif seen == "idle":
         options = [s for s in options if s.rollout <= now.rollout]
     scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
     best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
@@ -249,8 +276,9 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
 
 def regime(signals: ErsSignals) -> str:
     """What the window shows, independent of the model: `supply` (the trainer waited at least
-    SUPPLY_WAIT_SHARE of the time and the rollout ranks never idled), `trainer` (it never waited and the
-    rollout ranks idled) or `mixed`."""
+    SUPPLY_WAIT_SHARE of the time and the rollout ranks idled less than IDLE_CAP_RANKS), `idle` (a rollout
+    rank or more idled on average, for lack of work the staleness bound admits: a further one would idle
+    too) or `mixed`."""
     window = signals.window
     total = sum(s.duration_s for s in window)
     if total <= 0:
@@ -259,8 +287,8 @@ def regime(signals: ErsSignals) -> str:
     idle = sum(s.rollout_idle_rank_s for s in window) / total
     if wait >= SUPPLY_WAIT_SHARE and idle < IDLE_CAP_RANKS:
         return "supply"
-    if wait < TRAINER_WAIT_SHARE and idle >= IDLE_CAP_RANKS:
-        return "trainer"
+    if idle >= IDLE_RANKS:
+        return "idle"
     return "mixed"
 
 

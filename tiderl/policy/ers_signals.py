@@ -44,7 +44,10 @@ from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
-__all__ = ["ErsSnapshot", "StepObservation", "build_limits", "build_signals", "rate_window"]
+HISTORY_FACTOR = 4  # steps a mechanism hands over: this many times history_steps
+
+__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "StepObservation", "build_limits", "build_signals",
+           "gen_latency_by_rollout", "rate_window"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,8 @@ class ErsSnapshot:
     oldest_ready_age_s: float | None
     """Age of the oldest ready trajectory now (None: nothing ready)."""
     steps: tuple[StepObservation, ...] = ()
-    """The finished steps, oldest first (at least the last ``history_steps``)."""
+    """The finished steps, oldest first (the last ``HISTORY_FACTOR`` x ``history_steps`` or more: the
+    latency of earlier splits is read from them)."""
     is_eval_open: bool = False
     """An evaluation starts with the next version or is still running."""
     fetch_groups: int | None = None
@@ -90,6 +94,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
     recent = snapshot.steps[-history_steps:]
     last = recent[-1] if recent else None
     window = rate_window(snapshot.steps, history_steps)
+    known = snapshot.steps[-HISTORY_FACTOR * history_steps:]
     groups = sum(s.groups_completed for s in window)
     per_step = 0
     idle = 0.0
@@ -112,8 +117,27 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         group_latency_s=sum(s.group_latency_sum_s for s in window) / groups if groups else None,
         tokens_per_group=sum(s.produced_tokens for s in window) / groups if groups else None,
         group_env_s=sum(s.group_env_sum_s for s in window) / groups if groups else None,
+        gen_latency_by_rollout=gen_latency_by_rollout(known),
         micro_batch_tokens=mb,
     )
+
+
+def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[int, float], ...]:
+    """Per rollout-rank count, the mean group latency beyond the environment's over the newest settled run
+    of steps with that count (a run of steps on one split, less its first step), ascending by count."""
+    out: dict[int, float] = {}
+    i = len(steps)
+    while i > 0:
+        j = i
+        while j > 0 and _split(steps[j - 1]) == _split(steps[i - 1]):
+            j -= 1
+        settled = steps[j + 1:i]
+        groups = sum(s.groups_completed for s in settled)
+        n = steps[i - 1].rollout_ranks
+        if groups and n not in out:
+            out[n] = max(0.0, sum(s.group_latency_sum_s - s.group_env_sum_s for s in settled) / groups)
+        i = j
+    return tuple(sorted(out.items()))
 
 
 def _split(step: StepObservation) -> tuple[int, int, int]:

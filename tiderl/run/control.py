@@ -21,7 +21,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.paths import RunPaths
 from tiderl.policy import ers
-from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals
+from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_limits, build_signals
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
@@ -171,10 +171,11 @@ class ControlPlane:
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
-        """The finished steps up to `version` (the newest history_steps + 1 of them: the rate window
-        drops the first step on a split), read from the store once each."""
+        """The finished steps up to `version` (the newest HISTORY_FACTOR x history_steps), read from the
+        store once each."""
         rows = {r["version"]: r for r in self.store.version_rows()}
-        wanted = [v for v in range(max(1, version - self.config.ers.history_steps), version + 1) if v in rows]
+        first = version - HISTORY_FACTOR * self.config.ers.history_steps
+        wanted = [v for v in range(max(1, first), version + 1) if v in rows]
         for v in wanted:
             if v not in self._observed and v - 1 in rows:
                 self._observed[v] = self._observe(v, rows[v - 1], rows[v])
