@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import Split, estimate, fit_gen_latency, latency_s, predict_tok_s, regime
+from tiderl.policy.ers_rate import (Split, estimate, gen_latency_at, gen_latency_curve, latency_s, predict_tok_s,
+                                    regime)
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
 
@@ -19,7 +20,7 @@ ELASTIC = replace(LIMITS, elastic_actors=True)
 
 def obs(rollout: int, actors: int, refs: int = 0, *, latency_s: float = 20.0, env_s: float = 10.0,
         wait_s: float = 0.0, idle_rank_s: float = 0.0, duration_s: float = 10.0) -> StepObservation:
-    return StepObservation(duration_s=duration_s, consumed_tokens=4000, rollout_ranks=rollout, actor_ranks=actors,
+    return StepObservation(version=10, duration_s=duration_s, consumed_tokens=4000, rollout_ranks=rollout, actor_ranks=actors,
                            ref_ranks=refs, produced_tokens=4000, groups_completed=4,
                            group_latency_sum_s=4 * latency_s, group_env_sum_s=4 * env_s,
                            rollout_idle_rank_s=idle_rank_s, rollout_busy_rank_s=rollout * duration_s - idle_rank_s,
@@ -114,20 +115,20 @@ def test_6_the_fetch_size_is_always_the_ideal_batch():
 
 
 def test_latency_grows_as_rollout_ranks_shrink_and_the_environment_part_stays():
-    model = estimate(SHORT, ELASTIC, 250)  # one split measured: half of the 50 s beyond the env scales
+    model = estimate(SHORT, ELASTIC, 250)  # one split measured: 50 s beyond the env on 2 ranks
     assert latency_s(2, model) == pytest.approx(60.0)
-    assert latency_s(1, model) == pytest.approx(10.0 + 25.0 + 25.0 * 2)
-    assert latency_s(4, model) == pytest.approx(10.0 + 25.0 + 25.0 / 2)
+    assert latency_s(1, model) == pytest.approx(10.0 + 50.0 * 2)  # fewer ranks: fully scaling
+    assert latency_s(4, model) == pytest.approx(10.0 + 50.0 * (0.5 + 0.5 * 2 / 4))  # more: half of it
     # Little's law: (s + 1/2) x B x tokens per group over the latency.
     assert predict_tok_s(Split(2, 2, 0), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / 60.0)
 
 
-def test_the_latency_curve_is_fitted_to_the_splits_measured():
-    # Measured L_gen = 10 + 60 / n at n = 2, 3, 4: the fit recovers it and predicts n = 6.
-    points = tuple((n, 10 + 60 / n) for n in (2, 3, 4))
-    assert fit_gen_latency(points, 3, 30.0) == pytest.approx((10.0, 60.0))
-    # A split measured slower with more ranks (noise) fits no negative scaling.
-    assert fit_gen_latency(((2, 20.0), (4, 30.0)), 4, 30.0) == pytest.approx((30.0, 0.0))
-    # SHORT measures L_gen = 50 s on 2 ranks; with 30 s measured on 4 the curve is 10 + 80 / n.
-    model = estimate(replace(SHORT, gen_latency_by_rollout=((2, 50.0), (4, 30.0))), ELASTIC, 250)
-    assert latency_s(8, model) == pytest.approx(10.0 + 10.0 + 80.0 / 8)
+def test_measured_splits_are_read_as_measured_and_interpolated_in_one_over_n():
+    curve = gen_latency_curve(((1, 120.0), (4, 20.0)), 2, 40.0)
+    assert curve == ((1, 120.0), (2, 40.0), (4, 20.0))
+    assert gen_latency_at(1, curve) == 120.0  # a split tried and found slow stays slow
+    assert gen_latency_at(3, curve) == pytest.approx(20.0 + (1 / 3 - 1 / 4) / (1 / 2 - 1 / 4) * 20.0)
+    assert gen_latency_at(8, curve) == pytest.approx(20.0 * (0.5 + 0.5 * 4 / 8))
+    model = estimate(replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC, 250)
+    assert latency_s(1, model) == pytest.approx(210.0)
+    assert count(plan((R, R, A, A), replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC).roles, R) >= 2

@@ -19,7 +19,7 @@ TIMES = StageTimes(t_ref_s=0.2, t_act_f_s=0.4, t_act_b_s=0.8, t_swap_s=0.1)
 
 
 def step(rollout: int = 2, actors: int = 2, refs: int = 0, **kw: float) -> StepObservation:
-    values = dict(duration_s=10.0, consumed_tokens=4000, produced_tokens=4000, groups_completed=4,
+    values = dict(version=5, duration_s=10.0, consumed_tokens=4000, produced_tokens=4000, groups_completed=4,
                   group_latency_sum_s=40.0, group_env_sum_s=20.0, rollout_idle_rank_s=5.0)
     values.update(kw)
     return StepObservation(rollout_ranks=rollout, actor_ranks=actors, ref_ranks=refs, **values)  # type: ignore[arg-type]
@@ -60,6 +60,8 @@ def test_4_the_rate_window_is_the_settled_steps_of_the_last_split():
     assert s.group_latency_s == pytest.approx(10.0) and s.group_env_s == pytest.approx(5.0)
     assert s.tokens_per_group == pytest.approx(1000.0)
     assert s.step_history_s == (10.0, 10.0, 11.0, 12.0)  # the HoL rule keeps every recent step
+    fill = build_signals(snapshot(steps=steps, fill_steps=5), 5)  # every step is version 5: all fill
+    assert fill.window == () and fill.gen_latency_by_rollout == () and fill.step_history_s == s.step_history_s
 
 
 def test_limits_come_from_the_ers_section_and_the_system():
@@ -104,10 +106,11 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     duration = rows[1]["created_at"] - rows[0]["created_at"]
     created, completed = store.tx.read(lambda c: c.exec_driver_sql(
         "select created_at, completed_at from task_groups").one())
-    expected = StepObservation(duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
+    expected = StepObservation(version=1, duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
                                produced_tokens=6, groups_completed=1, group_latency_sum_s=completed - created,
                                group_env_sum_s=1.5, rollout_busy_rank_s=0.75)
     assert len(got) == 2 and signals.window == ()  # one step on this split: not settled
     assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
-                                  oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1),
+                                  oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
+                                  fill_steps=2),
                          config.ers.history_steps) == signals

@@ -165,6 +165,8 @@ class ErsLimits:
 class StepObservation:
     """One finished training step, as the control plane and the simulator both record it."""
 
+    version: int
+    """The version the step published."""
     duration_s: float
     """From the previous publish to this one."""
     consumed_tokens: int

@@ -15,12 +15,14 @@ Model (every rate from the signals' window of recent steps, as measured)
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
-  An engine iteration costs a fixed part plus a part per running sequence,
-  so spreading the same tasks over ``n`` ranks gives ``L_gen(n) = p + q / n``.
-  ``p`` and ``q`` are fitted to the measured ``L_gen`` of the recent splits
-  (``gen_latency_by_rollout``); with one split measured, half of ``L_gen``
-  is taken to scale (``FIXED_SHARE_PRIOR``), an even prior the next split's
-  measurement replaces.
+  ``L_gen`` is read off the recent splits' measurements
+  (``gen_latency_by_rollout``, :func:`gen_latency_at`): measured counts as
+  measured, linear in ``1 / n`` between them (an engine iteration costs a
+  fixed part plus a part per running sequence), and beyond them cautiously:
+  fewer ranks than any measured scale ``L_gen`` fully with ``1 / n``
+  (saturated engines), more ranks keep ``FIXED_SHARE_PRIOR`` of it fixed.
+  A split the planner tried and found slow is remembered for the window of
+  steps the mechanisms hand over, so the planner does not flap.
 - Without a latency measurement, supply is linear: ``r`` = tokens of the
   completed groups / rollout rank-seconds with the engine generating
   (or with any task), ``G_gen(n) = n r``.
@@ -42,7 +44,8 @@ best split over the current one exceeds ``rate_margin`` (hysteresis).
 Invariants (each has a test in tests/test_policy_ers_rate.py)
 1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
 2. No move without a predicted gain above ``rate_margin``; no move at all
-   while the window has no measured supply or demand.
+   while the window has fewer than MIN_WINDOW_STEPS steps or no measured
+   supply or demand.
 3. Every move goes toward the best split: rollout ranks move the same way as
    the target's rollout count (or, at an equal count, a rank passes through
    rollout on its way between ref and actor).
@@ -68,6 +71,7 @@ from tiderl.policy.ra2p import StageTimes, colocated_cost_s, decoupled_cost_s
 __all__ = ["RateModel", "Split", "estimate", "plan_rate", "predict_tok_s"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen that does not shrink with more rollout ranks, until two splits are measured
+MIN_WINDOW_STEPS = 2  # settled steps on a split before the planner judges it (one step is mostly noise)
 IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
 IDLE_RANKS = 1.0  # rollout ranks idle on average from which a further rollout rank would idle too
 SUPPLY_WAIT_SHARE = 0.1  # the trainer waited this share of the window or more: generation is short
@@ -103,15 +107,15 @@ class RateModel:
     """Measured latency of a group from its creation to its completion (None: not measured)."""
     group_env_s: float
     """Environment time of a group's slowest task, in that latency."""
-    gen_fixed_s: float = 0.0
-    """p of L_gen(n) = p + q / n (seconds)."""
-    gen_scaled_s: float = 0.0
-    """q of L_gen(n) = p + q / n (rank-seconds)."""
+    gen_curve: tuple[tuple[int, float], ...] = ()
+    """Measured (rollout ranks, L_gen seconds), the current split's included (see gen_latency_at)."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) -> RateModel | None:
     """The rates of the window, or None when it shows no supply or no demand."""
     window = signals.window
+    if len(window) < MIN_WINDOW_STEPS:
+        return None
     produced = sum(s.produced_tokens for s in window)
     rank_s = sum(s.rollout_ranks * s.duration_s for s in window)
     busy_rank_s = sum(s.rollout_busy_rank_s for s in window)
@@ -137,7 +141,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
     latency = signals.group_latency_s if signals.group_latency_s and signals.group_latency_s > 0 else None
     last = window[-1]
     env = min(signals.group_env_s or 0.0, latency or 0.0)
-    fixed, scaled = fit_gen_latency(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
+    curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
     return RateModel(
         supply_tok_s_per_rank=produced / busy_rank_s,
         step_tokens=step_tokens,
@@ -149,26 +153,38 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
         little_tokens=(limits.max_staleness + 0.5) * limits.groups_ideal * per_group,
         group_latency_s=latency,
         group_env_s=env,
-        gen_fixed_s=fixed,
-        gen_scaled_s=scaled,
+        gen_curve=curve,
     )
 
 
-def fit_gen_latency(points: tuple[tuple[int, float], ...], rollout_now: int, gen_now_s: float) -> tuple[float, float]:
-    """(p, q) of L_gen(n) = p + q / n: least squares over the measured points (p, q >= 0), anchored so the
-    current split's prediction is its measurement; with fewer than two points, FIXED_SHARE_PRIOR of it."""
-    if rollout_now < 1:
-        return 0.0, 0.0
-    others = [(n, g) for n, g in points if n != rollout_now and n >= 1]
-    if not others:
-        return FIXED_SHARE_PRIOR * gen_now_s, (1 - FIXED_SHARE_PRIOR) * gen_now_s * rollout_now
-    xs = [1.0 / rollout_now] + [1.0 / n for n, _ in others]
-    ys = [gen_now_s] + [g for _, g in others]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    q = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var > 0 else 0.0
-    q = min(q, gen_now_s * rollout_now)  # p >= 0 at the current split
-    return gen_now_s - q / rollout_now, q
+def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,
+                      gen_now_s: float) -> tuple[tuple[int, float], ...]:
+    """The measured (rollout ranks, L_gen) points with the current split's measurement in, ascending."""
+    curve = {n: g for n, g in points if n >= 1}
+    if rollout_now >= 1:
+        curve[rollout_now] = gen_now_s
+    return tuple(sorted(curve.items()))
+
+
+def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
+    """L_gen with `rollout` ranks: measured where measured; between two measured counts, linear in
+    1 / n (iteration cost = fixed part + part per sequence); below the fewest measured, scaling fully
+    with 1 / n (saturated engines: a pessimistic view of taking rollout ranks away); above the most
+    measured, with FIXED_SHARE_PRIOR of it fixed (a modest view of adding them)."""
+    known = dict(curve)
+    if rollout in known:
+        return known[rollout]
+    lower = [(n, g) for n, g in curve if n < rollout]
+    upper = [(n, g) for n, g in curve if n > rollout]
+    if lower and upper:
+        (n0, g0), (n1, g1) = lower[-1], upper[0]
+        w = (1 / rollout - 1 / n1) / (1 / n0 - 1 / n1)
+        return g1 + w * (g0 - g1)
+    if upper:
+        n1, g1 = upper[0]
+        return g1 * n1 / rollout
+    n0, g0 = lower[-1]
+    return g0 * (FIXED_SHARE_PRIOR + (1 - FIXED_SHARE_PRIOR) * n0 / rollout)
 
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
@@ -185,7 +201,7 @@ def latency_s(rollout: int, model: RateModel) -> float | None:
     """The predicted group latency with `rollout` ranks (None: no latency measured)."""
     if model.group_latency_s is None or rollout < 1:
         return None
-    return model.group_env_s + model.gen_fixed_s + model.gen_scaled_s / rollout
+    return model.group_env_s + gen_latency_at(rollout, model.gen_curve)
 
 
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:

@@ -32,7 +32,8 @@ Invariants (tests/test_policy_ers_signals.py)
    above; with no actor rank RAS is 0.
 3. No step history: cold start (empty ``step_history_s``), no TPRM.
 4. The window holds at most ``history_steps`` steps, the newest last, all on
-   the split of the last step, never the first step on that split.
+   the split of the last step, never the first step on that split, never a
+   step of the pipeline fill.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
-HISTORY_FACTOR = 4  # steps a mechanism hands over: this many times history_steps
+HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
 
 __all__ = ["HISTORY_FACTOR", "ErsSnapshot", "StepObservation", "build_limits", "build_signals",
            "gen_latency_by_rollout", "rate_window"]
@@ -75,6 +76,9 @@ class ErsSnapshot:
     """Rollout ranks added (+) or removed (-) by the previous plan."""
     stage_times: StageTimes | None = None
     """Per-share RA2P stage times measured on the actor group (None: not measured yet)."""
+    fill_steps: int = 0
+    """The first steps of the run, while the pipeline fills ((staleness + 1) batches released at once):
+    their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
 
 
 def build_limits(ers_config: object, groups_min: int, groups_ideal: int, max_staleness: int) -> ErsLimits:
@@ -93,8 +97,9 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
     actors = sum(1 for r in snapshot.roles if r is Role.ACTOR)
     recent = snapshot.steps[-history_steps:]
     last = recent[-1] if recent else None
-    window = rate_window(snapshot.steps, history_steps)
-    known = snapshot.steps[-HISTORY_FACTOR * history_steps:]
+    steady = tuple(s for s in snapshot.steps if s.version > snapshot.fill_steps)
+    window = rate_window(steady, history_steps)
+    known = steady[-HISTORY_FACTOR * history_steps:]
     groups = sum(s.groups_completed for s in window)
     per_step = 0
     idle = 0.0

@@ -167,7 +167,7 @@ class ControlPlane:
             # preemptive rollout for an evaluation that starts now or is still running
             is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
-            stage_times=self._stage_times())
+            stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1)
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
@@ -188,7 +188,7 @@ class ControlPlane:
         counts = {role: sum(1 for r in roles.values() if r is role) for role in Role}
         actors = max(1, counts[Role.ACTOR])
         return ers.StepObservation(
-            duration_s=end - start, consumed_tokens=window.consumed_tokens,
+            version=version, duration_s=end - start, consumed_tokens=window.consumed_tokens,
             rollout_ranks=counts[Role.ROLLOUT], actor_ranks=counts[Role.ACTOR], ref_ranks=counts[Role.REF],
             produced_tokens=window.produced_tokens, groups_completed=window.groups_completed,
             group_latency_sum_s=window.group_latency_sum_s, group_env_sum_s=window.group_env_sum_s,

@@ -323,6 +323,7 @@ class Simulation:
             fetch_groups=self.fetch,
             last_rollout_change=self.last_rollout_change,
             stage_times=self._stage_times() if self.consumed_tasks else None,
+            fill_steps=self.staleness + 1,
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -332,7 +333,7 @@ class Simulation:
         seen = self.groups_seen
         trainers = max(1, stats.num_actors + stats.num_refs)
         self.observations.append(StepObservation(
-            duration_s=duration, consumed_tokens=stats.consumed_tokens,
+            version=self.version + 1, duration_s=duration, consumed_tokens=stats.consumed_tokens,
             rollout_ranks=self._num(Role.ROLLOUT), actor_ranks=stats.num_actors, ref_ranks=stats.num_refs,
             produced_tokens=sum(g[2] for g in seen), groups_completed=len(seen),
             group_latency_sum_s=sum(g[1] for g in seen), group_env_sum_s=sum(g[3] for g in seen),
