@@ -96,7 +96,8 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
                                        reward=float(i), success=bool(i), env_s=0.5 + i) for i, c in enumerate(claims)]
     time.sleep(0.01)
     store.report(RankReport(rank=1, role=R, version=0, finished=trajectories,
-                            metrics=[MetricPoint("rollout_busy_s", 0.75, 0, "rollout")]))
+                            metrics=[MetricPoint("rollout_busy_s", 0.75, 0, "rollout"),
+                                     MetricPoint("rollout_idle_s", 0.25, 0, "rollout")]))
     got = store.claim_ready_groups(0, 1)
     time.sleep(0.01)
     store.publish_version(StepRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
@@ -108,8 +109,9 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
         "select created_at, completed_at from task_groups").one())
     expected = StepObservation(version=1, duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
                                produced_tokens=6, groups_completed=1, group_latency_sum_s=completed - created,
-                               group_env_sum_s=1.5, rollout_busy_rank_s=0.75)
+                               group_env_sum_s=1.5, rollout_busy_rank_s=0.75, rollout_idle_rank_s=0.25)
     assert len(got) == 2 and signals.window == ()  # one step on this split: not settled
+    assert signals.rollout_idle_ranks == pytest.approx(0.25 / duration)  # the real run's idle rollout ranks
     assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
                                   oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
                                   fill_steps=2),

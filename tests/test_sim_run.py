@@ -100,8 +100,12 @@ def test_cli_all_reports_ratios_and_ablation(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["ratios"]) >= {"tiderl_over_sync", "tiderl_over_async_best", "tiderl_over_stream_best",
                                   "tiderl_over_upper_bound"}
-    assert [row["system"] for row in out["ablation"]] == [
-        "stream@0.5", "stream+ra2p@0.5", "stream+ra2p+ers@0.5", "tiderl@0.5"]
+    assert [(row["system"], row["over"]) for row in out["ablation"]] == [
+        ("stream@0.5", None), ("stream+ra2p@0.5", "stream@0.5"), ("stream+ra2p+ers@0.5", "stream+ra2p@0.5"),
+        ("stream+ra2p+ers-rate@0.5", "stream+ra2p@0.5"), ("tiderl@0.5", "stream+ra2p+ers-rate@0.5"),
+        ("tiderl-paper@0.5", "stream+ra2p+ers@0.5")]
+    assert set(out) >= {"best_fixed", "bound_tok_s", "bound_term", "systems"}
+    assert {"goodput_tok_s", "rwt_s", "twt_s"} <= set(out["systems"]["tiderl@0.5"])
     assert out["systems"]["tiderl@0.5"]["ratio_to_tiderl"] == 1.0
 
 

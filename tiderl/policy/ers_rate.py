@@ -68,9 +68,10 @@ from dataclasses import dataclass
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, _finish, _move
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s, decoupled_cost_s
 
-__all__ = ["RateModel", "Split", "estimate", "plan_rate", "predict_tok_s"]
+__all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
+           "latency_s", "plan_rate", "predict_tok_s", "regime"]
 
-FIXED_SHARE_PRIOR = 0.5  # share of L_gen that does not shrink with more rollout ranks, until two splits are measured
+FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
 MIN_WINDOW_STEPS = 2  # settled steps on a split before the planner judges it (one step is mostly noise)
 IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
 IDLE_RANKS = 1.0  # rollout ranks idle on average from which a further rollout rank would idle too
@@ -117,7 +118,6 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
     if len(window) < MIN_WINDOW_STEPS:
         return None
     produced = sum(s.produced_tokens for s in window)
-    rank_s = sum(s.rollout_ranks * s.duration_s for s in window)
     busy_rank_s = sum(s.rollout_busy_rank_s for s in window)
     if busy_rank_s <= 0:  # the engines' busy time was not measured: count every rank-second with work
         busy_rank_s = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)

@@ -20,7 +20,7 @@ from pathlib import Path
 from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.paths import RunPaths
-from tiderl.policy import ers
+from tiderl.policy import ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_limits, build_signals
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
@@ -134,14 +134,19 @@ class ControlPlane:
         reason = "fixed"
         if self.system.uses_ers:
             ranks = sorted(current)
-            decision = ers.plan([current[r] for r in ranks], self.signals(version, current), self.limits)
+            signals = self.signals(version, current)
+            before = [current[r] for r in ranks]
+            decision = ers.plan(before, signals, self.limits)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
             mode = decision.mode.value if cfg.trainer.ra2p_mode == "auto" else cfg.trainer.ra2p_mode
             reason = decision.reason.value
             if decision.moves:
-                log.info("version %d: ERS %s moves %s", version, reason,
-                         ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves))
+                old, new = (ers_rate.describe(signals, self.limits, r) for r in (before, decision.roles))
+                seen = (f" (predicted goodput {old['predicted_goodput_tok_s']:.0f} -> "
+                        f"{new['predicted_goodput_tok_s']:.0f} tok/s)" if old and new else "")
+                log.info("version %d: ERS %s moves %s%s", version, reason,
+                         ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves), seen)
         plan = PlanRecord(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
         self.store.plan_roles(version, current, ra2p_mode=mode, fetch_groups=fetch, reason=reason)
         self._record_step(version)

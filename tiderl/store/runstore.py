@@ -377,8 +377,9 @@ class RunStore:
         """Commit weights version `step.version` and consume its trajectories, atomically."""
         def write(c: Connection) -> None:
             ids = list(step.trajectory_ids)
-            rows = c.execute(select(trajectories.c.id, trajectories.c.num_generated, trajectories.c.reward,
-                                    trajectories.c.success, trajectories.c.min_version).where(
+            rows = c.execute(select(trajectories.c.id, trajectories.c.num_generated, trajectories.c.num_tokens,
+                                    trajectories.c.reward, trajectories.c.success,
+                                    trajectories.c.min_version).where(
                 trajectories.c.id.in_(ids), trajectories.c.state == TrajectoryState.CLAIMED.value,
                 trajectories.c.claim_owner == owner)).all()
             if len(rows) != len(set(ids)):
@@ -393,7 +394,7 @@ class RunStore:
             c.execute(insert(versions).values(
                 version=step.version, path=step.path, checksum=step.checksum, created_at=time.time(),
                 step_started_at=step.step_started_at, duration_s=step.duration_s, num_trajectories=n,
-                consumed_tokens=sum(r.num_generated for r in rows),
+                consumed_tokens=sum(r.num_generated for r in rows), trained_tokens=sum(r.num_tokens for r in rows),
                 reward_mean=sum(r.reward for r in rows) / n if n else None,
                 success_rate=sum(r.success for r in rows) / n if n else None,
                 max_staleness=max((step.version - 1 - r.min_version for r in rows), default=None),
@@ -534,20 +535,19 @@ class RunStore:
         [start_ts, end_ts) (their tokens, creation-to-completion seconds and slowest task's environment
         seconds) and the rank-seconds of the rollout and wait metrics recorded in it, by metric and role."""
         def read(c: Connection) -> StepWindow:
-            per_group = (select(trajectories.c.group_id, func.sum(trajectories.c.num_tokens).label("tokens"),
-                                func.max(func.coalesce(trajectories.c.env_s, 0.0)).label("env_s"))
-                         .group_by(trajectories.c.group_id).subquery())
-            rows = c.execute(select(task_groups.c.created_at, task_groups.c.completed_at, per_group.c.tokens,
-                                    per_group.c.env_s).join(per_group, per_group.c.group_id == task_groups.c.id)
-                             .where(task_groups.c.kind == TaskKind.TRAIN.value,
-                                    task_groups.c.completed_at >= start_ts,
-                                    task_groups.c.completed_at < end_ts)).all()
+            rows = c.execute(
+                select(task_groups.c.created_at, task_groups.c.completed_at,
+                       func.sum(trajectories.c.num_tokens).label("tokens"),
+                       func.max(func.coalesce(trajectories.c.env_s, 0.0)).label("env_s"))
+                .join(trajectories, trajectories.c.group_id == task_groups.c.id)
+                .where(task_groups.c.kind == TaskKind.TRAIN.value, task_groups.c.completed_at >= start_ts,
+                       task_groups.c.completed_at < end_ts)
+                .group_by(task_groups.c.id, task_groups.c.created_at, task_groups.c.completed_at)).all()
             sums = c.execute(select(metrics.c.name, metrics.c.role, func.sum(metrics.c.value))
                              .where(metrics.c.ts >= start_ts, metrics.c.ts < end_ts,
                                     metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
                              .group_by(metrics.c.name, metrics.c.role)).all()
-            consumed = c.execute(select(func.coalesce(func.sum(trajectories.c.num_tokens), 0)).where(
-                trajectories.c.consumed_version == version)).scalar()
+            consumed = c.execute(select(versions.c.trained_tokens).where(versions.c.version == version)).scalar()
             return StepWindow(
                 groups_completed=len(rows), produced_tokens=int(sum(r.tokens or 0 for r in rows)),
                 group_latency_sum_s=sum(max(0.0, r.completed_at - r.created_at) for r in rows),

@@ -165,6 +165,7 @@ versions = Table(
     Column("duration_s", Float),
     Column("num_trajectories", Integer, nullable=False, default=0),
     Column("consumed_tokens", Integer, nullable=False, default=0),  # generated tokens trained on
+    Column("trained_tokens", Integer),  # every token of the trajectories trained on (prompt, generated, env)
     Column("reward_mean", Float),
     Column("success_rate", Float),
     Column("max_staleness", Integer),
