@@ -119,8 +119,11 @@ def test_latency_grows_as_rollout_ranks_shrink_and_the_environment_part_stays():
     assert latency_s(2, model) == pytest.approx(60.0)
     assert latency_s(1, model) == pytest.approx(10.0 + 50.0 * 2)  # fewer ranks: fully scaling
     assert latency_s(4, model) == pytest.approx(10.0 + 50.0 * (0.5 + 0.5 * 2 / 4))  # more: half of it
-    # Little's law: (s + 1/2) x B x tokens per group over the latency.
-    assert predict_tok_s(Split(2, 2, 0), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / 60.0)
+    # Little's law: (s + 1/2) x B x tokens per group over the time a group holds its place: the latency,
+    # the trainer's tail (a swap pair, ref, forward, backward of the last share) and overhead (none here).
+    assert model.overhead_s == 0.0
+    assert predict_tok_s(Split(2, 2, 0), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / (60.0 + 0.72))
+    assert predict_tok_s(Split(2, 1, 1), model)[0] == pytest.approx(1.5 * 4 * 1000.0 / (60.0 + 0.1 + 0.6))
 
 
 def test_measured_splits_are_read_as_measured_and_interpolated_in_one_over_n():

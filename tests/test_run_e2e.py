@@ -87,7 +87,7 @@ def test_elastic_actors_join_and_leave_with_the_groups_state(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     sets = SHORT + ["system=tiderl", "trainer.num_steps=6", "launch.num_ranks=4", "trainer.actor_ranks=2",
                     "launch.rollout_fraction=0.5", "ers.elastic_actors=true", "ers.max_ref_ranks=0",
-                    "ers.hol_tau=0.001", "trainer.checkpoint_every=100"]
+                    "ers.policy=paper", "ers.hol_tau=0.001", "trainer.checkpoint_every=100"]
     run_job(run_dir, sets)
     facts = check_run(run_dir, max_staleness=1)
     assert facts["versions"] == 6

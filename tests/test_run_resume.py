@@ -15,6 +15,7 @@ import pytest
 
 from run_checks import check_run
 from tiderl.store import RunStore
+from tiderl.store.engine import StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -50,8 +51,11 @@ def _rank_pids(run_dir: Path) -> list[int]:
 def _wait_version(run_dir: Path, version: int, proc: subprocess.Popen[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (run_dir / "run.db").exists() and _version(run_dir) >= version:
-            return
+        try:
+            if (run_dir / "run.db").exists() and _version(run_dir) >= version:
+                return
+        except StoreError:  # the file exists but the launcher is still creating the schema
+            pass
         if proc.poll() is not None:
             out = proc.stdout.read() if proc.stdout else ""
             raise AssertionError(f"the launcher exited ({proc.returncode}) before version {version}:\n{out}")

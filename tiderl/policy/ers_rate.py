@@ -8,10 +8,13 @@ calls :func:`plan_rate` after its cold-start and evaluation rules.
 Model (every rate from the signals' window of recent steps, as measured)
 - Generation, by Little's law: at most (max_staleness + 1) x groups_ideal
   groups are in flight (released, not yet trained); a group resides its
-  generation latency ``L`` and then, on average, half a step until the step
-  that trains it ends and frees its slot. With the trainer keeping up,
-  ``G = F / (L + T / 2)`` and ``T = B tok / G`` give
-  ``G_gen(n) = (s + 1/2) B tok / L(n)``.
+  generation latency ``L``, then on average half a step in the buffer, then
+  the trainer's tail after the step's last arrival (the last micro-batch's
+  work, :func:`_tail_s`) and its overhead (optimizer, publish) until the
+  step ends and frees its place. With the trainer keeping up,
+  ``G = F / (L + T / 2 + tail + overhead)`` and ``T = B tok / G`` give
+  ``G_gen(n, M, R) = (s + 1/2) B tok / (L(n) + tail(M, R) + overhead)``:
+  while the staleness bound binds, a faster trainer still raises goodput.
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
@@ -20,16 +23,19 @@ Model (every rate from the signals' window of recent steps, as measured)
   measured, linear in ``1 / n`` between them (an engine iteration costs a
   fixed part plus a part per running sequence), and beyond them cautiously:
   fewer ranks than any measured scale ``L_gen`` fully with ``1 / n``
-  (saturated engines), more ranks keep ``FIXED_SHARE_PRIOR`` of it fixed.
+  (saturated engines); more ranks than any measured follow the slope (in
+  ``1 / n``) of the two largest counts measured, or with one count measured
+  keep ``FIXED_SHARE_PRIOR`` of it fixed.
   A split the planner tried and found slow is remembered for the window of
   steps the mechanisms hand over, so the planner does not flap.
 - Without a latency measurement, supply is linear: ``r`` = tokens of the
   completed groups / rollout rank-seconds with the engine generating
   (or with any task), ``G_gen(n) = n r``.
 - Consumption: a step of ``B tok`` tokens takes ``compute(M, R) + overhead``;
-  ``compute`` is the RA2P cost model (:mod:`tiderl.policy.ra2p`) with the
-  measured stage times and every micro-batch ready (colocated with no ref
-  rank, decoupled with R ref ranks), ``overhead`` the measured busy time of
+  ``compute`` is the step time with the measured stage times and every
+  micro-batch ready: colocated with no ref rank (the RA2P cost model's
+  aggregation), decoupled with R ref ranks (the pipeline's fill as a latency
+  plus a period per micro-batch, see :func:`_compute_s`); ``overhead`` the measured busy time of
   the trainer beyond that (optimizer, publish, polling). Without stage times
   the measured consumption rate per actor rank scales with M.
 - Goodput of a split: ``min(G_gen(n), D(M, R))``.
@@ -66,7 +72,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, _finish, _move
-from tiderl.policy.ra2p import StageTimes, colocated_cost_s, decoupled_cost_s
+from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 
 __all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
            "latency_s", "plan_rate", "predict_tok_s", "regime"]
@@ -184,17 +190,26 @@ def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
         n1, g1 = upper[0]
         return g1 * n1 / rollout
     n0, g0 = lower[-1]
+    if len(lower) >= 2:  # the slope of the two largest counts measured, never rising with more ranks
+        n_a, g_a = lower[-2]
+        slope = max(0.0, (g_a - g0) / (1 / n_a - 1 / n0))
+        return max(0.0, g0 - slope * (1 / n0 - 1 / rollout))
     return g0 * (FIXED_SHARE_PRIOR + (1 - FIXED_SHARE_PRIOR) * n0 / rollout)
 
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
-    """The cost model's compute time of a step of `tokens`, every micro-batch ready at the start."""
+    """The compute time of a step of `tokens`, every micro-batch ready at the start: colocated, the RA2P
+    cost model's aggregation loop; decoupled, the pipeline's fill as a latency (the last actor waits for
+    ceil(M / R) reference shares) plus a period per micro-batch, max(t_act_f + t_act_b, M t_ref / R).
+    (Appendix A's fill term sums the M actors' waits, rank-seconds growing with M squared: right for
+    comparing the modes' costs, too slow as the step time of a large actor group.)"""
     if tokens <= 0 or actors < 1:
         return 0.0
-    ready = [0.0] * max(1, math.ceil(tokens / (per_actor_mb * actors)))
+    n = max(1, math.ceil(tokens / (per_actor_mb * actors)))
     if refs >= 1:
-        return decoupled_cost_s(ready, times, actors, refs)
-    return colocated_cost_s(ready, times)
+        period = max(times.t_act_f_s + times.t_act_b_s, actors * times.t_ref_s / refs)
+        return math.ceil(actors / refs) * times.t_ref_s + n * period
+    return colocated_cost_s([0.0] * n, times)
 
 
 def latency_s(rollout: int, model: RateModel) -> float | None:
@@ -204,11 +219,23 @@ def latency_s(rollout: int, model: RateModel) -> float | None:
     return model.group_env_s + gen_latency_at(rollout, model.gen_curve)
 
 
+def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
+    """The trainer's work on the step's last micro-batch once it arrives: colocated, a swap pair and the
+    ref, forward and backward of one share; decoupled, ceil(M / R) reference shares, then the actor."""
+    if times is None or actors < 1:
+        return 0.0
+    if refs >= 1:
+        return math.ceil(actors / refs) * times.t_ref_s + times.t_act_f_s + times.t_act_b_s
+    return 2 * times.t_swap_s + times.t_ref_s + times.t_act_f_s + times.t_act_b_s
+
+
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     """(supply, demand, goodput) of a split, tokens per second."""
     latency = latency_s(split.rollout, model)
     if latency is not None and latency > 0:
-        supply = model.little_tokens / latency
+        # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
+        held = latency + model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)
+        supply = model.little_tokens / held
     else:
         supply = split.rollout * model.supply_tok_s_per_rank
     if split.actors < 1:
