@@ -131,7 +131,10 @@ def test_measured_splits_are_read_as_measured_and_interpolated_in_one_over_n():
     assert curve == ((1, 120.0), (2, 40.0), (4, 20.0))
     assert gen_latency_at(1, curve) == 120.0  # a split tried and found slow stays slow
     assert gen_latency_at(3, curve) == pytest.approx(20.0 + (1 / 3 - 1 / 4) / (1 / 2 - 1 / 4) * 20.0)
-    assert gen_latency_at(8, curve) == pytest.approx(20.0 * (0.5 + 0.5 * 4 / 8))
+    # Beyond the most ranks measured: the slope of the two largest counts (40 s on 2, 20 s on 4: 80 / n).
+    assert gen_latency_at(8, curve) == pytest.approx(10.0)
+    assert gen_latency_at(8, ((2, 20.0), (4, 30.0))) == pytest.approx(30.0)  # never rising with more ranks
+    assert gen_latency_at(8, ((4, 20.0),)) == pytest.approx(20.0 * (0.5 + 0.5 * 4 / 8))  # one count: the prior
     model = estimate(replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC, 250)
     assert latency_s(1, model) == pytest.approx(210.0)
     assert count(plan((R, R, A, A), replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC).roles, R) >= 2
