@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 
@@ -48,27 +49,14 @@ def run(args: argparse.Namespace) -> int:
         results = report.run_many(args.workload, args.cluster, report.fixed_partitions(cluster), args.steps,
                                   args.seed, args.jobs)
         best = report.best_fixed(results)
-        if args.plot:
-            report.plot(results, args.plot)
-        if args.json:
-            print(json.dumps(best))
-        else:
-            print(report.format_table(results))
-            print()
-            print("\n".join(report.format_best_fixed(best)))
-        return 0
+        return _emit(args, results, best,
+                     lambda: report.format_table(results) + "\n\n" + "\n".join(report.format_best_fixed(best)))
 
     if args.system == "all":
         systems = report.all_systems(default, fractions, report.fixed_partitions(cluster))
         results = report.run_many(args.workload, args.cluster, systems, args.steps, args.seed, args.jobs)
         out = report.compare(results, default)
-        if args.plot:
-            report.plot(results, args.plot)
-        if args.json:
-            print(json.dumps(out))
-        else:
-            print(report.format_report(out))
-        return 0
+        return _emit(args, results, out, lambda: report.format_report(out))
 
     try:
         system = parse_system(args.system)
@@ -80,12 +68,15 @@ def run(args: argparse.Namespace) -> int:
     runs = report.expand(system, fractions)
     results = report.run_many(args.workload, args.cluster, runs, args.steps, args.seed, args.jobs)
     result = report.best_of(results) if len(results) > 1 else results[0]
+    best = f"\nbest: {result['system']}" if len(results) > 1 else ""
+    return _emit(args, results, result, lambda: report.format_table(results) + best)
+
+
+def _emit(args: argparse.Namespace, results: list[dict], doc: dict, text: Callable[[], str]) -> int:
+    """Plot if asked, then print `doc` as JSON or the text report."""
+    from tiderl.sim import report
+
     if args.plot:
         report.plot(results, args.plot)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(report.format_table(results))
-        if len(results) > 1:
-            print(f"best: {result['system']}")
+    print(json.dumps(doc) if args.json else text())
     return 0
