@@ -55,4 +55,5 @@ class ErsConfig:
         help="After a rollout scale-down that leaves a generation deficit, fetch fewer groups per step "
         "(halfway toward trainer.groups_min) so a reservoir of ready data remains.",
     )
-    history_steps: int = option(5, ge=1, help="Recent steps whose mean duration is T_step for the HoL test.")
+    history_steps: int = option(5, ge=1, help="Recent steps: their mean duration is T_step for the HoL test, and at most this many settled "
+                    "steps make the rate planner's window (it remembers the latency of earlier splits for 10x this).")
