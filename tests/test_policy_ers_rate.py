@@ -81,7 +81,7 @@ def test_3_moves_go_toward_the_best_split():
     assert q.reason is ErsReason.RATE_TO_TRAINER and count(q.roles, R) == 3
     # The model agrees: the chosen split predicts more goodput than staying.
     for sig, old, new in ((SHORT, Split(2, 2, 0), Split(3, 1, 0)), (SLOW_TRAINER, Split(4, 2, 0), Split(3, 3, 0))):
-        model = estimate(sig, ELASTIC, 250)
+        model = estimate(sig, ELASTIC)
         assert predict_tok_s(new, model)[2] > predict_tok_s(old, model)[2]
 
 
@@ -115,7 +115,7 @@ def test_6_the_fetch_size_is_always_the_ideal_batch():
 
 
 def test_latency_grows_as_rollout_ranks_shrink_and_the_environment_part_stays():
-    model = estimate(SHORT, ELASTIC, 250)  # one split measured: 50 s beyond the env on 2 ranks
+    model = estimate(SHORT, ELASTIC)  # one split measured: 50 s beyond the env on 2 ranks
     assert latency_s(2, model) == pytest.approx(60.0)
     assert latency_s(1, model) == pytest.approx(10.0 + 50.0 * 2)  # fewer ranks: fully scaling
     assert latency_s(4, model) == pytest.approx(10.0 + 50.0 * (0.5 + 0.5 * 2 / 4))  # more: half of it
@@ -135,6 +135,6 @@ def test_measured_splits_are_read_as_measured_and_interpolated_in_one_over_n():
     assert gen_latency_at(8, curve) == pytest.approx(10.0)
     assert gen_latency_at(8, ((2, 20.0), (4, 30.0))) == pytest.approx(30.0)  # never rising with more ranks
     assert gen_latency_at(8, ((4, 20.0),)) == pytest.approx(20.0 * (0.5 + 0.5 * 4 / 8))  # one count: the prior
-    model = estimate(replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC, 250)
+    model = estimate(replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC)
     assert latency_s(1, model) == pytest.approx(210.0)
     assert count(plan((R, R, A, A), replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC).roles, R) >= 2

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tiderl.config import load_job
-from tiderl.policy.ers import ErsPolicy, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals, rate_window
+from tiderl.policy.ers import ErsLimits, ErsPolicy, StepObservation
+from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
@@ -67,10 +67,10 @@ def test_4_the_rate_window_is_the_settled_steps_of_the_last_split():
 def test_limits_come_from_the_ers_section_and_the_system():
     from tiderl.config.ers import ErsConfig
 
-    limits = build_limits(ErsConfig(policy="paper", rate_margin=0.1, max_moves_per_step=2), 2, 4, 0)
+    limits = ErsLimits.from_config(ErsConfig(policy="paper", rate_margin=0.1, max_moves_per_step=2), 2, 4, 0)
     assert (limits.policy, limits.rate_margin, limits.max_moves_per_step, limits.max_staleness) == (
         ErsPolicy.PAPER, 0.1, 2, 0)
-    assert build_limits(ErsConfig(), 2, 4, 1).policy is ErsPolicy.RATE  # the default
+    assert ErsLimits.from_config(ErsConfig(), 2, 4, 1).policy is ErsPolicy.RATE  # the default
 
 
 def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ __all__ = [
     "Role",
     "RoleMove",
     "StepObservation",
+    "finish_plan",
+    "move_roles",
     "plan",
 ]
 
@@ -284,7 +286,7 @@ def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPl
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
         new = tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in current)
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
-        return _finish(current, new, fetch, reason)
+        return finish_plan(current, new, fetch, reason)
     if limits.policy is ErsPolicy.RATE:
         from tiderl.policy import ers_rate  # it builds on this module's types: imported here, not above
 
@@ -313,22 +315,22 @@ def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits
                 num_actor += 1
             else:
                 break
-            new = list(_move(tuple(new), Role.ROLLOUT, target, 1))
-        return _finish(current, tuple(new), fetch, ErsReason.CONSUMPTION_DEFICIT)
+            new = list(move_roles(tuple(new), Role.ROLLOUT, target, 1))
+        return finish_plan(current, tuple(new), fetch, ErsReason.CONSUMPTION_DEFICIT)
 
     if signals.ready_groups < limits.groups_ideal:
         budget = limits.max_moves_per_step if signals.rollout_idle_ranks < 1.0 else 0
         from_ref = min(budget, num_ref)
-        new = _move(current, Role.REF, Role.ROLLOUT, from_ref)
+        new = move_roles(current, Role.REF, Role.ROLLOUT, from_ref)
         if limits.elastic_actors:
             from_actor = min(budget - from_ref, max(num_actor - limits.min_actor_ranks, 0))
-            new = _move(new, Role.ACTOR, Role.ROLLOUT, from_actor, lowest_first=True)
+            new = move_roles(new, Role.ACTOR, Role.ROLLOUT, from_actor, lowest_first=True)
         if limits.adaptive_retention and signals.last_rollout_change < 0:
             previous = signals.fetch_groups if signals.fetch_groups is not None else limits.groups_ideal
             fetch = max(limits.groups_min, (previous + limits.groups_min) // 2)
-        return _finish(current, new, fetch, ErsReason.GENERATION_DEFICIT)
+        return finish_plan(current, new, fetch, ErsReason.GENERATION_DEFICIT)
 
-    return _finish(current, current, fetch, ErsReason.STEADY)
+    return finish_plan(current, current, fetch, ErsReason.STEADY)
 
 
 def _refs_short(num_actor: int, num_ref: int, times: StageTimes | None) -> bool:
@@ -349,7 +351,7 @@ def _decoupled_pays(num_actor: int, num_ref: int, signals: ErsSignals) -> bool:
     return choose_mode(ready, signals.stage_times, num_actor, num_ref).mode is Ra2pMode.DECOUPLED
 
 
-def _move(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest_first: bool = False) -> tuple[Role, ...]:
+def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest_first: bool = False) -> tuple[Role, ...]:
     new = list(roles)
     order = range(len(new)) if lowest_first else reversed(range(len(new)))
     for rank in order:
@@ -361,6 +363,6 @@ def _move(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest_firs
     return tuple(new)
 
 
-def _finish(old: tuple[Role, ...], new: tuple[Role, ...], fetch: int, reason: ErsReason) -> ErsPlan:
+def finish_plan(old: tuple[Role, ...], new: tuple[Role, ...], fetch: int, reason: ErsReason) -> ErsPlan:
     moves = tuple(RoleMove(i, a, b) for i, (a, b) in enumerate(zip(old, new)) if a is not b)
     return ErsPlan(new, _mode_of(new), fetch, moves, reason)

@@ -71,7 +71,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, _finish, _move
+from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 
 __all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
@@ -118,10 +118,10 @@ class RateModel:
     """Measured (rollout ranks, L_gen seconds), the current split's included (see gen_latency_at)."""
 
 
-def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) -> RateModel | None:
-    """The rates of the window, or None when it shows no supply or no demand."""
+def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
+    """The rates of the window, or None when it shows no supply or no demand (or no micro-batch size)."""
     window = signals.window
-    if len(window) < MIN_WINDOW_STEPS:
+    if len(window) < MIN_WINDOW_STEPS or signals.micro_batch_tokens < 1:
         return None
     produced = sum(s.produced_tokens for s in window)
     busy_rank_s = sum(s.rollout_busy_rank_s for s in window)
@@ -134,7 +134,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits, micro_batch_tokens: int) ->
     per_group = signals.tokens_per_group or consumed / max(1, limits.groups_ideal * len(window))
     step_tokens = limits.groups_ideal * per_group
     times = signals.stage_times
-    per_actor_mb = float(micro_batch_tokens)
+    per_actor_mb = float(signals.micro_batch_tokens)
     overhead = 0.0
     per_actor_rate = None
     if times is not None:
@@ -286,9 +286,9 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     fetch = limits.groups_ideal
     now = Split(sum(1 for r in current if r is Role.ROLLOUT), sum(1 for r in current if r is Role.ACTOR),
                 sum(1 for r in current if r is Role.REF))
-    model = estimate(signals, limits, signals.micro_batch_tokens) if signals.micro_batch_tokens else None
+    model = estimate(signals, limits)
     if model is None or now.actors < 1:
-        return _finish(current, current, fetch, ErsReason.STEADY)
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
     options = candidates(now, limits, model.stage_times)
     # What the window measured overrides the model's extrapolation in the clear cases.
     seen = regime(signals)
@@ -300,7 +300,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
     now_g = predict_tok_s(now, model)[2]
     if best == now or best_g <= now_g * (1 + limits.rate_margin):
-        return _finish(current, current, fetch, ErsReason.STEADY)
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
     new = current
     split = now
     for _ in range(limits.max_moves_per_step):
@@ -314,7 +314,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         reason = ErsReason.RATE_TO_TRAINER
     else:
         reason = ErsReason.RATE_REBALANCE
-    return _finish(current, new, fetch, reason)
+    return finish_plan(current, new, fetch, reason)
 
 
 def regime(signals: ErsSignals) -> str:
@@ -340,17 +340,17 @@ def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLim
     """One rank moved toward `target`, or None when no allowed move gets closer."""
     if now.rollout < target.rollout or (now.rollout == target.rollout and now != target):
         if now.refs > target.refs:
-            return _move(roles, Role.REF, Role.ROLLOUT, 1), Split(now.rollout + 1, now.actors, now.refs - 1)
+            return move_roles(roles, Role.REF, Role.ROLLOUT, 1), Split(now.rollout + 1, now.actors, now.refs - 1)
         if limits.elastic_actors and now.actors > target.actors and now.actors > limits.min_actor_ranks:
-            return (_move(roles, Role.ACTOR, Role.ROLLOUT, 1, lowest_first=True),
+            return (move_roles(roles, Role.ACTOR, Role.ROLLOUT, 1, lowest_first=True),
                     Split(now.rollout + 1, now.actors - 1, now.refs))
         return None
     if now.rollout > target.rollout and now.rollout > limits.min_rollout_ranks:
         ref_room = limits.max_ref_ranks is None or now.refs < limits.max_ref_ranks
         if now.refs < target.refs and ref_room and (now.refs == 0 or _refs_short(now, times)):
-            return _move(roles, Role.ROLLOUT, Role.REF, 1), Split(now.rollout - 1, now.actors, now.refs + 1)
+            return move_roles(roles, Role.ROLLOUT, Role.REF, 1), Split(now.rollout - 1, now.actors, now.refs + 1)
         if limits.elastic_actors and now.actors < target.actors:
-            return _move(roles, Role.ROLLOUT, Role.ACTOR, 1), Split(now.rollout - 1, now.actors + 1, now.refs)
+            return move_roles(roles, Role.ROLLOUT, Role.ACTOR, 1), Split(now.rollout - 1, now.actors + 1, now.refs)
     return None
 
 
@@ -362,7 +362,7 @@ def _refs_short(now: Split, times: StageTimes | None) -> bool:
 
 def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> dict[str, float] | None:
     """The model's view of the current split (for logs and metrics): supply, demand, goodput."""
-    model = estimate(signals, limits, signals.micro_batch_tokens) if signals.micro_batch_tokens else None
+    model = estimate(signals, limits)
     if model is None:
         return None
     now = Split(sum(1 for r in roles if r is Role.ROLLOUT), sum(1 for r in roles if r is Role.ACTOR),

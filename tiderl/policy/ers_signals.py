@@ -47,7 +47,7 @@ from tiderl.roles import Role
 
 HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
 
-__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "StepObservation", "build_limits", "build_signals",
+__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "StepObservation", "build_signals",
            "gen_latency_by_rollout", "rate_window"]
 
 
@@ -79,12 +79,6 @@ class ErsSnapshot:
     fill_steps: int = 0
     """The first steps of the run, while the pipeline fills ((staleness + 1) batches released at once):
     their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
-
-
-def build_limits(ers_config: object, groups_min: int, groups_ideal: int, max_staleness: int) -> ErsLimits:
-    """The planner's limits from an `ers:` section (tiderl.config.ers.ErsConfig), the trainer's elastic
-    batch bounds and the staleness bound of the system."""
-    return ErsLimits.from_config(ers_config, groups_min, groups_ideal, max_staleness)
 
 
 def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:

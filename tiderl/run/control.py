@@ -21,7 +21,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
-from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_limits, build_signals
+from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_signals
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
@@ -46,7 +46,7 @@ class ControlPlane:
         self.store = store
         self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
                                                  ra2p_mode=config.trainer.ra2p_mode)
-        self.limits = build_limits(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
+        self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
                                    self.system.max_staleness)
         self._watched_at = float("-inf")
         self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it

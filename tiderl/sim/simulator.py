@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, replace
 
 from tiderl.policy import ers
 from tiderl.policy.ctb import PriorityWeights
-from tiderl.policy.ers import ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_limits, build_signals
+from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
+from tiderl.policy.ers_signals import ErsSnapshot, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
@@ -130,7 +130,7 @@ class Simulation:
         e = cluster.ers
         if system.ers_policy is not None:
             e = replace(e, policy=system.ers_policy)
-        self.ers_limits = replace(build_limits(e, self.b_min, self.b_ideal, self.staleness),
+        self.ers_limits = replace(ErsLimits.from_config(e, self.b_min, self.b_ideal, self.staleness),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
