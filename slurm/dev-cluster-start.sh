@@ -15,7 +15,9 @@
 #   TIDERL_SLURM_PORT_BASE   first of the TCP ports used (default 6817): slurmctld, slurmdbd,
 #                            MariaDB, then one per slurmd
 #
-# Idempotent: with the cluster already up it changes nothing and succeeds. It prints
+# Idempotent: with the cluster already up it changes nothing and succeeds. Otherwise it
+# starts a clean cluster: the job and node state and the accounting database of an earlier
+# one are dropped, so jobs of a cluster that was killed cannot hold its nodes. It prints
 # the line every Slurm client (sbatch, sacct, submitit) needs:
 #   export SLURM_CONF=$TIDERL_SLURM_DIR/etc/slurm.conf
 # Stop with slurm/dev-cluster-stop.sh (same TIDERL_SLURM_DIR).
@@ -51,6 +53,8 @@ die() {
   for f in "$LOG"/*.log; do
     if [ -s "$f" ]; then echo "--- tail $f" >&2; tail -n 15 "$f" >&2; fi
   done
+  # A half-started cluster would pass for one that is up at the next start: stop it.
+  TIDERL_SLURM_DIR=$DIR bash "$(dirname "$0")/dev-cluster-stop.sh" >/dev/null 2>&1 || true
   exit 1
 }
 
@@ -116,6 +120,9 @@ fi
 # Leftovers of a cluster that is partly up (or was started with another node count) go first.
 TIDERL_SLURM_DIR=$DIR bash "$(dirname "$0")/dev-cluster-stop.sh" >/dev/null 2>&1 || true
 
+# A clean cluster: a killed one's saved jobs would be recovered and hold the nodes (they are
+# never idle again until slurmctld gives up on them), and its accounting would repeat job ids.
+rm -rf "$DIR/state" "$DIR/spool" "$DIR/db"
 mkdir -p "$ETC" "$RUN" "$LOG" "$DIR/munge" "$DIR/state" "$DIR/spool"
 chmod 700 "$DIR/munge"
 HOST=$(hostname -s)

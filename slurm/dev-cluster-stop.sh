@@ -3,7 +3,9 @@
 #
 # Cancels the cluster's jobs, then ends only the daemons named in its pid files
 # (checking that each pid is still that program): slurmd, slurmctld, slurmdbd,
-# MariaDB, munge. Succeeds when nothing runs.
+# MariaDB, munge. Then ends what a killed cluster leaves behind: slurmstepd and
+# job processes whose environment names this cluster's slurm.conf. Succeeds when
+# nothing runs.
 #
 # Usage: slurm/dev-cluster-stop.sh [--purge]
 #   --purge            also delete the state directory (database, job state, logs)
@@ -73,6 +75,24 @@ if [ -d "$RUN" ]; then
   stop_pidfile "$RUN/mariadbd.pid" mariadbd
   stop_pidfile "$RUN/munged.pid" munged
 fi
+# A cluster whose daemons were killed (not stopped) leaves its jobs' processes running:
+# slurmstepd and the tasks. Ours are the ones whose environment names our slurm.conf.
+sweep_job_processes() {
+  local conf=$DIR/etc/slurm.conf env p comm swept=""
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    [ "$p" != $$ ] || continue
+    env=$( { tr '\0' '\n' < "/proc/$p/environ"; } 2>/dev/null) || continue
+    grep -qxF "SLURM_CONF=$conf" <<<"$env" || continue
+    comm=$(cat "/proc/$p/comm" 2>/dev/null) || continue
+    if [ "$comm" = slurmstepd ] || grep -q '^SLURM_JOB_ID=' <<<"$env"; then
+      kill -KILL "$p" 2>/dev/null && swept="$swept $p"
+    fi
+  done
+  if [ -n "$swept" ]; then echo "dev-cluster-stop: ended leftover job processes$swept" >&2; fi
+}
+sweep_job_processes
+
 if [ "$PURGE" = 1 ]; then
   rm -rf "$DIR"
   echo "dev-cluster-stop: removed $DIR" >&2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -223,3 +224,39 @@ def test_run_template_is_accepted_by_sbatch(slurm_cluster: SlurmCluster) -> None
     )
     assert done.returncode == 0, done.stderr
     assert "to start at" in done.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_start_after_a_killed_cluster_gives_a_clean_one(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # A cluster whose daemons were killed (a machine's session ended, an OOM) leaves saved jobs
+    # that would hold the nodes and job processes that would run on. The next start must give a
+    # cluster with idle nodes and end those processes. A second cluster, on ports of its own.
+    state_dir = tmp_path / "slurm"
+    env = {**os.environ, "TIDERL_SLURM_DIR": str(state_dir), "TIDERL_SLURM_PORT_BASE": "6917",
+           "SLURM_CONF": str(state_dir / "etc" / "slurm.conf")}
+    start = ["bash", str(ROOT / "slurm" / "dev-cluster-start.sh"), "--nodes", "1"]
+    try:
+        done = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, done.stderr
+        marker = f"tiderl-leftover-{os.getpid()}"
+        job = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", f"bash -c 'exec -a {marker} sleep 600'"],
+                             capture_output=True, text=True, env=env, timeout=60, check=True).stdout.strip()
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, f"job {job} never started"
+            time.sleep(0.5)
+        for pid_file in (state_dir / "run").glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        done = subprocess.run(start, capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert "already running" not in done.stderr
+        nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env, timeout=60)
+        assert nodes.stdout.split() == ["idle"]
+        assert subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=env, timeout=60).stdout == ""
+        assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode != 0
+    finally:
+        subprocess.run(["bash", str(ROOT / "slurm" / "dev-cluster-stop.sh"), "--purge"], env=env, timeout=120)
