@@ -138,3 +138,62 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "tiderl", "config", str(p)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "bogus: unknown key" in r.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [("1e-4", 1e-4), ("1E5", 1e5), ("+2.5e-3", 2.5e-3), (".5e1", 5.0),
+                                             ("3.", 3.0), ("1.0e-6", 1e-6), ("0.5", 0.5), ("2", 2.0)])
+def test_numbers_in_yaml_1_2_notation(tmp_path: Path, text: str, value: float) -> None:
+    # YAML 1.1 (PyYAML) reads 1e-4 as a string; a job file and --set read it as YAML 1.2 does.
+    assert load_job(write(tmp_path, f"system: sync\ntrainer:\n  lr: {text}\n")).trainer.lr == value
+    assert load_job(write(tmp_path, "system: sync\n"), [f"trainer.lr={text}"]).trainer.lr == value
+
+
+def test_integers_stay_integers_and_words_stay_words(tmp_path: Path) -> None:
+    cfg = load_job(write(tmp_path, "system: sync\nname: 1e\ntrainer:\n  num_steps: 3\n"))
+    assert cfg.trainer.num_steps == 3 and isinstance(cfg.trainer.num_steps, int)
+    assert cfg.name == "1e"
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    p = write(tmp_path, "system: sync\ntrainer:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice \(first on line 3\)") as e:
+        load_job(p)
+    assert f'in "{p}", line 4' in str(e.value)
+
+
+def test_yaml_syntax_errors_name_the_file(tmp_path: Path) -> None:
+    p = write(tmp_path, "system: [tiderl\n")
+    with pytest.raises(ConfigError) as e:
+        load_job(p)
+    assert f'in "{p}"' in str(e.value) and "<unicode string>" not in str(e.value)
+
+
+def test_unknown_key_suggests_the_close_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.num_stepz: unknown key \(did you mean 'num_steps'\?"):
+        load_job(write(tmp_path, "system: sync\ntrainer:\n  num_stepz: 3\n"))
+    with pytest.raises(ConfigError) as e:
+        load_job(write(tmp_path, "system: sync\ntrainer:\n  zzzz: 3\n"))
+    assert "did you mean" not in str(e.value)
+
+
+def test_bare_tiderl_prints_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    assert "COMMAND" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    from tiderl import __version__
+    assert capsys.readouterr().out.strip() == f"tiderl {__version__}"
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    # `tiderl config JOB | head -1`: the reader has gone. The read end is closed before the
+    # command writes, so its first write fails: quiet, with the shell's SIGPIPE status.
+    job = ROOT / "jobs" / "quickstart.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "tiderl", "config", str(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -233,3 +233,24 @@ def test_state_names_agree_with_the_store() -> None:
 
     assert set(TERMINAL_STATES) == {s.value for s in RunState if s.is_terminal}
     assert set(LIVE_RANK_STATES) == {RankState.STARTING.value, RankState.RUNNING.value}
+
+
+def test_a_rank_that_failed_is_an_error_even_after_the_run_ended() -> None:
+    # The weights race of a restarted rank: the run finished, the rank had died with an error.
+    ranks = (rank(0, "actor"), rank(1, "rollout"), rank(2, "rollout", state="failed"), rank(3, "ref"))
+    event = EventView(kind="rank_failed", age_s=50.0, rank=2,
+                      message="rank 2 failed: EngineError: vLLM could not start on model weights/v3")
+    for state in ("running", "finished"):
+        d = diagnose(snap(state=state, ranks=ranks, events=(event,)))
+        failed = [f for f in d.findings if f.kind is Kind.RANK_FAILED]
+        assert len(failed) == 1 and failed[0].severity is Severity.ERROR and failed[0].rank == 2
+        assert "EngineError: vLLM could not start" in failed[0].message
+        assert d.needs_attention  # `status --check` exits 1
+    d = diagnose(snap(state="finished", ranks=ranks))
+    assert [f.message for f in d.findings if f.kind is Kind.RANK_FAILED][0].startswith("rank 2 (rollout) failed")
+
+
+def test_check_needs_attention_for_every_error_finding() -> None:
+    d = diagnose(snap(ranks=tuple(rank(r.rank, r.role, age=200.0) for r in healthy_ranks())))
+    assert any(f.kind is Kind.RUN_GONE and f.severity is Severity.ERROR for f in d.findings)
+    assert not d.is_stalled and d.needs_attention

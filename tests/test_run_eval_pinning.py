@@ -22,6 +22,7 @@ from tiderl.run.rollout_role import run_rollout
 from tiderl.run.systems import behaviour
 from tiderl.rundir import create_run
 from tiderl.store import RunStore, codec
+from tiderl.trainer.publish import _write_checksums
 from tiderl.store.types import (GroupState, NewGroup, RankReport, RankState, Role, RunState, StepRecord,
                                 TaskKind, TaskState)
 
@@ -36,9 +37,15 @@ def _run(tmp_path: Path, *sets: str):
     return config, paths, store
 
 
-def _publish(store: RunStore, version: int, roles: dict[int, Role]) -> None:
-    store.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum="c", trajectory_ids=[],
-                                     step_started_at=0.0, duration_s=1.0), owner=1)
+def _publish(store: RunStore, version: int, roles: dict[int, Role], weights_root: Path | None = None) -> None:
+    checksum = "c"
+    if weights_root is not None:  # files the rank verifies before it loads them
+        final = weights_root / f"v{version}"
+        final.mkdir(parents=True)
+        (final / "model.safetensors").write_bytes(bytes([version]) * 16)
+        checksum = _write_checksums(final)
+    store.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum=checksum,
+                                     trajectory_ids=[], step_started_at=0.0, duration_s=1.0), owner=1)
     store.plan_roles(version, roles, ra2p_mode="colocated", fetch_groups=1)
 
 
@@ -118,7 +125,7 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
         while store.buffer_state()["tasks_running"] < 2:  # the rank holds both evaluation tasks
             await asyncio.sleep(0.02)
         for v in (1, 2, 3):  # the run moves on by more than the staleness bound meanwhile
-            _publish(store, v, {0: Role.ROLLOUT, 1: Role.ACTOR})
+            _publish(store, v, {0: Role.ROLLOUT, 1: Role.ACTOR}, paths.weights)
         store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
         deadline = asyncio.get_running_loop().time() + 60
         while len(trajectories()) < 4:

@@ -82,3 +82,29 @@ def test_leftovers_of_a_killed_launch_are_reaped_and_nothing_else(tmp_path: Path
         assert _alive(int(other_pid_file.read_text())), "another run's process was killed"
     finally:
         procs.stop([rank, other], grace_s=2)  # their process groups, the other sleep included
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    from tiderl.cli import main
+    from tiderl.config import load_job
+    from tiderl.rundir import create_run
+    from tiderl.store import RunStore
+    from tiderl.store.types import RunState
+
+    root = Path(__file__).resolve().parents[1]
+    _, store = create_run(load_job(root / "jobs" / "quickstart.yaml", ["trainer.num_steps=3"]), tmp_path / "run")
+    store.register_initial_version("model", "0")
+    store.set_run_state(RunState.FINISHED)
+    before = store.run_info()
+    store.close()
+    launched = []
+    monkeypatch.setattr("tiderl.run.launcher.run_launch", lambda launch, *a, **k: launched.append(launch) or 0)
+    assert main(["run", "--resume", str(tmp_path / "run")]) == 0
+    assert "finished at version 0 of 3: nothing to resume" in capsys.readouterr().err
+    assert launched == []
+    store = RunStore.for_run_dir(tmp_path / "run")
+    assert store.run_info() == before
+    store.set_run_state(RunState.CANCELLED, "interrupted")  # Ctrl-C: resumable
+    store.close()
+    assert main(["run", "--resume", str(tmp_path / "run")]) == 0
+    assert len(launched) == 1 and "resuming" in capsys.readouterr().err

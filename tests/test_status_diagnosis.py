@@ -165,6 +165,23 @@ def test_watch_redraws_until_interrupted(tmp_path: Path, capsys: pytest.CaptureF
     assert "--watch: expected a positive number of seconds" in capsys.readouterr().err
 
 
+def test_json_watch_is_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _base(tmp_path / "r")
+    draws = []
+
+    def sleep(seconds: float) -> None:
+        draws.append(seconds)
+        if len(draws) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("tiderl.status.time.sleep", sleep)
+    assert main(["status", str(tmp_path / "r"), "--no-probe", "--json", "--watch", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    docs = [json.loads(line) for line in lines]  # every line is one JSON document
+    assert len(docs) == 3 and all(d["version"] == 0 and d["at"] > 0 for d in docs)
+
+
 def test_control_plane_heartbeat_reaches_the_diagnosis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     s = _base(tmp_path / "r")
     s.reclaim_expired(30.0, control_tick=True)

@@ -115,3 +115,36 @@ def test_failed_publish_leaves_no_version_and_no_temporary(base, tmp_path):
     with pytest.raises(OSError, match="disk full"):
         rank.train_step(Source().next_step(0))
     assert list((tmp_path / "weights").iterdir()) == []
+
+
+def test_verify_refuses_empty_malformed_and_incomplete_sums(base, tmp_path):
+    rank = _rank(base, tmp_path, keep_versions=3)
+    rank.run(Source(), None, num_steps=1)
+    v1 = tmp_path / "weights" / "v1"
+    sums = v1 / CHECKSUM_FILE
+    good = sums.read_text()
+    verify(v1)
+    sums.write_text("")
+    with pytest.raises(ChecksumError, match="lists no files"):
+        verify(v1)
+    sums.write_text("not-a-digest  config.json\n")
+    with pytest.raises(ChecksumError, match="line 1 is not"):
+        verify(v1)
+    sums.write_text(good)
+    (v1 / "extra.safetensors").write_bytes(b"\0" * 16)  # vLLM would load it too
+    with pytest.raises(ChecksumError, match="not listed in SHA256SUMS: extra.safetensors"):
+        verify(v1)
+    (v1 / "extra.safetensors").unlink()
+    sums.write_text("".join(line + "\n" for line in good.splitlines() if "safetensors" not in line))
+    with pytest.raises(ChecksumError, match="not listed"):
+        verify(v1)
+
+
+def test_prune_removes_the_temporaries_of_interrupted_publishes(base, tmp_path):
+    rank = _rank(base, tmp_path, keep_versions=2)
+    rank.run(Source(), None, num_steps=1)
+    left = tmp_path / "weights" / ".v2.tmp-killed"  # a trainer killed while it wrote v2
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 16)
+    rank.run(Source(), None, num_steps=2)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2"]

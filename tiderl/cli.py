@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from tiderl import __version__
 from tiderl.config import ConfigError
 
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
@@ -25,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 EXIT_CONFIG_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiderl",
         description="TideRL: asynchronous multi-turn agentic RL on Slurm (CTB, RA2P, ERS).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"tiderl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
@@ -43,12 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `tiderl`: what there is to run
+        parser.print_help()
+        return 0
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
     except ConfigError as e:
         print(f"tiderl {args.command}: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except BrokenPipeError:
+        # `tiderl logs RUN | head`: the reader has gone. Quiet, like any Unix tool; the interpreter
+        # would otherwise fail again flushing stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

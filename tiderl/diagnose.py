@@ -57,6 +57,7 @@ class Kind(str, enum.Enum):
     ACTOR_DOWN = "actor_down"  # no live actor rank: nobody trains
     REF_DOWN = "ref_down"  # a decoupled step's ref rank is dead or silent
     RANK_DEAD = "rank_dead"
+    RANK_FAILED = "rank_failed"  # a rank ended on an error
     RANK_SILENT = "rank_silent"  # missed heartbeats, not yet declared dead
     RANK_MISSING = "rank_missing"  # never registered (still starting, or failed to start)
     SLOW_TASK = "slow_task"  # a task of a group the trainer waits for runs long
@@ -74,7 +75,7 @@ class Kind(str, enum.Enum):
 
 # Which finding most likely blocks progress, most likely first (invariant 6).
 CULPRIT_ORDER = (Kind.RUN_FAILED, Kind.SLURM_JOB, Kind.RUN_GONE, Kind.CONTROL_DOWN, Kind.ACTOR_DOWN, Kind.REF_DOWN, Kind.ENV_SERVER_DOWN,
-                 Kind.ORPHANED_TASKS, Kind.SLOW_TASK, Kind.NO_ROLLOUT, Kind.ROLLOUT_NOT_CLAIMING, Kind.RANK_DEAD, Kind.RANK_SILENT, Kind.RANK_MISSING,
+                 Kind.ORPHANED_TASKS, Kind.SLOW_TASK, Kind.NO_ROLLOUT, Kind.ROLLOUT_NOT_CLAIMING, Kind.RANK_FAILED, Kind.RANK_DEAD, Kind.RANK_SILENT, Kind.RANK_MISSING,
                  Kind.ROLLOUT_NO_WORK, Kind.ROLLOUT_HELD, Kind.TASK_RETRIED, Kind.GROUPS_FAILED)
 _SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
@@ -203,8 +204,8 @@ class Diagnosis:
 
     @property
     def needs_attention(self) -> bool:
-        """What `tiderl status --check` exits 1 on: a stalled or failed run."""
-        return self.is_stalled or any(f.kind is Kind.RUN_FAILED for f in self.findings)
+        """What `tiderl status --check` exits 1 on: a stalled run, or any error-level finding."""
+        return self.is_stalled or any(f.severity is Severity.ERROR for f in self.findings)
 
     def to_dict(self) -> dict[str, Any]:
         return {"trainer": self.trainer, "rollout": self.rollout, "is_stalled": self.is_stalled,
@@ -274,7 +275,14 @@ def _rank_findings(snap: Snapshot) -> list[Finding]:
     lim = snap.limits
     out: list[Finding] = []
     dead_events = {e.rank: e for e in snap.events if e.kind == "rank_dead" and e.rank is not None}
+    failed_events = {e.rank: e for e in snap.events if e.kind == "rank_failed" and e.rank is not None}
     for r in snap.ranks:
+        if r.state == "failed":  # also once the run is over: what the rank died of stays worth reading
+            event = failed_events.get(r.rank)
+            out.append(Finding(Kind.RANK_FAILED, Severity.ERROR,
+                               (event.message if event else f"rank {r.rank} ({r.role}) failed")
+                               + f" (its log: tiderl logs RUN_DIR --rank {r.rank})", rank=r.rank))
+            continue
         if r.state == "dead" and snap.state not in TERMINAL_STATES:
             when = dead_events.get(r.rank)
             out.append(Finding(Kind.RANK_DEAD, Severity.WARNING,

@@ -29,7 +29,8 @@ SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="Run directory (holds run.db).")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    parser.add_argument("--json", action="store_true",
+                        help="Print one JSON object instead of tables (with --watch: one per line, JSON Lines).")
     parser.add_argument("--check", action="store_true",
                         help="Print a one-line verdict and the findings; exit 1 if the run is stalled or failed.")
     parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
@@ -174,7 +175,7 @@ def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = 
     from tiderl.config import load_job
     from tiderl.paths import RunPaths
 
-    doc = collect(store)
+    doc = {"at": time.time()} | collect(store)
     config = load_job(RunPaths(run_dir).config)
     jobs = slurm_jobs(run_dir)
     is_live = doc["state"] not in dg.TERMINAL_STATES
@@ -283,9 +284,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         code = EXIT_OK
         try:
             while True:
-                if is_tty and not args.json:
-                    print("\x1b[H\x1b[2J", end="", file=out)  # cursor home, clear screen
-                print(time.strftime("%H:%M:%S"), file=out)
+                if not args.json:  # --json --watch is JSON Lines: one document per line, nothing else
+                    if is_tty:
+                        print("\x1b[H\x1b[2J", end="", file=out)  # cursor home, clear screen
+                    print(time.strftime("%H:%M:%S"), file=out)
                 code = _show(args, store, out)
                 time.sleep(args.watch)
         except KeyboardInterrupt:

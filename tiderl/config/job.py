@@ -17,6 +17,7 @@ from tiderl.config.schema import ConfigError, build, option, section, to_dict
 from tiderl.config.slurm import SlurmConfig
 from tiderl.config.store import StoreConfig
 from tiderl.config.trainer import TrainerConfig
+from tiderl.config.yamlio import load_yaml
 
 System = Literal["tiderl", "sync", "async", "stream"]
 
@@ -56,7 +57,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if any(not part for part in path):
         raise ConfigError(source, key, "empty key segment")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, source) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(source, key, f"value is not valid YAML: {e}") from e
     return path, value
@@ -86,7 +87,7 @@ def load_job(path: str | Path, overrides: tuple[str, ...] | list[str] = ()) -> J
     except OSError as e:
         raise ConfigError(source, "", f"cannot read job file: {e.strerror}") from e
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, source)
     except yaml.YAMLError as e:
         raise ConfigError(source, "", f"not valid YAML: {e}") from e
     if data is None:

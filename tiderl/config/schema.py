@@ -10,6 +10,7 @@ expected: unknown key, wrong type, out of range, missing required.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -141,7 +142,9 @@ def build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
     for name in data:
         if name not in fields:
             known = ", ".join(sorted(fields))
-            raise ConfigError(source, _join(prefix, str(name)), f"unknown key (known keys: {known})")
+            close = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(source, _join(prefix, str(name)), f"unknown key ({hint}known keys: {known})")
     kwargs = {}
     for name, f in fields.items():
         key = _join(prefix, name)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tiderl.config.cli import add_override_argument
+from tiderl.store.types import RunState
 
 if TYPE_CHECKING:
     from tiderl.run.launcher import Launch
@@ -35,6 +36,17 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, LaunchError) as e:
         print(f"tiderl run: {e}", file=sys.stderr)
         return 2
+    if launch.resumed:
+        info = launch.store.run_info()
+        if info["state"] == RunState.FINISHED.value:
+            # Nothing to do, and nothing touched: no process started, no figure rewritten.
+            launch.store.close()
+            print(f"tiderl run: {args.resume} finished at version {info['version']} of "
+                  f"{launch.config.trainer.num_steps}: nothing to resume", file=sys.stderr)
+            return 0
+        print(f"tiderl run: resuming {args.resume} at version {info['version']} of "
+              f"{launch.config.trainer.num_steps} (it was {info['state']}"
+              + (f": {info['message']}" if info["message"] else "") + ")", file=sys.stderr)
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id is None:
         return run_launch(launch)

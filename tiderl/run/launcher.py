@@ -187,7 +187,7 @@ def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
     # stopped by a signal (Ctrl-C, Slurm's SIGTERM at a requeue) recorded itself `stopped` with its claims
     # still held, and `reclaim_expired` only takes claims from ranks it finds running.
     for rank in store.ranks():
-        if rank["state"] == RankState.STOPPED.value:
+        if rank["state"] in (RankState.STOPPED.value, RankState.FAILED.value):
             store.set_rank_state(rank["rank"], RankState.RUNNING)
     store.reclaim_expired(0.0)
     shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)

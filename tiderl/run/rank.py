@@ -109,16 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     from tiderl.metrics import serve_process_metrics
 
     serve_process_metrics(ctx.paths.root, ctx.config, ctx.rank)
+    state = RankState.STOPPED
     try:
         asyncio.run(serve(ctx))
     except RunStopped as e:
         log.info("rank %d: run %s, stopping", ctx.rank, e)
     except SystemExit:
         log.info("rank %d: stopped by signal", ctx.rank)
+    except Exception as e:
+        # Shown as `failed` with this event by `tiderl status`, not as a rank that merely stopped.
+        state = RankState.FAILED
+        ctx.store.record_event(f"rank{ctx.rank}", "rank_failed", f"rank {ctx.rank} failed: {type(e).__name__}: "
+                               f"{str(e)[:500]}", rank=ctx.rank)
+        raise
     finally:
         stopped.set()
         # The state first: closing an engine can outlast the launcher's grace period.
-        ctx.store.set_rank_state(ctx.rank, RankState.STOPPED)
+        ctx.store.set_rank_state(ctx.rank, state)
         engine = ctx.cache.get("engine")
         try:
             if engine is not None:

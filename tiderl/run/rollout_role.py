@@ -30,6 +30,7 @@ from tiderl.config import JobConfig
 from tiderl.rollout.agent_loop import Phase, TaskRun
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
+from tiderl.run.weights import WeightsRejected, WeightsSource
 from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker
@@ -149,17 +150,43 @@ class RolloutRole:
             await asyncio.gather(self.runner, return_exceptions=True)
 
 
+def _weights(ctx: RankContext) -> WeightsSource:
+    return WeightsSource(ctx.store, ctx.paths.weights, ctx.model_dir)
+
+
 def _engine(ctx: RankContext, version: int) -> Any:
-    """The rank's vLLM engine, built once from the job config and kept across role changes."""
+    """The rank's vLLM engine, built once from the job config and kept across role changes. Built on
+    the verified weights of `version`, or on newer ones where `version` was pruned meanwhile."""
     from tiderl.rollout.from_config import vllm_engine
 
     engine = ctx.cache.get("engine")
     if engine is None:
         t0 = time.monotonic()
-        engine = vllm_engine(ctx.config, ctx.weights_dir(version), weights_version=version)
-        log.info("rank %d: vLLM engine up in %.1f s (weights v%d)", ctx.rank, time.monotonic() - t0, version)
+        weights, engine = _weights(ctx).load(
+            version, lambda w: vllm_engine(ctx.config, w.path, weights_version=w.version))
+        log.info("rank %d: vLLM engine up in %.1f s (weights v%d)", ctx.rank, time.monotonic() - t0, weights.version)
+        if weights.version != weights.asked:
+            ctx.store.record_event(f"rank{ctx.rank}", "weights_newer",
+                                   f"rank {ctx.rank}: weights v{weights.asked} were pruned while its engine "
+                                   f"started; it loaded v{weights.version}", rank=ctx.rank)
         ctx.cache["engine"] = engine
     return engine
+
+
+async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankReport) -> int | None:
+    """Reload the engine with the weights of `version` (or newer, where it was pruned); returns the
+    version it holds then, or None where `version` was rejected (the engine keeps its weights)."""
+    try:
+        weights = await _weights(ctx).aload(version, lambda w: engine.reload_weights(w.path, w.version))
+    except WeightsRejected as e:
+        report.events.append(EventRecord("weights_rejected", f"rank {ctx.rank}: {e}; keeping "
+                                          f"v{engine.weights_version}", {"version": version}))
+        log.error("rank %d: %s; keeping weights v%d", ctx.rank, e, engine.weights_version)
+        return None
+    if weights.version != weights.asked:
+        report.events.append(EventRecord("weights_newer", f"rank {ctx.rank}: weights v{weights.asked} were "
+                                          f"pruned; it loaded v{weights.version}"))
+    return weights.version
 
 
 def _chat(ctx: RankContext) -> Any:
@@ -183,18 +210,21 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     to another role (None: the run stopped)."""
     cfg = ctx.config
     engine = _engine(ctx, plan.version)
-    if engine.weights_version != plan.version:
-        await engine.reload_weights(ctx.weights_dir(plan.version), plan.version)
+    report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=plan.version)
+    if engine.weights_version < plan.version:
+        await _reload(ctx, engine, plan.version, report)
     role = RolloutRole(cfg, ctx.rank, engine, _pool(ctx), _chat(ctx))
-    version = plan.version  # the weights the engine holds
+    # The weights the engine holds: newer than the plan where the planned ones had been pruned, older
+    # where they were rejected (damaged files).
+    version = engine.weights_version
     planned = plan.version  # the newest version this rank has reached the boundary of
+    rejected: set[int] = set()  # planned versions whose weights failed their checksums
     # An evaluation runs on the weights it evaluates: a rank holding evaluation tasks keeps its
     # weights past boundaries (claiming only evaluation tasks of that version; its training tasks
     # go back once too stale) until they finish, then it reloads. An evaluation is a fixed number
     # of bounded tasks, so the rank is back within one evaluation's time.
     kept_for = -1
     stats = RolloutStats(ctx.rank)
-    report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
     last = time.monotonic()
     try:
         while True:
@@ -225,18 +255,21 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                     kept_for = planned
                     report.events.append(EventRecord("weights_kept", f"rank {ctx.rank} keeps weights v{version} "
                                                      f"past v{planned} for its evaluation tasks"))
-            elif version < planned:
+            elif version < planned and planned not in rejected:
                 t0 = time.monotonic()
-                await engine.reload_weights(ctx.weights_dir(planned), planned)
-                report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, planned, "rollout"))
-                evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
-                await role.release(report, evals)  # they may only run on the weights they evaluate
-                version = planned
-                role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
-                role.drain(report)
+                loaded = await _reload(ctx, engine, planned, report)
+                if loaded is None:
+                    rejected.add(planned)  # rolls out on the weights it has until a version loads
+                else:
+                    report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, loaded, "rollout"))
+                    evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
+                    await role.release(report, evals)  # they may only run on the weights they evaluate
+                    version = loaded
+                    role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
+                    role.drain(report)
             free = cfg.rollout.max_concurrency - role.worker.num_unfinished
             if free > 0:  # claimed in the tick's one transaction, after its releases
-                kinds = (TaskKind.EVAL,) if version < planned else tuple(TaskKind)
+                kinds = (TaskKind.EVAL,) if version < planned and planned not in rejected else tuple(TaskKind)
                 report.claim = ClaimRequest(limit=free, kinds=kinds, weights_version=version)
             if stats.due(now):
                 await stats.add_to(report, role, engine, version)

@@ -13,6 +13,7 @@ import yaml
 
 from tiderl.config.ers import ErsConfig
 from tiderl.config.schema import ConfigError, build, option, section
+from tiderl.config.yamlio import load_yaml
 
 
 @section
@@ -336,7 +337,7 @@ class ClusterSpec:
 def _load(cls: type, path: str | Path) -> object:
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = load_yaml(Path(path).read_text(), source)
     except FileNotFoundError as e:
         raise ConfigError(source, "", "file not found") from e
     except yaml.YAMLError as e:

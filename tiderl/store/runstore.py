@@ -433,7 +433,7 @@ class RunStore:
             if control_tick:
                 c.execute(update(runs).where(runs.c.id == 1).values(control_seen_at=t))
             not_rolling = select(ranks.c.rank).where(
-                (ranks.c.state == RankState.STOPPED.value) | (ranks.c.role != Role.ROLLOUT.value))
+                ranks.c.state.in_([RankState.STOPPED.value, RankState.FAILED.value]) | (ranks.c.role != Role.ROLLOUT.value))
             orphans = c.execute(update(tasks).where(
                 tasks.c.state == TaskState.RUNNING.value, tasks.c.owner_rank.in_(not_rolling),
                 tasks.c.updated_at < t - timeout_s).values(
@@ -635,6 +635,11 @@ class RunStore:
             return [dict(r) for r in c.execute(q.order_by(events.c.id.desc()).limit(limit)).mappings()]
 
         return self.tx.read(read)
+
+    def version_checksum(self, version: int) -> str | None:
+        """The checksum the trainer recorded when it published `version` (None: not published)."""
+        return self.tx.read(lambda c: c.execute(
+            select(versions.c.checksum).where(versions.c.version == version)).scalar())
 
     def version_rows(self) -> list[dict[str, Any]]:
         """Every published version with its publish time and step statistics, ascending."""

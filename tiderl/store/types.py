@@ -25,6 +25,7 @@ class RankState(str, enum.Enum):
     RUNNING = "running"
     STOPPED = "stopped"
     DEAD = "dead"  # missed heartbeats: its claims went back to the pool
+    FAILED = "failed"  # ended on an error (the `rank_failed` event says which)
 
 
 class TaskKind(str, enum.Enum):

@@ -70,12 +70,22 @@ def verify(directory: Path) -> str:
     if not sums.is_file():
         raise ChecksumError(f"{directory}: no {CHECKSUM_FILE}")
     text = sums.read_text()
-    for line in text.splitlines():
+    listed = set()
+    for i, line in enumerate(text.splitlines(), 1):
         digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name or "/" in name:
+            raise ChecksumError(f"{directory}: {CHECKSUM_FILE} line {i} is not '<sha256>  <file>': {line!r}")
         if not (directory / name).is_file():
             raise ChecksumError(f"{directory}: {name} listed in {CHECKSUM_FILE} is missing")
         if sha256_file(directory / name) != digest:
             raise ChecksumError(f"{directory}: {name} does not match its checksum")
+        listed.add(name)
+    if not listed:
+        raise ChecksumError(f"{directory}: {CHECKSUM_FILE} lists no files")
+    # A file nobody listed would still be loaded (vLLM reads every *.safetensors of the directory).
+    unlisted = sorted(p.name for p in directory.iterdir() if p.name != CHECKSUM_FILE and p.name not in listed)
+    if unlisted:
+        raise ChecksumError(f"{directory}: not listed in {CHECKSUM_FILE}: {', '.join(unlisted)}")
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -142,6 +152,10 @@ class WeightPublisher:
         doomed = versions[: max(0, len(versions) - self.keep_versions)]
         for v in doomed:
             shutil.rmtree(self.root / f"v{v}", ignore_errors=True)
+        # This publisher is the run's only writer of weights/ and has just committed its own: any
+        # temporary directory left is that of a publish that was interrupted (a killed trainer).
+        for tmp in self.root.glob(".v*.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
         return doomed
 
 
