@@ -101,3 +101,25 @@ def test_launch_helpers_start_a_server_from_the_env_config(tmp_path: Path) -> No
         proc.wait(timeout=30)
     with pytest.raises(ConfigError, match="env.latency"):
         build(EnvConfig, {"latency": "sometimes"}, "job.yaml", "env")
+
+
+def test_one_token_source_for_servers_clients_and_status(tmp_path: Path) -> None:
+    from tiderl.config.env import EnvConfig
+    from tiderl.config.schema import build
+    from tiderl.envs.launch import TokenError, ensure_run_token, make_pool, read_token
+
+    plain = build(EnvConfig, {}, "job.yaml")
+    assert read_token(plain, environ={}) is None
+    # $TIDERL_ENV_TOKEN, which the server honours, reaches the client too.
+    assert read_token(plain, environ={"TIDERL_ENV_TOKEN": "from-env"}) == "from-env"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    token = ensure_run_token(run_dir).read_text().strip()
+    assert len(token) >= 32 and ensure_run_token(run_dir).read_text().strip() == token  # made once
+    assert read_token(plain, run_dir, environ={"TIDERL_ENV_TOKEN": "from-env"}) == token
+    assert make_pool(plain, ["http://127.0.0.1:1"], run_dir).clients[0].token == token
+    job_file = tmp_path / "job.token"
+    job_file.write_text("\n")
+    with_file = build(EnvConfig, {"token_file": str(job_file)}, "job.yaml")
+    with pytest.raises(TokenError, match=f"the env token file {job_file} is empty"):
+        read_token(with_file, run_dir)

@@ -108,3 +108,47 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, mo
     store.close()
     assert main(["run", "--resume", str(tmp_path / "run")]) == 0
     assert len(launched) == 1 and "resuming" in capsys.readouterr().err
+
+
+def test_progress_line_says_how_many_engines_are_up_until_all_are() -> None:
+    doc = {**_doc([]), "version": 0, "steps": []}
+    assert "engines 1/3 up" in progress_line(doc, engines=(1, 3))
+    assert "engines" not in progress_line(doc, engines=(3, 3)) and "engines" not in progress_line(doc)
+
+
+def test_engines_up_counts_this_launchs_engines_of_rollout_ranks(tmp_path: Path) -> None:
+    from tiderl.config import load_job
+    from tiderl.run.launcher import _mark_ranks_stopped, engines_up
+    from tiderl.rundir import create_run
+    from tiderl.store.types import RankState, Role
+
+    root = Path(__file__).resolve().parents[1]
+    _, store = create_run(load_job(root / "jobs" / "quickstart.yaml"), tmp_path / "run")
+    store.register_initial_version("model", "0")
+    assert engines_up(store, 0, 0.0) is None  # no plan yet
+    store.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.ROLLOUT, 3: Role.REF}, ra2p_mode="decoupled",
+                     fetch_groups=1)
+    store.record_event("rank1", "engine_up", "old launch", rank=1)
+    since = time.time() + 0.01
+    time.sleep(0.02)
+    assert engines_up(store, 0, since) == (0, 2)
+    store.record_event("rank2", "engine_up", "rank 2: engine up", rank=2)
+    assert engines_up(store, 0, since) == (1, 2)
+    for r, role in {0: Role.ACTOR, 1: Role.ROLLOUT}.items():
+        store.register_rank(r, role)
+    store.set_rank_state(1, RankState.FAILED)
+    _mark_ranks_stopped(store)  # after the launch stopped every process
+    assert {r["rank"]: r["state"] for r in store.ranks()} == {0: "stopped", 1: "failed"}
+
+
+def test_each_child_log_starts_a_launch_with_a_marker(tmp_path: Path) -> None:
+    import sys
+
+    log = tmp_path / "logs" / "env0.log"
+    for note in ("launch of run r", "resume of run r at version 3"):
+        child = procs.spawn("env0", [sys.executable, "-c", "print('serving')"], log, marker=note)
+        child.proc.wait(30)
+    lines = log.read_text().splitlines()
+    assert lines[0].endswith("env0 INFO tiderl.launcher: ===== launch of run r =====") and lines[1] == "serving"
+    assert "===== resume of run r at version 3 =====" in lines[2] and lines[3] == "serving"
+    assert lines[0][:4].isdigit() and lines[0][19] == ","  # logging's time format: sorted by `tiderl logs`

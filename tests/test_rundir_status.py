@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from tiderl.cli import main
 from tiderl.config import load_job
-from tiderl.paths import RunPaths
+from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.rundir import RunDirError, create_run, open_run
 from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, StepRecord, TaskKind
 
@@ -25,6 +27,20 @@ def test_create_run_lays_out_the_directory(tmp_path: Path) -> None:
     assert store.run_info()["state"] == "starting"
     with pytest.raises(RunDirError, match="already holds a run"):
         create_run(cfg, tmp_path / "r")
+
+
+def test_run_files_are_readable_by_the_group(tmp_path: Path) -> None:
+    # A shared cluster: teammates read a run's config and summary; the umask decides, as for any file.
+    old = os.umask(0o027)
+    try:
+        paths, _ = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
+        atomic_write_text(paths.root / "summary.md", "# run\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(paths.config.stat().st_mode) == 0o640
+    assert stat.S_IMODE((paths.root / "summary.md").stat().st_mode) == 0o640
+    atomic_write_text(tmp_path / "secret", "token\n", mode=0o600)
+    assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
 
 
 def test_weight_versions_ignore_half_written_dirs(tmp_path: Path) -> None:
@@ -86,3 +102,47 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_status_of_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", str(tmp_path)]) == 2
     assert "no run store" in capsys.readouterr().err
+
+
+def _finished_run(run_dir: Path) -> None:
+    _, store = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), run_dir)
+    store.register_initial_version("model", "0")
+    store.set_run_state(RunState.FINISHED)
+    store.close()
+
+
+def test_status_opens_the_store_read_only_and_works_on_a_read_only_run_dir(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "r"
+    _finished_run(run_dir)
+    before = (run_dir / "run.db").read_bytes()
+    assert main(["status", str(run_dir), "--json", "--no-probe"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "finished"
+    assert (run_dir / "run.db").read_bytes() == before  # nothing written
+    run_dir.chmod(0o555)
+    (run_dir / "run.db").chmod(0o444)
+    try:
+        # As root the permission bits do not stop writes: what is checked is that nothing needs them.
+        assert main(["status", str(run_dir), "--no-probe"]) == 0
+        assert "finished" in capsys.readouterr().out
+    finally:
+        run_dir.chmod(0o755)
+        (run_dir / "run.db").chmod(0o644)
+    _, store = open_run(run_dir, read_only=True)
+    with pytest.raises(Exception, match="readonly|read-only"):
+        store.set_run_state(RunState.RUNNING)
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_run_db_is_named_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                damage: str) -> None:
+    run_dir = tmp_path / "r"
+    _finished_run(run_dir)
+    db = run_dir / "run.db"
+    data = db.read_bytes()
+    db.write_bytes(b"this is not sqlite" * 100 if damage == "garbage" else data[: len(data) // 3])
+    for command in (["status", str(run_dir)], ["status", str(run_dir), "--check"], ["report", str(run_dir)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"{db} is corrupt" in err and "Traceback" not in err

@@ -143,6 +143,34 @@ def test_env_server_that_does_not_answer(tmp_path: Path, capsys: pytest.CaptureF
     assert [f["data"]["url"] for f in down] == [url]
 
 
+def test_status_probes_a_token_protected_server_with_the_runs_token(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    from tiderl.envs.launch import ensure_run_token, server_argv, wait_for_url
+
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", SETS)
+    _base(tmp_path / "r")
+    token_file = ensure_run_token(tmp_path / "r")  # what the launcher makes for servers it starts
+    assert (token_file.stat().st_mode & 0o777) == 0o600
+    proc = subprocess.Popen(server_argv(config.env, tmp_path / "port", token_file=token_file),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for_url(tmp_path / "port", proc)
+        (tmp_path / "r" / "env_urls.json").write_text(json.dumps([url]))
+        assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert not [f for f in doc["diagnosis"]["findings"] if f["kind"] == "env_server_down"]
+        token_file.write_text("another\n")  # a wrong token: the server is up but refuses
+        assert main(["status", str(tmp_path / "r"), "--json"]) == 0
+        down = [f for f in json.loads(capsys.readouterr().out)["diagnosis"]["findings"]
+                if f["kind"] == "env_server_down"]
+        assert down and "401" in down[0]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", str(tmp_path / "nothing"), "--check"]) == 2
     assert "no run store" in capsys.readouterr().err

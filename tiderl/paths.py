@@ -71,11 +71,27 @@ class RunPaths:
         return self
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`.
+
+    The file gets `mode`, by default what a plain `open` would give (0666 less the umask): a run's
+    files are for the team to read on a shared cluster, not 0600 as a temporary file would be.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -8,6 +8,7 @@ from pathlib import Path
 from tiderl.config import JobConfig, dump_job
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.store import RunStore, StoreError
+from tiderl.store.engine import StoreCorruptError
 
 
 class RunDirError(RuntimeError):
@@ -33,15 +34,21 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     return paths, store
 
 
-def open_run(run_dir: Path) -> tuple[RunPaths, RunStore]:
-    """Open an existing run directory's store (read/write)."""
+def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunStore]:
+    """Open an existing run directory's store: read/write, or `read_only` for the commands that only
+    look (status, report, logs), which then also work on a run directory one may only read."""
     paths = RunPaths(Path(run_dir))
     if not paths.db.exists():
         raise RunDirError(f"{paths.root}: no run store (expected {paths.db})")
-    store = RunStore.for_run_dir(paths.root)
+    store = RunStore.for_run_dir(paths.root, read_only=read_only)
     try:
-        store.upgrade_schema()  # a run made by an earlier TideRL
+        if not read_only:
+            store.upgrade_schema()  # a run made by an earlier TideRL
         store.run_info()
+    except StoreCorruptError as e:
+        store.close()
+        raise RunDirError(f"{paths.db} is corrupt: {e.__cause__ or e}") from e
     except StoreError as e:
+        store.close()
         raise RunDirError(f"{paths.root}: {e}") from e
     return paths, store

@@ -136,8 +136,11 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
         env_servers=env_servers, slurm_jobs=slurm_jobs)
 
 
-def probe_env_servers(run_dir: Path, timeout_s: float = ENV_PROBE_TIMEOUT_S) -> tuple[dg.EnvServerView, ...]:
-    """Ask each env server of the run (RUN_DIR/env_urls.json) for /health."""
+def probe_env_servers(run_dir: Path, env: Any = None,
+                      timeout_s: float = ENV_PROBE_TIMEOUT_S) -> tuple[dg.EnvServerView, ...]:
+    """Ask each env server of the run (RUN_DIR/env_urls.json) for /health, with the run's token
+    (`env`: the job's `env:` section; the token source is the one the ranks use)."""
+    from tiderl.envs.launch import TokenError, read_token
     from tiderl.run.context import ENV_URLS_FILE
 
     try:
@@ -146,13 +149,19 @@ def probe_env_servers(run_dir: Path, timeout_s: float = ENV_PROBE_TIMEOUT_S) -> 
         return ()  # not started yet: the launcher writes the file once the servers are up
     if not urls:
         return ()
-    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:  # a dead server costs one timeout, not N
-        return tuple(pool.map(lambda url: _probe(url, timeout_s), urls))
-
-
-def _probe(url: str, timeout_s: float) -> dg.EnvServerView:
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+        token = read_token(env, run_dir) if env is not None else None
+    except TokenError:
+        token = None  # another user's run: its token is not ours to read; /health then says 401
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:  # a dead server costs one timeout, not N
+        return tuple(pool.map(lambda url: _probe(url, timeout_s, token), urls))
+
+
+def _probe(url: str, timeout_s: float, token: str | None = None) -> dg.EnvServerView:
+    request = urllib.request.Request(f"{url.rstrip('/')}/health",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             body = json.loads(resp.read())
         return dg.EnvServerView(url=url, is_reachable=True, sessions=body.get("active"),
                                 step_p99_ms=body.get("step_p99_ms"))
@@ -180,7 +189,7 @@ def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = 
     jobs = slurm_jobs(run_dir)
     is_live = doc["state"] not in dg.TERMINAL_STATES
     snap = snapshot(store, limits_of(config, stall_after_s), now=time.time(),
-                    env_servers=probe_env_servers(run_dir) if probe and is_live else (),
+                    env_servers=probe_env_servers(run_dir, config.env) if probe and is_live else (),
                     slurm_jobs=tuple(dg.SlurmJobView(str(j["job_id"]), str(j["state"]), j.get("reason"))
                                      for j in jobs or ()))
     doc["diagnosis"] = dg.diagnose(snap).to_dict()
@@ -269,7 +278,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     try:
-        _, store = open_run(args.run_dir)
+        _, store = open_run(args.run_dir, read_only=True)
     except RunDirError as e:
         print(f"tiderl status: {e}", file=sys.stderr)
         return EXIT_NOT_A_RUN

@@ -40,16 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_token(token_file: Path | None) -> str | None:
-    """The shared token from the file, else from $TIDERL_ENV_TOKEN, else None."""
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise SystemExit(f"tiderl env serve: cannot read --token-file {token_file}: {e}") from e
-        if not token:
-            raise SystemExit(f"tiderl env serve: --token-file {token_file} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV_VAR) or None
+    """The shared token from the file, else from $TIDERL_ENV_TOKEN, else None (what clients read too)."""
+    from tiderl.envs.launch import TokenError, read_token_file
+
+    if token_file is None:
+        return os.environ.get(TOKEN_ENV_VAR) or None
+    try:
+        return read_token_file(token_file)
+    except TokenError as e:
+        raise SystemExit(f"tiderl env serve: --token-file: {e}") from e
 
 
 def write_atomic(path: Path, text: str) -> None:

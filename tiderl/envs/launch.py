@@ -2,27 +2,37 @@
 
 The run launcher starts `num_servers` servers with `server_argv` (port 0: each
 picks a free port and writes its URL to a port file), waits with `wait_for_url`,
-and rollout ranks build their client with `make_pool`.
+and rollout ranks build their client with `make_pool`. Servers, clients and
+`tiderl status` take the token from one place (`read_token`); a run whose job
+names no `env.token_file` gets a random one of its own (`ensure_run_token`).
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from tiderl.config.env import EnvConfig
 from tiderl.envs.client import EnvPool
+from tiderl.envs.protocol import TOKEN_ENV_VAR
+from tiderl.paths import atomic_write_text
+
+RUN_TOKEN_FILE = "env.token"  # the launcher's per-run token, 0600, in the run directory
 
 
 class EnvServerStartError(RuntimeError):
     """An env server process exited or did not write its URL in time."""
 
 
-def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None) -> list[str]:
-    """The command line of one local env server for this config (the token file, if any,
-    is passed by path: the token itself never appears on a command line)."""
+def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
+                token_file: Path | None = None) -> list[str]:
+    """The command line of one local env server for this config (the token file, `token_file` or
+    `env.token_file`, is passed by path: the token itself never appears on a command line)."""
     argv = [
         sys.executable, "-m", "tiderl", "env", "serve",
         "--env", envs or cfg.name,
@@ -34,8 +44,9 @@ def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None) -> 
         "--latency", cfg.latency,
         "--max-workers", str(cfg.max_workers),
     ]
-    if cfg.token_file:
-        argv += ["--token-file", cfg.token_file]
+    token_file = token_file or (Path(cfg.token_file) if cfg.token_file else None)
+    if token_file is not None:
+        argv += ["--token-file", str(token_file)]
     return argv
 
 
@@ -53,17 +64,49 @@ def wait_for_url(port_file: Path, proc: subprocess.Popen[bytes] | subprocess.Pop
     raise EnvServerStartError(f"env server wrote no URL to {port_file} within {timeout_s} s")
 
 
-def read_token(cfg: EnvConfig) -> str | None:
-    if not cfg.token_file:
-        return None
-    token = Path(cfg.token_file).read_text().strip()
+class TokenError(ValueError):
+    """A token file that cannot be read or is empty; the message names it."""
+
+
+def token_file_of(cfg: EnvConfig, run_dir: Path | None = None) -> Path | None:
+    """The token file of a run's env servers: `env.token_file`, else the run's own `RUN_DIR/env.token`
+    where the launcher made one (`ensure_run_token`)."""
+    if cfg.token_file:
+        return Path(cfg.token_file)
+    if run_dir is not None and (Path(run_dir) / RUN_TOKEN_FILE).is_file():
+        return Path(run_dir) / RUN_TOKEN_FILE
+    return None
+
+
+def read_token(cfg: EnvConfig, run_dir: Path | None = None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The one token source the servers, their clients and `tiderl status` share: the token file
+    (`token_file_of`), else $TIDERL_ENV_TOKEN, else None (no token)."""
+    path = token_file_of(cfg, run_dir)
+    if path is None:
+        return environ.get(TOKEN_ENV_VAR) or None
+    return read_token_file(path)
+
+
+def read_token_file(path: Path) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise TokenError(f"cannot read the env token file {path}: {e.strerror or e}") from e
     if not token:
-        raise ValueError(f"env.token_file {cfg.token_file} is empty")
+        raise TokenError(f"the env token file {path} is empty")
     return token
 
 
-def make_pool(cfg: EnvConfig, urls: list[str] | tuple[str, ...]) -> EnvPool:
-    """The rollout side's client of these servers, with the config's timeouts and token."""
+def ensure_run_token(run_dir: Path) -> Path:
+    """`RUN_DIR/env.token`: a random token only its owner can read, made once per run (a resume keeps it)."""
+    path = Path(run_dir) / RUN_TOKEN_FILE
+    if not path.is_file():
+        atomic_write_text(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
+    return path
+
+
+def make_pool(cfg: EnvConfig, urls: list[str] | tuple[str, ...], run_dir: Path | None = None) -> EnvPool:
+    """The rollout side's client of these servers, with the config's timeouts and the run's token."""
     return EnvPool(
-        list(urls), token=read_token(cfg), timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries
+        list(urls), token=read_token(cfg, run_dir), timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries
     )

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.status import status_document
 
     try:
-        _, store = open_run(args.run_dir)
+        _, store = open_run(args.run_dir, read_only=True)
     except RunDirError as e:
         print(f"tiderl report: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from tiderl.run import procs
 from tiderl.run.context import write_run_files
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
-from tiderl.store.types import RankState, RunState
+from tiderl.store.types import RankState, Role, RunState
 
 PROGRESS_S = 2.0
 LOG_EVERY_S = 10.0
@@ -97,17 +97,27 @@ def _has_initial_version(store: RunStore) -> bool:
                          is not None)
 
 
+def launch_note(launch: Launch) -> str:
+    """What each child's log is told at the start of this launch (procs.launch_marker)."""
+    if not launch.resumed:
+        return f"launch of run {launch.paths.root.name}"
+    return f"resume of run {launch.paths.root.name} at version {launch.store.run_info()['version']}"
+
+
 def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tuple[list[procs.Child], list[str]]:
-    from tiderl.envs.launch import server_argv, wait_for_url
+    from tiderl.envs.launch import ensure_run_token, server_argv, wait_for_url
 
     cfg = launch.config.env
     if cfg.servers:
         return [], list(cfg.servers)
+    # Servers the run starts always require a token: the job's, else one of the run's own.
+    token_file = Path(cfg.token_file) if cfg.token_file else ensure_run_token(launch.paths.root)
     children, urls = [], []
     for i in range(cfg.num_servers):
         port_file = launch.paths.root / f"env{i}.port"
         port_file.unlink(missing_ok=True)
-        child = procs.spawn(f"env{i}", server_argv(cfg, port_file), launch.paths.env_log(i), env=env)
+        child = procs.spawn(f"env{i}", server_argv(cfg, port_file, token_file=token_file), launch.paths.env_log(i),
+                            env=env, marker=launch_note(launch))
         children.append(child)
         try:
             urls.append(wait_for_url(port_file, child.proc))
@@ -123,8 +133,9 @@ RankStarter = Callable[[Launch, dict[str, str]], list[procs.Child]]
 def start_local_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
     """`launch.num_ranks` rank processes on this machine, each a child with its own log."""
     paths = launch.paths
+    note = launch_note(launch)
     return [procs.spawn(f"rank{r}", [sys.executable, "-m", "tiderl.run.rank", str(paths.root), str(r)],
-                        paths.rank_log(r), env=rank_env(r) | tag)
+                        paths.rank_log(r), env=rank_env(r) | tag, marker=note)
             for r in range(launch.config.launch.num_ranks)]
 
 
@@ -147,13 +158,14 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         write_run_files(paths, model, urls)
         store.set_run_state(RunState.RUNNING, "resumed" if launch.resumed else None)
         children.append(procs.spawn("control", [sys.executable, "-m", "tiderl.run.control", str(paths.root)],
-                                    paths.control_log(), env=tag))
+                                    paths.control_log(), env=tag, marker=launch_note(launch)))
+        launched_at = time.time()
         children += start_ranks(launch, tag)
         print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
               file=out, flush=True)
         r = cfg.rollout
         eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
-        state, message = _watch(store, children, out, eval_tasks)
+        state, message = _watch(store, children, out, eval_tasks, launched_at)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -168,11 +180,25 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         elif not (current.is_terminal and state is RunState.RUNNING) and current is not RunState.CANCELLED:
             # A run someone cancelled (`tiderl cancel`) stays cancelled: ranks dying then are its consequence.
             store.set_run_state(state, message)
+        if state is not RunState.FINISHED:
+            print(f"\nstopping: {message or state.value}; ending {len(children)} processes "
+                  f"(up to {procs.STOP_GRACE_S:.0f} s)", file=out, flush=True)
         procs.stop(children)
+        _mark_ranks_stopped(store)
         print(file=out)
         print(summary(store), file=out, flush=True)
+        if state is not RunState.FINISHED and RunState(store.run_info()["state"]) is not RunState.FINISHED:
+            print(f"resume with: tiderl run --resume {paths.root}", file=out, flush=True)
         store.close()
     return {RunState.FINISHED: 0, RunState.CANCELLED: 130, RunState.RUNNING: 143}.get(state, 1)
+
+
+def _mark_ranks_stopped(store: RunStore) -> None:
+    """Every process of this launch is gone: a rank still recorded as live (killed before it could say
+    so, or the actor still in its step at Ctrl-C) is stopped, not running."""
+    for rank in store.ranks():
+        if rank["state"] in (RankState.RUNNING.value, RankState.STARTING.value):
+            store.set_rank_state(rank["rank"], RankState.STOPPED)
 
 
 def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
@@ -209,16 +235,31 @@ def rank_env(rank: int) -> dict[str, str]:
     return env
 
 
-def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int) -> tuple[RunState, str]:
+def engines_up(store: RunStore, version: int, since: float) -> tuple[int, int] | None:
+    """(rollout ranks whose engine is up since `since`, rollout ranks of `version`'s plan); None before
+    the control plane's first plan."""
+    plan = store.plan_at(version)
+    if plan is None:
+        return None
+    rollout = {r for r, role in plan.roles.items() if role is Role.ROLLOUT}
+    up = {e["rank"] for e in store.recent_events(4 * len(plan.roles) + 16, kinds=["engine_up"]) if e["ts"] >= since}
+    return len(up & rollout), len(rollout)
+
+
+def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int,
+           launched_at: float) -> tuple[RunState, str]:
     from tiderl.status import collect
 
     control = next(c for c in children if c.name == "control")
     is_tty = out.isatty()
     last_line, last_print = "", 0.0
+    first_version = int(store.run_info()["version"])
     while True:
         time.sleep(PROGRESS_S)
         doc = collect(store)
-        line = progress_line(doc, eval_tasks)
+        # Until the first step of this launch, what it waits for: the engines starting.
+        engines = engines_up(store, doc["version"], launched_at) if doc["version"] == first_version else None
+        line = progress_line(doc, eval_tasks, engines)
         if is_tty:
             print("\r" + line, end="", file=out, flush=True)
         elif line != last_line and time.monotonic() - last_print >= LOG_EVERY_S:
@@ -240,8 +281,9 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             return RunState(doc["state"]), doc["message"] or ""
 
 
-def progress_line(doc: dict[str, Any], eval_tasks: int = 0) -> str:
-    """One line of progress; an evaluation shows once its `eval_tasks` tasks are all done."""
+def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:
+    """One line of progress; an evaluation shows once its `eval_tasks` tasks are all done; `engines`
+    (up, wanted) while the launch waits for its rollout engines."""
     steps = doc["steps"]
     last = steps[-1] if steps else {}
     evals = [e for e in doc["eval"] if e["success_rate"] is not None and e["num_tasks"] >= eval_tasks]
@@ -254,7 +296,9 @@ def progress_line(doc: dict[str, Any], eval_tasks: int = 0) -> str:
             + (f"  goodput {doc['goodput_tok_s']:.0f} tok/s" if steps else "  goodput -")  # none before a step
             + "  roles "
             + " ".join(f"{k}:{v}" for k, v in sorted(roles.items()))
-            + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}   ")
+            + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}"
+            + (f"  engines {engines[0]}/{engines[1]} up" if engines is not None and engines[0] < engines[1] else "")
+            + "   ")
 
 
 def summary(store: RunStore) -> str:
@@ -289,7 +333,7 @@ def _f(value: float | None) -> str:
 def status_json(run_dir: Path) -> dict[str, Any]:
     from tiderl.status import collect
 
-    _, store = open_run(run_dir)
+    _, store = open_run(run_dir, read_only=True)
     try:
         return json.loads(json.dumps(collect(store), default=str))
     finally:

@@ -41,16 +41,31 @@ class Child:
 RUN_DIR_ENV = "TIDERL_RUN_DIR"
 
 
-def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
+def launch_marker(name: str, note: str) -> str:
+    """The line a child's log starts each launch with (logging's time format, so `tiderl logs` sorts it)."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+    return f"{stamp} {name} INFO tiderl.launcher: ===== {note} =====\n"
+
+
+def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+          marker: str | None = None) -> Child:
+    """Start `argv` with its output appended to `log_path`, after a `marker` line (see `launch_marker`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        if marker is not None:
+            log.write(launch_marker(name, marker).encode())
+            log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent,
                                 env={**os.environ, **(env or {})})
     return Child(name, proc, log_path)
 
 
-def stop(children: list[Child], grace_s: float = 10.0) -> None:
+STOP_GRACE_S = 10.0
+
+
+def stop(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every child's process group, then SIGKILL what is still there after `grace_s`."""
     for child in children:
         _signal_group(child, signal.SIGTERM)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.run.context import RankContext, RunStopped
+from tiderl.store.engine import StoreError
 from tiderl.store.types import EventRecord, PlanRecord, RankReport, RankState, Role
 
 log = logging.getLogger("tiderl.rank")
@@ -64,9 +68,34 @@ async def serve(ctx: RankContext) -> None:
         ctx.store.report(RankReport(rank=ctx.rank, role=plan.roles[ctx.rank], version=plan.version))
 
 
-def _heartbeats(ctx: RankContext, stopped: threading.Event) -> None:
-    while not stopped.wait(ctx.config.launch.heartbeat_s):
-        ctx.store.heartbeat(ctx.rank)
+def _heartbeats(ctx: RankContext, stopped: threading.Event, *, on_give_up: Callable[[], None] | None = None,
+                clock: Callable[[], float] = time.monotonic) -> None:
+    """Beat every `heartbeat_s`. A store error (a lock held past the retries, a filesystem hiccup) is
+    retried at the next beat; only when no beat got through for `heartbeat_timeout_s` (the control
+    plane has declared the rank dead and given its claims to others by then) does it give up: the
+    rank leaves (`on_give_up`, by default SIGTERM to itself) instead of working on without a claim."""
+    launch = ctx.config.launch
+    last_ok = clock()
+    failing = False
+    while not stopped.wait(launch.heartbeat_s):
+        try:
+            ctx.store.heartbeat(ctx.rank)
+        except StoreError as e:
+            silent_s = clock() - last_ok
+            if silent_s < launch.heartbeat_timeout_s:
+                if not failing:
+                    log.warning("rank %d: heartbeat failed (%s); retrying every %.0f s", ctx.rank, e,
+                                launch.heartbeat_s)
+                failing = True
+                continue
+            log.error("rank %d: no heartbeat got through for %.0f s (the timeout is %.0f s): %s; leaving",
+                      ctx.rank, silent_s, launch.heartbeat_timeout_s, e)
+            (on_give_up or (lambda: os.kill(os.getpid(), signal.SIGTERM)))()
+            return
+        if failing:
+            log.info("rank %d: heartbeats get through again after %.0f s", ctx.rank, clock() - last_ok)
+        failing = False
+        last_ok = clock()
 
 
 def rank_from_slurm() -> int:
@@ -98,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rank = rank_from_slurm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     ctx = RankContext.open(args.run_dir, args.rank)
+    import socket
+
+    # Where this process's part of the log begins (a Slurm rank's log has no launcher marker).
+    log.info("===== rank %d starts: pid %d on %s, run at version %d =====", args.rank, os.getpid(),
+             socket.gethostname(), ctx.store.position()[1])
     # The launcher stops ranks with SIGTERM: leave through the cleanup below (engine closed, state recorded).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Heartbeats from their own thread: an engine start or a training step blocks the role loop for

@@ -164,7 +164,10 @@ def _engine(ctx: RankContext, version: int) -> Any:
         t0 = time.monotonic()
         weights, engine = _weights(ctx).load(
             version, lambda w: vllm_engine(ctx.config, w.path, weights_version=w.version))
-        log.info("rank %d: vLLM engine up in %.1f s (weights v%d)", ctx.rank, time.monotonic() - t0, weights.version)
+        up_s = time.monotonic() - t0
+        log.info("rank %d: vLLM engine up in %.1f s (weights v%d)", ctx.rank, up_s, weights.version)
+        ctx.store.record_event(f"rank{ctx.rank}", "engine_up", f"rank {ctx.rank}: engine up in {up_s:.1f} s "
+                               f"(weights v{weights.version})", rank=ctx.rank, data={"seconds": round(up_s, 3)})
         if weights.version != weights.asked:
             ctx.store.record_event(f"rank{ctx.rank}", "weights_newer",
                                    f"rank {ctx.rank}: weights v{weights.asked} were pruned while its engine "
@@ -201,7 +204,7 @@ def _pool(ctx: RankContext) -> Any:
     from tiderl.envs.launch import make_pool
 
     if "pool" not in ctx.cache:
-        ctx.cache["pool"] = make_pool(ctx.config.env, ctx.env_urls)
+        ctx.cache["pool"] = make_pool(ctx.config.env, ctx.env_urls, ctx.paths.root)
     return ctx.cache["pool"]
 
 

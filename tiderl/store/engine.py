@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 T = TypeVar("T")
 
@@ -38,6 +38,13 @@ class StoreError(RuntimeError):
 
 class StoreBusyError(StoreError):
     """The database stayed locked through every retry."""
+
+
+class StoreCorruptError(StoreError):
+    """The database file is not a database, or its image is damaged."""
+
+
+_CORRUPT = ("file is not a database", "malformed", "database corrupt", "disk image")
 
 
 def filesystem_type(path: Path) -> str:
@@ -67,6 +74,11 @@ def choose_journal_mode(db_path: Path, requested: str) -> str:
     if requested != "auto":
         return requested
     return "delete" if is_network_filesystem(filesystem_type(db_path.parent)) else "wal"
+
+
+def _is_corrupt(e: DatabaseError) -> bool:
+    text = str(e.orig if e.orig is not None else e).lower()
+    return any(marker in text for marker in _CORRUPT)
 
 
 def _is_busy(e: OperationalError) -> bool:
@@ -123,6 +135,8 @@ class Transactor:
                 with self._connection(immediate) as conn, conn.begin():
                     return fn(conn)
             except OperationalError as e:
+                if _is_corrupt(e):
+                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
                 if not _is_busy(e):
                     raise StoreError(f"run store {self.label}: {e.orig or e}") from e
                 if attempt == self.max_retries:
@@ -132,6 +146,10 @@ class Transactor:
                 self.num_retries += 1
                 time.sleep(delay_s * (0.5 + random.random()))
                 delay_s = min(delay_s * 2, 1.0)
+            except DatabaseError as e:  # sqlite3.DatabaseError: "file is not a database", a damaged image
+                if _is_corrupt(e):
+                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
+                raise StoreError(f"run store {self.label}: {e.orig or e}") from e
         raise AssertionError("unreachable")
 
     @contextmanager

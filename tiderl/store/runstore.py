@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -78,14 +79,28 @@ class RunStore:
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
-    def for_run_dir(cls, run_dir: Path, config: StoreConfig | None = None) -> "RunStore":
+    def for_run_dir(cls, run_dir: Path, config: StoreConfig | None = None, *, read_only: bool = False) -> "RunStore":
+        """The run's store. `read_only` (SQLite): opened so that nothing can be written, which also
+        works on a run directory one may only read (another user's run, an archive)."""
         config = config or StoreConfig()
-        url = config.url or f"sqlite:///{Path(run_dir) / 'run.db'}"
-        return cls(url, config)
+        if config.url:
+            return cls(config.url, config)
+        if not read_only:
+            return cls(f"sqlite:///{Path(run_dir) / 'run.db'}", config)
+        path = (Path(run_dir) / "run.db").resolve()
+        # immutable=1 where the directory is not writable: SQLite could create neither a journal
+        # nor WAL's shared-memory file there, and nobody can be writing through it either.
+        flags = "mode=ro" if os.access(path.parent, os.W_OK) else "mode=ro&immutable=1"
+        return cls(f"sqlite:///file:{urllib.parse.quote(str(path))}?{flags}&uri=true", config)
 
     @property
     def sqlite_path(self) -> Path | None:
-        return Path(self.url.removeprefix("sqlite:///")) if self.url.startswith("sqlite:///") else None
+        if not self.url.startswith("sqlite:///"):
+            return None
+        rest = self.url.removeprefix("sqlite:///")
+        if rest.startswith("file:"):  # a URI filename (read-only opening)
+            return Path(urllib.parse.unquote(rest.removeprefix("file:").partition("?")[0]))
+        return Path(rest)
 
     def create_schema(self) -> str:
         """Create tables and views (idempotent). Returns the journal mode in force."""

@@ -1,0 +1,54 @@
+"""A rank's heartbeat thread: store errors are retried; it gives up only past the heartbeat timeout."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from tiderl.run.rank import _heartbeats
+from tiderl.store.engine import StoreBusyError
+
+
+class FlakyStore:
+    """Fails the beats whose numbers are in `fail` (1-based), counts the ones that got through."""
+
+    def __init__(self, fail: set[int], stopped: threading.Event, stop_after: int) -> None:
+        self.fail, self.stopped, self.stop_after = fail, stopped, stop_after
+        self.calls = 0
+        self.beats = 0
+
+    def heartbeat(self, rank: int) -> None:
+        self.calls += 1
+        if self.calls >= self.stop_after:
+            self.stopped.set()
+        if self.calls in self.fail:
+            raise StoreBusyError("run store sqlite:///run.db: still locked after 8 retries")
+        self.beats += 1
+
+
+def _ctx(store: FlakyStore, timeout_s: float) -> SimpleNamespace:
+    launch = SimpleNamespace(heartbeat_s=0.001, heartbeat_timeout_s=timeout_s)
+    return SimpleNamespace(rank=3, store=store, config=SimpleNamespace(launch=launch))
+
+
+def test_a_busy_store_does_not_end_the_heartbeats() -> None:
+    stopped = threading.Event()
+    store = FlakyStore({2, 3, 4}, stopped, stop_after=8)
+    clock = iter(float(t) for t in range(1000))  # one "second" per reading: 3 failures < 30 s timeout
+    gave_up = []
+    _heartbeats(_ctx(store, 30.0), stopped, on_give_up=lambda: gave_up.append(1), clock=lambda: next(clock))
+    assert store.calls >= 8 and store.beats == store.calls - 3 and not gave_up
+
+
+def test_it_gives_up_once_nothing_got_through_for_the_timeout() -> None:
+    stopped = threading.Event()
+    store = FlakyStore(set(range(2, 100)), stopped, stop_after=100)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 4.0
+        return now[0]
+
+    gave_up = []
+    _heartbeats(_ctx(store, 30.0), stopped, on_give_up=lambda: gave_up.append(store.calls), clock=clock)
+    assert gave_up and 5 <= gave_up[0] <= 10  # ~30 s of 4 s failures after the last good beat
