@@ -2,8 +2,9 @@
 buffer, goodput, and a diagnosis of who waits for what (`tiderl.diagnose`).
 
 `--check` prints a one-line verdict plus the findings and exits 1 when the run
-is stalled or failed (for a cron job or a Slurm epilog), 0 otherwise, 2 when
-RUN_DIR is not a run. `--watch` redraws the status every few seconds.
+is stalled or a finding is an error (for a cron job or a Slurm epilog), 0
+otherwise, 2 when RUN_DIR is not a run or its run.db is corrupt. The store is
+opened read-only: a run directory one may only read can be inspected. `--watch` redraws the status every few seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="Print one JSON object instead of tables (with --watch: one per line, JSON Lines).")
     parser.add_argument("--check", action="store_true",
-                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or failed.")
+                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or a finding is an error.")
     parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="Redraw every SECONDS (default 2) until Ctrl-C.")
     parser.add_argument("--stall-after-s", type=float, default=None,
@@ -246,8 +247,11 @@ def verdict(doc: dict[str, Any]) -> str:
     where = f"run {doc['name']} at version {doc['version']} ({doc['state']})"
     if d["is_stalled"]:
         return f"STALLED: {where}: {d['culprit']['message'] if d['culprit'] else 'no culprit found'}"
-    if d["needs_attention"]:
+    if doc["state"] == "failed":
         return f"FAILED: {where}" + (f": {doc['message']}" if doc["message"] else "")
+    if d["needs_attention"]:  # not stalled (yet), but an error-level finding: say the first
+        first = next(f for f in d["findings"] if f["severity"] == "error")
+        return f"ERROR: {where}: {first['message']}"
     return f"OK: {where}, last new version {_age(d['since_progress_s'])} ago"
 
 

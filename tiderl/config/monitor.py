@@ -23,7 +23,7 @@ class MonitorConfig:
         None,
         ge=0,
         help="Port of the control plane's Prometheus endpoint (`/metrics`); 0 picks a free port "
-        "(written to RUN_DIR/metrics.url); null: no endpoint.",
+        "(written to RUN_DIR/metrics/control.url); null: no endpoint.",
     )
     metrics_host: str = option(
         "0.0.0.0", help="Address the Prometheus endpoint listens on (0.0.0.0: every interface of the node)."
