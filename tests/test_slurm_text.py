@@ -11,10 +11,13 @@ from tiderl.config import ConfigError, load_job
 from tiderl.config.schema import build
 from tiderl.config.slurm import SlurmConfig
 from tiderl.slurm.sbatch import (
+    MIN_CPUS_PER_GPU_TASK,
+    MIN_MEM_GB_PER_GPU,
     SlurmScriptError,
     job_name,
     make_sbatch_script,
     ranks_per_node,
+    resource_warnings,
     run_command,
     sbatch_directives,
 )
@@ -26,6 +29,7 @@ from tiderl.slurm.states import (
     parse_sbatch_parsable,
     parse_sinfo_nodes,
     parse_squeue,
+    sbatch_cluster,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -176,6 +180,13 @@ def test_parse_sbatch_parsable() -> None:
         parse_sbatch_parsable("\n")
 
 
+def test_sbatch_cluster_from_plain_sbatch_output() -> None:
+    assert sbatch_cluster("Submitted batch job 4242\n") is None
+    assert sbatch_cluster("Submitted batch job 4242 on cluster alpha\n") == "alpha"
+    # sbatch may print site messages (job_submit plugins) before its own line.
+    assert sbatch_cluster("sbatch: note: billed to rl\nSubmitted batch job 7 on cluster beta-2\n") == "beta-2"
+
+
 def test_parse_sinfo_nodes_once_each() -> None:
     assert parse_sinfo_nodes("dev1\ndev2\ndev1\n\n") == ["dev1", "dev2"]
     assert parse_sinfo_nodes("") == []
@@ -228,3 +239,29 @@ def test_parse_sacct_columns_in_any_order_last_attempt_wins() -> None:
 def test_parse_sacct_errors_name_the_line(text: str, message: str) -> None:
     with pytest.raises(SlurmOutputError, match=message):
         parse_sacct(text)
+
+
+# --- resources that look CPU-sized for a GPU job -----------------------------------------
+
+
+def test_cpu_sized_resources_of_a_gpu_job_are_warned_about() -> None:
+    warnings = resource_warnings(slurm(gpus_per_node=4, mem_gb=8, cpus_per_task=1))
+    assert len(warnings) == 2
+    assert warnings[0].startswith("slurm.mem_gb (8) is 2 GB per GPU for slurm.gpus_per_node (4)")
+    assert warnings[0].endswith("--mem is per node: 16 or more")
+    assert warnings[1].startswith(f"slurm.cpus_per_task (1) is fewer than {MIN_CPUS_PER_GPU_TASK} CPUs")
+
+
+def test_resource_floors_are_inclusive() -> None:
+    # Exactly the floor passes; one GB or one CPU under it warns about that one field only.
+    assert resource_warnings(slurm(gpus_per_node=4, mem_gb=4 * MIN_MEM_GB_PER_GPU,
+                                   cpus_per_task=MIN_CPUS_PER_GPU_TASK)) == []
+    [mem] = resource_warnings(slurm(gpus_per_node=4, mem_gb=4 * MIN_MEM_GB_PER_GPU - 1,
+                                    cpus_per_task=MIN_CPUS_PER_GPU_TASK))
+    assert mem.startswith("slurm.mem_gb (15) is 3.75 GB per GPU")
+    [cpus] = resource_warnings(slurm(gpus_per_node=1, mem_gb=MIN_MEM_GB_PER_GPU, cpus_per_task=1))
+    assert cpus.startswith("slurm.cpus_per_task (1)")
+
+
+def test_cpu_jobs_get_no_resource_warnings() -> None:
+    assert resource_warnings(slurm(gpus_per_node=0, mem_gb=1, cpus_per_task=1)) == []

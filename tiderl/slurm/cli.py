@@ -1,15 +1,23 @@
-"""`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run] [--wait]`: a run as one Slurm job.
+"""`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run | --parsable | --json] [--wait]`.
 
-The config is validated and laid out on the `slurm:` resources before anything
-is written (exit 2 on a bad one); `--dry-run` prints the sbatch script and
-stops there. Otherwise the run directory and store are created here (so the
-job only ever resumes what exists), submitit submits `tiderl.slurm.job.SlurmRun`,
-and the job id goes into `RUN_DIR/slurm/jobs.json`.
+A run as one Slurm job. The config is validated and laid out on the `slurm:`
+resources before anything is written (exit 2 on a bad one); resources that
+look CPU-sized for a GPU job are warned about on stderr
+(`sbatch.resource_warnings`). `--dry-run` prints the sbatch script and the
+ranks' srun step, and stops there. Otherwise the run directory and store are
+created here (so the job only ever resumes what exists), submitit submits
+`tiderl.slurm.job.SlurmRun`, and the job id goes into `RUN_DIR/slurm/jobs.json`.
+
+stdout: `job ID` and `run dir DIR` lines, or with `--parsable` only what
+`sbatch --parsable` prints, with `--json` one JSON object
+(`submit.submission_record`). In those two modes every other line (`--wait`'s
+progress included) goes to stderr, so stdout stays machine-readable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -27,8 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="Run directory to create, on a filesystem every node sees "
                              "(default: launch.runs_dir/NAME-TIMESTAMP).")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="Print the sbatch script that would be submitted; create and submit nothing.")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--dry-run", action="store_true",
+                        help="Print the sbatch script that would be submitted, then the ranks' srun step as "
+                             "comment lines; create and submit nothing.")
+    output.add_argument("--parsable", action="store_true",
+                        help="Print only the job id, as `sbatch --parsable` does (JOBID, or JOBID;CLUSTER when "
+                             "the job went to a named cluster); other lines go to stderr.")
+    output.add_argument("--json", action="store_true",
+                        help="Print one JSON object: job_id, cluster, job_name, run_dir, logs (every log path), "
+                             "follow and status (commands); other lines go to stderr.")
     parser.add_argument("--wait", action="store_true",
                         help="Follow the run until its job ends; exit 0 only if the run finished.")
 
@@ -38,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.rundir import RunDirError, create_run, default_run_dir
     from tiderl.slurm.cluster import SlurmCluster, SlurmError
     from tiderl.slurm.runjobs import slurm_dir
-    from tiderl.slurm.sbatch import SlurmScriptError
-    from tiderl.slurm.submit import run_parameters, sbatch_text
+    from tiderl.slurm.sbatch import SlurmScriptError, resource_warnings
+    from tiderl.slurm.submit import dry_run_text, parsable_line, run_parameters, submission_record
     from tiderl.store.types import RunState
 
     config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
@@ -49,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     except SlurmScriptError as e:
         print(f"tiderl submit: {args.job}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    for warning in resource_warnings(config.slurm):
+        print(f"tiderl submit: warning: {warning}", file=sys.stderr)
     if args.dry_run:
-        print(sbatch_text(params, slurm_dir(run_dir)), end="")
+        print(dry_run_text(config, run_dir, slurm_dir(run_dir)), end="")
         return 0
     cluster = SlurmCluster()
     try:
@@ -65,44 +83,60 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl submit: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        job_id = submit_run(run_dir, params, max_time_limits=config.slurm.max_time_limits)
+        job_id, cluster_name = submit_run(run_dir, params, max_time_limits=config.slurm.max_time_limits)
     except Exception as e:
         store.set_run_state(RunState.FAILED, f"not submitted: {type(e).__name__}: {e}")
         print(f"tiderl submit: submitting {run_dir} failed: {e}", file=sys.stderr)
         return EXIT_NOT_FINISHED
     finally:
         store.close()
-    print(f"job {job_id}")
-    print(f"run dir {paths.root}", flush=True)
+    # Scripts read stdout: in the machine-readable modes it holds that one answer, the rest goes to stderr.
+    if args.parsable:
+        print(parsable_line(job_id, cluster_name), flush=True)
+    elif args.json:
+        print(json.dumps(submission_record(config, paths.root, job_id, cluster_name)), flush=True)
+    else:
+        print(f"job {job_id}")
+        print(f"run dir {paths.root}", flush=True)
     if not args.wait:
         return 0
     try:
-        return follow(run_dir, job_id)
+        return follow(run_dir, job_id, out=sys.stderr if args.parsable or args.json else sys.stdout)
     except KeyboardInterrupt:
         print(f"\ntiderl submit: stopped following; job {job_id} goes on (tiderl cancel {run_dir} ends it)",
               file=sys.stderr)
         return 130
 
 
-def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> str:
-    """Submit `SlurmRun(run_dir)` with these executor parameters; records and returns the job id.
-    After `max_time_limits` time-limit requeues submitit requeues no more."""
+def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tuple[str, str | None]:
+    """Submit `SlurmRun(run_dir)` with these executor parameters; records the job and returns its id and the
+    cluster sbatch named (None when it named none). After `max_time_limits` time-limit requeues submitit
+    requeues no more."""
     import submitit
 
     from tiderl.slurm.job import SlurmRun
     from tiderl.slurm.runjobs import record_job, slurm_dir
+    from tiderl.slurm.states import sbatch_cluster
     from tiderl.slurm.submit import slurm_conf, submit_command
 
     class RunExecutor(submitit.SlurmExecutor):
+        cluster: str | None = None
+
         @property
         def _submitit_command_str(self) -> str:
             return submit_command(self.python, self.folder)
+
+        def _get_job_id_from_submission_command(self, string: bytes | str) -> str:  # type: ignore[override]
+            # submitit keeps only the job id of sbatch's answer; `--parsable` also needs the cluster it names.
+            text = string if isinstance(string, str) else string.decode()
+            self.cluster = sbatch_cluster(text)
+            return submitit.SlurmExecutor._get_job_id_from_submission_command(text)
 
     executor = RunExecutor(folder=slurm_dir(run_dir), max_num_timeout=max_time_limits)
     executor.update_parameters(**params)
     job = executor.submit(SlurmRun(str(run_dir)))
     record_job(run_dir, job.job_id, job_name=params["job_name"], slurm_conf=slurm_conf())
-    return job.job_id
+    return job.job_id, executor.cluster
 
 
 def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float = WAIT_POLL_S) -> int:

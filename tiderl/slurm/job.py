@@ -2,7 +2,7 @@
 
 It runs in the batch step on the first node (submitit with `slurm_use_srun=False`)
 and is the local launcher with one difference: the ranks start as one `srun`
-step (`submit.rank_step_argv`) instead of local children. Env servers and the
+step (`submit.rank_step_of`) instead of local children. Env servers and the
 control plane are its children, as with `tiderl run`.
 
 Every attempt of the job (the first, and each one after a requeue) runs the
@@ -30,8 +30,7 @@ import submitit
 
 from tiderl.run import procs
 from tiderl.run.launcher import Interrupted, Launch, prepare, run_launch
-from tiderl.slurm.sbatch import ranks_per_node
-from tiderl.slurm.submit import SRUN_LOG, rank_step_argv
+from tiderl.slurm.submit import SRUN_LOG, rank_step_env, rank_step_of
 from tiderl.store.types import RunState
 
 
@@ -45,13 +44,10 @@ class RunNotFinished(RuntimeError):
 
 
 def start_slurm_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
-    """The ranks as one multi-task srun step of this job; one child (srun) stands for all of them."""
-    cfg = launch.config
-    argv = rank_step_argv(launch.paths.root, num_ranks=cfg.launch.num_ranks,
-                          num_tasks_per_node=ranks_per_node(cfg.slurm, cfg.launch.num_ranks),
-                          cpus_per_task=cfg.slurm.cpus_per_task, gpus=bool(cfg.slurm.gpus_per_node))
-    # As many threads as the task has CPUs (the local launcher's one per CPU slot, on Slurm's terms).
-    env = tag | {"OMP_NUM_THREADS": str(cfg.slurm.cpus_per_task)}
+    """The ranks as one multi-task srun step of this job; one child (srun) stands for all of them.
+    The step is `submit.rank_step_of`, the one `tiderl submit --dry-run` prints."""
+    argv = rank_step_of(launch.config, launch.paths.root)
+    env = tag | rank_step_env(launch.config.slurm)
     return [procs.spawn("ranks", argv, launch.paths.logs / SRUN_LOG, env=env)]
 
 

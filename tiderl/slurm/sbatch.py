@@ -43,6 +43,41 @@ def ranks_per_node(slurm: SlurmConfig, num_ranks: int) -> int:
     return num_ranks // slurm.nodes
 
 
+# Floors below which a GPU job's host resources look sized for a CPU job (`resource_warnings`). Not limits:
+# a job under them is submitted, with a warning.
+# Host memory per GPU: a CUDA PyTorch process holds 1-3 GB of host memory before it loads anything (CUDA
+# context, kernels, libraries), and every rank moves weights through host memory (loaded from safetensors,
+# written at each publish), so less than 4 GB per GPU leaves a rank next to nothing of its own.
+MIN_MEM_GB_PER_GPU = 4
+# CPUs per GPU rank (one task each): one CPU keeps the GPU fed (kernel launches, the engine's scheduler),
+# and the rank's other work (agent loop, tokenizing, env HTTP calls, store transactions and heartbeats)
+# needs another; on one CPU they take turns and the GPU waits.
+MIN_CPUS_PER_GPU_TASK = 2
+
+
+def resource_warnings(slurm: SlurmConfig) -> list[str]:
+    """Why the `slurm:` resources of a GPU job look CPU-sized (empty: they do not, or no GPUs asked for).
+
+    Pure; thresholds `MIN_MEM_GB_PER_GPU` (memory is per node, `mem_gb / gpus_per_node`) and
+    `MIN_CPUS_PER_GPU_TASK` (each GPU rank is one task with `cpus_per_task` CPUs)."""
+    if not slurm.gpus_per_node:
+        return []
+    found: list[str] = []
+    mem_gb_per_gpu = slurm.mem_gb / slurm.gpus_per_node
+    if mem_gb_per_gpu < MIN_MEM_GB_PER_GPU:
+        found.append(
+            f"slurm.mem_gb ({slurm.mem_gb}) is {mem_gb_per_gpu:g} GB per GPU for slurm.gpus_per_node "
+            f"({slurm.gpus_per_node}), under {MIN_MEM_GB_PER_GPU} GB of host memory per GPU rank (a CUDA "
+            f"process alone holds 1-3 GB); --mem is per node: {MIN_MEM_GB_PER_GPU * slurm.gpus_per_node} or more"
+        )
+    if slurm.cpus_per_task < MIN_CPUS_PER_GPU_TASK:
+        found.append(
+            f"slurm.cpus_per_task ({slurm.cpus_per_task}) is fewer than {MIN_CPUS_PER_GPU_TASK} CPUs for a GPU "
+            "rank: one keeps the GPU fed, the agent loop, tokenizing and store calls need another"
+        )
+    return found
+
+
 def sbatch_directives(slurm: SlurmConfig, *, name: str, log_dir: Path, num_tasks_per_node: int) -> list[str]:
     """The `#SBATCH` flags, in a fixed order, each straight from one config field."""
     flags = [

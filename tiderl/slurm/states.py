@@ -1,4 +1,4 @@
-"""Slurm job states, and the text of `sbatch --parsable`, `squeue` and `sacct --parsable2` parsed into them.
+"""Slurm job states, and the text of `sbatch` (plain and `--parsable`), `squeue` and `sacct --parsable2` parsed.
 
 Pure functions over strings; `tiderl.slurm.cluster` runs the commands with the
 formats defined here, so parser and command agree.
@@ -7,6 +7,7 @@ formats defined here, so parser and command agree.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 # squeue prints one line per job in this format; `%T` is the long state name.
@@ -101,6 +102,17 @@ def parse_sbatch_parsable(text: str) -> str:
     if not job_id.isdigit():
         raise SlurmOutputError(f"sbatch printed {lines[-1]!r}, expected a job id")
     return job_id
+
+
+# Plain sbatch prints `Submitted batch job JOBID`, followed by ` on cluster NAME` when the job went to a named
+# cluster (--clusters/-M); `--parsable` prints the same two as `JOBID;NAME`.
+_SBATCH_CLUSTER = re.compile(r"Submitted batch job [0-9]+ on cluster (?P<cluster>\S+)")
+
+
+def sbatch_cluster(text: str) -> str | None:
+    """The cluster plain sbatch's `Submitted batch job JOBID on cluster NAME` names; None when it names none."""
+    found = _SBATCH_CLUSTER.search(text)
+    return found.group("cluster") if found else None
 
 
 def parse_sinfo_nodes(text: str) -> list[str]:

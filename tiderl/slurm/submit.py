@@ -8,8 +8,10 @@ The layout (see docs/slurm.md for why):
         -> one step:  srun --ntasks=N ... python -m tiderl.run.rank RUN_DIR   (rank = SLURM_PROCID)
 
 Pure parts (config in, text or argv out), tested with literal strings:
-`executor_parameters`, `sbatch_text`, `rank_step_argv`. `submit_run` is the
-one function that talks to Slurm.
+`executor_parameters`, `sbatch_text`, `rank_step_argv` and `rank_step_of` (the
+rank step the job starts, and `--dry-run` prints), `dry_run_text`,
+`parsable_line` and `submission_record` (what `--parsable` and `--json` print).
+`tiderl.slurm.cli.submit_run` is the one function that talks to Slurm.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from tiderl.config import JobConfig
 from tiderl.config.slurm import SlurmConfig
+from tiderl.paths import RunPaths
 from tiderl.slurm.sbatch import LOG_NAME, PREEMPT_SIGNAL, SlurmScriptError, job_name, ranks_per_node
 
 SUBMITIT_MAIN = "submitit.core._submit"
@@ -56,6 +59,10 @@ def executor_parameters(slurm: SlurmConfig, *, name: str, num_ranks: int, log_di
         "signal_delay_s": slurm.signal_delay_s,
         # The submitted function runs in the batch step itself, so it can start its own srun step.
         "use_srun": False,
+        # submitit writes `#SBATCH --wckey=submitit` unless told otherwise; None leaves the line out (its
+        # sbatch writer skips every None parameter), so the job gets the user's default wckey as plain sbatch
+        # gives it (`extra_flags: [--wckey=NAME]` sets one).
+        "wckey": None,
     }
     if slurm.setup:
         params["setup"] = list(slurm.setup)
@@ -115,6 +122,64 @@ def rank_step_argv(run_dir: Path, *, num_ranks: int, num_tasks_per_node: int, cp
         f"--output={logs / RANK_LOG}", "--open-mode=append",
         python, "-m", "tiderl.run.rank", str(run_dir),
     ]
+
+
+def rank_step_of(config: JobConfig, run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The ranks' srun step of this run: what the job starts (`tiderl.slurm.job.start_slurm_ranks`) and what
+    `tiderl submit --dry-run` prints."""
+    slurm, num_ranks = config.slurm, config.launch.num_ranks
+    return rank_step_argv(Path(run_dir), num_ranks=num_ranks, num_tasks_per_node=ranks_per_node(slurm, num_ranks),
+                          cpus_per_task=slurm.cpus_per_task, gpus=bool(slurm.gpus_per_node), python=python)
+
+
+def rank_step_env(slurm: SlurmConfig) -> dict[str, str]:
+    """What the rank step adds to the batch step's environment: as many threads as the task has CPUs (the local
+    launcher's one per CPU slot, on Slurm's terms)."""
+    return {"OMP_NUM_THREADS": str(slurm.cpus_per_task)}
+
+
+def dry_run_text(config: JobConfig, run_dir: Path, folder: Path, python: str = sys.executable) -> str:
+    """What `tiderl submit --dry-run` prints: the sbatch script submitit writes (`sbatch_text`), then, as comment
+    lines, the srun step the batch step starts for the ranks. The script `exec`s submitit's runner, so nothing
+    after that line would run if the text were submitted as it is."""
+    script = sbatch_text(run_parameters(config, run_dir), folder, python=shlex.quote(python))
+    env = " ".join(f"{name}={value}" for name, value in rank_step_env(config.slurm).items())
+    return script + "\n".join([
+        "",
+        "# Not part of the script: the batch step (tiderl.slurm.job.SlurmRun) starts the env servers and the",
+        f"# control plane, then the ranks as this one srun step, with {env} in its environment:",
+        f"# {shlex.join(rank_step_of(config, run_dir, python))}",
+        "",
+    ])
+
+
+def parsable_line(job_id: str, cluster: str | None) -> str:
+    """`tiderl submit --parsable`, as `sbatch --parsable` prints it: `JOBID`, or `JOBID;CLUSTER` when the job
+    went to a named cluster (`--clusters`)."""
+    return job_id if cluster is None else f"{job_id};{cluster}"
+
+
+def submission_record(config: JobConfig, run_dir: Path, job_id: str, cluster: str | None) -> dict[str, Any]:
+    """`tiderl submit --json`: the job, the run directory, every log of the run, and the commands to follow it."""
+    paths = RunPaths(Path(run_dir))
+    batch_log = paths.logs / LOG_NAME.replace("%j", job_id)
+    num_env_logs = 0 if config.env.servers else config.env.num_servers  # given servers are not the run's
+    return {
+        "job_id": job_id,
+        "cluster": cluster,
+        "job_name": job_name(config.slurm, config.name),
+        "run_dir": str(paths.root),
+        "logs": {
+            "batch_out": f"{batch_log}.out",
+            "batch_err": f"{batch_log}.err",
+            "control": str(paths.control_log()),
+            "env": [str(paths.env_log(i)) for i in range(num_env_logs)],
+            "ranks": [str(paths.rank_log(r)) for r in range(config.launch.num_ranks)],
+            "srun": str(paths.logs / SRUN_LOG),
+        },
+        "follow": shlex.join(["tiderl", "logs", str(paths.root), "-f"]),
+        "status": shlex.join(["tiderl", "status", str(paths.root)]),
+    }
 
 
 def slurm_conf() -> str | None:
