@@ -1,4 +1,4 @@
-"""`tiderl logs RUN_DIR [--rank N | --role R | --control] [-n LINES] [-f]`: a run's logs, each line prefixed.
+"""`tiderl logs RUN_DIR [--rank N | --role R | --control] [-n LINES] [-f] [--by-file] [--engine]`: a run's logs.
 
 Every process of a run, local or on Slurm, writes one file in `RUN_DIR/logs/`:
 `control.log`, `env{I}.log`, `rank{R}.log` (on Slurm: srun's per-task output),
@@ -7,21 +7,38 @@ progress, submitit) and `ranks-srun.log` (srun's own messages). Lines are
 prefixed with where they come from: `[control]`, `[env0]`, `[rank1 rollout]`
 (the rank's current role from the run store), `[slurm 812]`, `[srun]`.
 
-`-f` prints what is there, then new lines as they are written, until the run
-has ended (its state is final and it has no Slurm job queued or running) or
-Ctrl-C. File naming and line splitting are pure functions.
+The last `-n` lines of each selected file are merged into one stream in time
+order (`--by-file`: one file after the other). A line's time is the timestamp
+it starts with (`parse_timestamp`); a line without one (a traceback, a
+continuation, a progress bar) keeps the time of the line before it in its file,
+so it stays under that line. A line redrawn with carriage returns (a progress
+bar) shows as its last segment, as a terminal would. vLLM's own DEBUG and INFO
+lines and what follows them are hidden unless `--engine` is given; its warnings
+and errors, every other logger's lines and tracebacks are always shown.
+
+`-f` prints what is there, then new lines as they are written (merged by time
+within each poll), until the run has ended (its state is final and it has no
+Slurm job queued or running), Ctrl-C, or the reader of a pipe has gone. A
+selection that can never match (`--rank 9` of a 4-rank run, a role no rank
+holds, without `-f`) exits 2 naming what exists; a valid one without a file
+yet exits 1. File naming, selection, timestamps, the noise filter and merging
+are pure functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import heapq
 import re
+import select as select_io
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import AnyStr, TextIO
 
 from tiderl.roles import Role
 
@@ -36,6 +53,21 @@ _NAMES = (
     ("slurm", re.compile(r"^slurm-(\d+)\.(out|err)$")),
 )
 _ORDER = {kind: i for i, (kind, _) in enumerate(_NAMES)}
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
+ENGINE_LOGGERS = ("vllm",)
+_DATE = r"(\d{4})-(\d\d)-(\d\d)"
+_TIME = r"(\d\d):(\d\d):(\d\d)"
+# Python logging's %(asctime)s, as every basicConfig of the project starts its lines.
+_ASCTIME = re.compile(rf"^{_DATE} {_TIME}[,.](\d{{3}})(?!\d)")
+# submitit's "%(name)s %(levelname)s (%(asctime)s) - %(message)s" in slurm-*.out/.err.
+_SUBMITIT = re.compile(rf"^submitit [A-Z]+ \({_DATE} {_TIME}[,.](\d{{3}})\)")
+# Slurm's own messages: "[2026-12-01T13:29:16.353] ...".
+_SLURM = re.compile(rf"^\[{_DATE}T{_TIME}(?:\.(\d{{1,6}}))?\]")
+# vLLM's format "LEVEL MM-DD HH:MM:SS [file.py:12] msg" (no year), after "(EngineCore pid=7) " in its subprocesses.
+_VLLM = re.compile(rf"^(?:\([^)]*\) )?({'|'.join(_LEVELS)}) (\d\d)-(\d\d) {_TIME}(?:\.\d+)? ")
+_TRACEBACK = "Traceback (most recent call last):"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +87,26 @@ class LogFile:
         if self.kind == "slurm":
             return f"slurm {self.index}" + (" err" if self.name.endswith(".err") else "")
         return self.kind
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    """One line as shown: its text (progress-bar redraws resolved) and time (its own, or the latest before it in its
+    file; None before the file's first timestamp). `is_engine_chatter`: a vLLM DEBUG/INFO line or what follows one."""
+
+    at: datetime | None
+    text: str
+    is_engine_chatter: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """What reading one file has seen so far, for the lines still to come: the latest time, whether the last stamped
+    line was engine chatter, whether a traceback has started since."""
+
+    at: datetime | None = None
+    is_engine_chatter: bool = False
+    in_traceback: bool = False
 
 
 def classify(names: Iterable[str]) -> list[LogFile]:
@@ -81,69 +133,242 @@ def select(files: list[LogFile], *, rank: int | None = None, role: str | None = 
     return files
 
 
-def split_lines(pending: str) -> tuple[list[str], str]:
+def ranks_text(ranks: Iterable[int]) -> str:
+    """`rank 0`, `ranks 0-3`, `ranks 1-2, 5`."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(spans) == 1 and spans[0][0] == spans[0][1] else "ranks ") + text
+
+
+def selection_problem(*, rank: int | None, role: str | None, num_ranks: int | None, roles: dict[int, str],
+                      follow: bool) -> str | None:
+    """Why `--rank`/`--role` can never match, naming what the run has; None when it can (now or later).
+
+    `num_ranks` None: the run's rank count is unknown, every rank may exist. A role no rank holds now is fine
+    with `-f` (ERS may move a rank to it) and before any rank has registered.
+    """
+    if rank is not None and num_ranks is not None and not 0 <= rank < num_ranks:
+        return f"rank {rank}: the run has {ranks_text(range(num_ranks))}"
+    if role is not None and roles and not follow and role not in roles.values():
+        holders: dict[str, list[int]] = {}
+        for r in sorted(roles):
+            holders.setdefault(roles[r], []).append(r)
+        now = "; ".join(f"{held}: {ranks_text(ranks)}" for held, ranks in holders.items())
+        return f"role {role}: no rank holds it now ({now})"
+    return None
+
+
+def split_lines(pending: AnyStr) -> tuple[list[AnyStr], AnyStr]:
     """Complete lines of `pending` and what is left after its last line break (a line still being written)."""
-    *lines, rest = pending.split("\n")
+    *lines, rest = pending.split("\n" if isinstance(pending, str) else b"\n")  # type: ignore[arg-type]
     return lines, rest
+
+
+def last_segment(line: str) -> str:
+    """What a terminal shows of a line redrawn with carriage returns (a progress bar): its last non-blank segment."""
+    if "\r" not in line:
+        return line
+    return next((s for s in reversed(line.split("\r")) if s.strip()), "")
+
+
+def _at(year: int, month: str, day: str, hour: str, minute: str, second: str, microsecond: int = 0) -> datetime:
+    return datetime(year, int(month), int(day), int(hour), int(minute), int(second), microsecond)
+
+
+def parse_timestamp(line: str, now: datetime) -> datetime | None:
+    """The time `line` starts with; None for a line without one (a traceback, a continuation, a progress bar).
+
+    Formats: Python logging's `2026-12-01 13:29:15,123` (every logger of the project), submitit's
+    `submitit INFO (2026-12-01 13:29:15,123) - `, Slurm's `[2026-12-01T13:29:16.353]`, and vLLM's
+    `INFO 12-01 13:29:15 [file.py:12]` (possibly after `(EngineCore pid=7) `), which has no year: `now`'s,
+    or the year before when that would put the line more than a day after `now` (the file's last write).
+    """
+    try:
+        m = _ASCTIME.match(line) or _SUBMITIT.match(line)
+        if m:
+            g = m.groups()
+            return _at(int(g[0]), *g[1:6], microsecond=int(g[6]) * 1000)
+        m = _SLURM.match(line)
+        if m:
+            g = m.groups()
+            return _at(int(g[0]), *g[1:6], microsecond=int((g[6] or "0").ljust(6, "0")))
+        m = _VLLM.match(line)
+        if m:
+            at = _at(now.year, *m.groups()[1:6])
+            return at.replace(year=now.year - 1) if at > now + timedelta(days=1) else at
+    except ValueError:  # digits where a date would be that make no date (month 13, Feb 29 of another year)
+        return None
+    return None
+
+
+def _is_engine_logger(name: str) -> bool:
+    return any(name == e or name.startswith(e + ".") for e in ENGINE_LOGGERS)
+
+
+def is_engine_chatter(line: str) -> bool:
+    """A stamped line of vLLM at DEBUG or INFO: in vLLM's own format, or through the project's logging formats
+    (`... rank1 INFO vllm.x: msg`, `... control INFO name: msg`; the env servers' `... name INFO msg`)."""
+    m = _VLLM.match(line)
+    if m:
+        return m.group(1) in _QUIET_LEVELS
+    m = _ASCTIME.match(line)
+    if not m:
+        return False
+    words = line[m.end():].split(None, 3)[:3]
+    for i, word in enumerate(words):
+        if word in _LEVELS:
+            after = words[i + 1] if i + 1 < len(words) else ""
+            name = after[:-1] if after.endswith(":") else (words[i - 1] if i > 0 else "")
+            return word in _QUIET_LEVELS and _is_engine_logger(name)
+    return False
+
+
+def read_lines(raw: Iterable[str], cursor: Cursor, now: datetime) -> tuple[list[LogLine], Cursor]:
+    """Complete lines of one file, in order, from where `cursor` stands; and the cursor after them.
+
+    Times never go back within a file (a line stamped earlier than one before it, e.g. vLLM's whole seconds
+    after a millisecond stamp, takes the later time), so each file is a sorted stream for `merge_by_time`.
+    An unstamped line belongs to the stamped line before it: it is engine chatter if that line is, except from
+    a `Traceback` on, so a crash under an engine line is never hidden.
+    """
+    lines = []
+    for text in map(last_segment, raw):
+        stamp = parse_timestamp(text, now)
+        if stamp is not None:
+            at = stamp if cursor.at is None else max(cursor.at, stamp)
+            cursor = Cursor(at, is_engine_chatter(text), in_traceback=False)
+        elif text.startswith(_TRACEBACK) and not cursor.in_traceback:
+            cursor = Cursor(cursor.at, cursor.is_engine_chatter, in_traceback=True)
+        lines.append(LogLine(cursor.at, text, cursor.is_engine_chatter and not cursor.in_traceback))
+    return lines, cursor
+
+
+def shown(lines: Sequence[LogLine], *, engine: bool, last: int | None = None) -> list[LogLine]:
+    """The lines to print (engine chatter only with `engine`), the `last` ones of them when given."""
+    kept = [line for line in lines if engine or not line.is_engine_chatter]
+    return kept if last is None else kept[-last:] if last > 0 else []
+
+
+def merge_by_time(streams: Sequence[Sequence[LogLine]]) -> list[tuple[int, LogLine]]:
+    """(stream index, line) of every line, in time order; each stream keeps its own order, lines before any
+    timestamp come first, ties go to the earlier stream. Each stream must be sorted (as `read_lines` makes it)."""
+    indexed = [[(i, line) for line in stream] for i, stream in enumerate(streams)]
+    return list(heapq.merge(*indexed, key=lambda item: item[1].at or datetime.min))
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="The run directory.")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=int, default=None, help="Only this rank's log.")
+    which.add_argument("--rank", type=_non_negative, default=None, help="Only this rank's log.")
     which.add_argument("--role", choices=[r.value for r in Role], default=None,
                        help="Only the logs of ranks holding this role now.")
     which.add_argument("--control", action="store_true", help="Only the control plane's log.")
-    parser.add_argument("-n", "--lines", type=int, default=20, help="Lines to show from the end of each file.")
+    parser.add_argument("-n", "--lines", type=_non_negative, default=20,
+                        help="Lines to show from the end of each file, after filtering (default 20; 0 with -f: "
+                             "only new lines).")
     parser.add_argument("-f", "--follow", action="store_true",
                         help="Keep printing new lines until the run has ended (or Ctrl-C).")
+    parser.add_argument("--by-file", action="store_true",
+                        help="One file after the other instead of all lines merged in time order.")
+    parser.add_argument("--engine", action="store_true",
+                        help="Also show vLLM's DEBUG/INFO lines (start-up, weight reloads, shutdown); "
+                             "hidden by default.")
 
 
-class _Follower:
-    def __init__(self, run_dir: Path, out: TextIO) -> None:
-        self.logs = run_dir / "logs"
-        self.out = out
+class _Reader:
+    """Reads a run's log files from where each read stopped: byte offset, unfinished last line, cursor."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
         self.offsets: dict[str, int] = {}
-        self.pending: dict[str, str] = {}
+        self.pending: dict[str, bytes] = {}
+        self.cursors: dict[str, Cursor] = {}
 
     def files(self) -> list[LogFile]:
         return classify(p.name for p in self.logs.iterdir()) if self.logs.is_dir() else []
 
-    def show_tail(self, f: LogFile, n: int, roles: dict[int, str], *, follow: bool) -> None:
-        """The last `n` lines; a last line without its line break yet is kept for `poll` when following."""
-        data = (self.logs / f.name).read_bytes()
-        self.offsets[f.name] = len(data)
-        lines, rest = split_lines(data.decode(errors="replace"))
-        if rest and not follow:
-            lines, rest = lines + [rest], ""
-        self.pending[f.name] = rest
-        for line in lines[-n:] if n > 0 else []:
-            print(f"[{f.prefix(roles)}] {line}", file=self.out)
-
-    def poll(self, f: LogFile, roles: dict[int, str]) -> int:
+    def read(self, f: LogFile, *, to_end: bool) -> list[LogLine]:
+        """Lines of `f` completed since the last read (all of it the first time); with `to_end`, also a last
+        line still without its line break, else that one waits for the next read."""
         path = self.logs / f.name
         try:
-            size = path.stat().st_size
+            stat = path.stat()
+            offset = self.offsets.get(f.name, 0)
+            if stat.st_size < offset:  # truncated or replaced: start again from its beginning
+                offset, self.pending[f.name], self.cursors[f.name] = 0, b"", Cursor()
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
         except FileNotFoundError:
-            return 0
-        offset = self.offsets.get(f.name, 0)
-        if size < offset:  # truncated or replaced: start again from its beginning
-            offset, self.pending[f.name] = 0, ""
-        if size == offset:
-            return 0
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read(size - offset)
+            return []
         self.offsets[f.name] = offset + len(data)
-        lines, self.pending[f.name] = split_lines(self.pending.get(f.name, "") + data.decode(errors="replace"))
-        for line in lines:
-            print(f"[{f.prefix(roles)}] {line}", file=self.out)
-        self.out.flush()
-        return len(lines)
+        complete, rest = split_lines(self.pending.get(f.name, b"") + data)
+        if to_end and rest:
+            complete, rest = complete + [rest], b""
+        self.pending[f.name] = rest
+        lines, self.cursors[f.name] = read_lines((c.decode(errors="replace") for c in complete),
+                                                 self.cursors.get(f.name, Cursor()),
+                                                 datetime.fromtimestamp(stat.st_mtime))
+        return lines
+
+
+def _print(batch: list[tuple[LogFile, list[LogLine]]], roles: dict[int, str], out: TextIO, *, by_file: bool) -> None:
+    if by_file:
+        items = [(f, line) for f, lines in batch for line in lines]
+    else:
+        items = [(batch[i][0], line) for i, line in merge_by_time([lines for _, lines in batch])]
+    for f, line in items:
+        print(f"[{f.prefix(roles)}] {line.text}", file=out)
+    out.flush()
+
+
+def _reader_gone(out: TextIO) -> bool:
+    """Whether `out` is a pipe whose reader has closed it (`tiderl logs -f RUN | head`), without writing to it."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (StringIO): nobody to lose
+        return False
+    poller = select_io.poll()
+    poller.register(fd, 0)  # errors and hang-ups are reported whatever is asked
+    return any(events & (select_io.POLLERR | select_io.POLLHUP) for _, events in poller.poll(0))
 
 
 def _roles(store: object) -> dict[int, str]:
     return {int(r["rank"]): str(r["role"]) for r in store.ranks()}  # type: ignore[attr-defined]
+
+
+def _num_ranks(config: Path, seen: Iterable[int]) -> int | None:
+    """The run's rank count: its config's `launch.num_ranks`, or more if ranks beyond it have run; None if unknown."""
+    from tiderl.config import ConfigError, load_job
+
+    try:
+        configured = load_job(config).launch.num_ranks
+    except ConfigError:  # no readable config.yaml (a run dir made by hand or by an old TideRL): don't judge
+        return None
+    return max([configured, *(r + 1 for r in seen)])
+
+
+def _selection_name(args: argparse.Namespace) -> str:
+    if args.rank is not None:
+        return f"rank {args.rank}'s log"
+    if args.role is not None:
+        return f"the logs of role {args.role}'s ranks"
+    return "the control plane's log" if args.control else "the run's logs"
 
 
 def _run_over(run_dir: Path, store: object) -> bool:
@@ -157,23 +382,31 @@ def _run_over(run_dir: Path, store: object) -> bool:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    # BrokenPipeError is left to tiderl.cli.main, which ends quietly with 141 like any Unix tool.
     from tiderl.rundir import RunDirError, open_run
 
     try:
-        _, store = open_run(args.run_dir)
+        paths, store = open_run(args.run_dir)
     except RunDirError as e:
         print(f"tiderl logs: {e}", file=sys.stderr)
         return 2
-    follower = _Follower(args.run_dir, out)
+    reader = _Reader(paths.logs)
     try:
         roles = _roles(store)
-        chosen = select(follower.files(), rank=args.rank, role=args.role, control=args.control, roles=roles)
+        files = reader.files()
+        seen = set(roles) | {f.index for f in files if f.kind == "rank" and f.index is not None}
+        problem = selection_problem(rank=args.rank, role=args.role, num_ranks=_num_ranks(paths.config, seen),
+                                    roles=roles, follow=args.follow)
+        if problem:
+            print(f"tiderl logs: {problem}", file=sys.stderr)
+            return 2
+        chosen = select(files, rank=args.rank, role=args.role, control=args.control, roles=roles)
         if not chosen and not args.follow:
-            print(f"tiderl logs: {args.run_dir / 'logs'}: no log file of that selection yet", file=sys.stderr)
+            print(f"tiderl logs: {_selection_name(args)} not written yet (none in {paths.logs})", file=sys.stderr)
             return 1
-        for f in chosen:
-            follower.show_tail(f, args.lines, roles, follow=args.follow)
-        out.flush()
+        batch = [(f, shown(reader.read(f, to_end=not args.follow), engine=args.engine, last=args.lines))
+                 for f in chosen]
+        _print(batch, roles, out, by_file=args.by_file)
         if not args.follow:
             return 0
         roles_at = time.monotonic()
@@ -181,10 +414,12 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             over = _run_over(args.run_dir, store)  # read before the last poll, so nothing written is missed
             if time.monotonic() - roles_at >= ROLES_EVERY_S:
                 roles, roles_at = _roles(store), time.monotonic()
-            for f in select(follower.files(), rank=args.rank, role=args.role, control=args.control, roles=roles):
-                if f.name not in follower.offsets:
-                    follower.offsets[f.name] = 0  # a file that appeared while following: all of it is new
-                follower.poll(f, roles)
+            if _reader_gone(out):
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+            chosen = select(reader.files(), rank=args.rank, role=args.role, control=args.control, roles=roles)
+            # A file that appeared while following is read from its beginning: all of it is new.
+            batch = [(f, shown(reader.read(f, to_end=over), engine=args.engine)) for f in chosen]
+            _print(batch, roles, out, by_file=args.by_file)
             if over:
                 return 0
             time.sleep(FOLLOW_POLL_S)
