@@ -152,3 +152,45 @@ def test_each_child_log_starts_a_launch_with_a_marker(tmp_path: Path) -> None:
     assert lines[0].endswith("env0 INFO tiderl.launcher: ===== launch of run r =====") and lines[1] == "serving"
     assert "===== resume of run r at version 3 =====" in lines[2] and lines[3] == "serving"
     assert lines[0][:4].isdigit() and lines[0][19] == ","  # logging's time format: sorted by `tiderl logs`
+
+
+def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_path: Path) -> None:
+    import io
+    import sys
+
+    from tiderl.config import load_job
+    from tiderl.run.launcher import _restart_rank
+    from tiderl.rundir import create_run
+    from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
+
+    root = Path(__file__).resolve().parents[1]
+    _, store = create_run(load_job(root / "jobs" / "quickstart.yaml"), tmp_path / "run")
+    store.register_initial_version("model", "0")
+    store.register_rank(1, Role.ROLLOUT)
+    store.register_rank(0, Role.ACTOR)
+    store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
+    from tiderl.store.types import ClaimRequest
+    claims = store.report(RankReport(rank=1, role=Role.ROLLOUT, claim=ClaimRequest(limit=2)))
+    assert len(claims["claims"]) == 2 and store.buffer_state()["tasks_running"] == 2
+
+    def dead(name: str) -> procs.Child:
+        child = procs.spawn(name, [sys.executable, "-c", "raise SystemExit(9)"], tmp_path / f"{name}.log")
+        child.proc.wait(30)
+        return child
+
+    started: list[int] = []
+    fresh = dead("fresh")
+
+    def restart(rank: int) -> procs.Child:
+        started.append(rank)
+        return fresh
+
+    out, restarts = io.StringIO(), {}
+    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh
+    assert started == [1] and restarts == {1: 1} and "restarting it (1 of 2)" in out.getvalue()
+    assert {r["rank"]: r["state"] for r in store.ranks()}[1] == "dead"
+    assert store.buffer_state()["tasks_running"] == 0 and store.buffer_state()["tasks_pending"] == 2
+    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh  # 2 of 2
+    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is None  # the limit: the run fails
+    assert _restart_rank(store, dead("rank0"), 9, restart, {}, 2, out) is None  # an actor: the run fails
+    assert _restart_rank(store, dead("rank1"), 9, None, {}, 2, out) is None  # a launch that cannot restart

@@ -40,10 +40,10 @@ def _version(run_dir: Path) -> int:
         store.close()
 
 
-def _rank_pids(run_dir: Path) -> list[int]:
+def _rank_pids(run_dir: Path, role: str | None = None) -> list[int]:
     store = RunStore.for_run_dir(run_dir)
     try:
-        return [r["pid"] for r in store.ranks() if r["pid"]]
+        return [r["pid"] for r in store.ranks() if r["pid"] and role in (None, r["role"])]
     finally:
         store.close()
 
@@ -81,8 +81,8 @@ def test_kill_rank_and_launcher_then_resume(tmp_path: Path) -> None:
     first = _launch("jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
     _wait_version(run_dir, 1, first, 900)
     time.sleep(rng.uniform(0.0, 2.0))
-    victim = rng.choice(_rank_pids(run_dir))
-    os.kill(victim, signal.SIGKILL)  # a crashed rank: the launcher stops the run as failed
+    victim = _rank_pids(run_dir, role="actor")[0]
+    os.kill(victim, signal.SIGKILL)  # a crashed actor: the launcher stops the run as failed
     first.wait(120)
     _kill_groups(_rank_pids(run_dir))
     assert json.loads(_status(run_dir))["state"] == "failed"
@@ -109,3 +109,27 @@ def test_kill_rank_and_launcher_then_resume(tmp_path: Path) -> None:
 def _status(run_dir: Path) -> str:
     return subprocess.run([sys.executable, "-m", "tiderl", "status", str(run_dir), "--json"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rollout_rank_that_dies_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
+    # Three ranks: an actor and two rollout ranks; one rollout rank is SIGKILLed mid-run.
+    run_dir = tmp_path / "run"
+    sets = [a for s in JOB + ["launch.num_ranks=3"] for a in ("--set", s)]
+    proc = _launch("jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
+    _wait_version(run_dir, 1, proc, 900)
+    victim = _rank_pids(run_dir, role="rollout")[0]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    assert "restarting it (1 of 3)" in out
+    doc = json.loads(_status(run_dir))
+    assert doc["state"] == "finished" and doc["version"] == STEPS
+    facts = check_run(run_dir, max_staleness=1)  # nothing lost, nothing trained twice
+    assert facts["versions"] == STEPS
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        assert [e["kind"] for e in store.recent_events(500, kinds=["rank_restarted"])] == ["rank_restarted"]
+    finally:
+        store.close()

@@ -19,6 +19,11 @@ class LaunchConfig:
     heartbeat_timeout_s: float = option(
         30.0, gt=0, help="A rank silent this long is dead: its claims return to the pool."
     )
+    rank_restarts: int = option(
+        3, ge=0, help="`tiderl run`: times the launcher restarts a rank that died while rolling out (its tasks go "
+        "back to the pool, it rejoins at the next sync boundary) before the run fails; a rank that dies as "
+        "actor or ref always fails the run (`tiderl run --resume` continues it). 0: never restart."
+    )
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_s:

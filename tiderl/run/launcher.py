@@ -130,13 +130,32 @@ def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tupl
 RankStarter = Callable[[Launch, dict[str, str]], list[procs.Child]]
 
 
+def start_local_rank(launch: Launch, tag: dict[str, str], rank: int, note: str) -> procs.Child:
+    paths = launch.paths
+    return procs.spawn(f"rank{rank}", [sys.executable, "-m", "tiderl.run.rank", str(paths.root), str(rank)],
+                       paths.rank_log(rank), env=rank_env(rank) | tag, marker=note)
+
+
 def start_local_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
     """`launch.num_ranks` rank processes on this machine, each a child with its own log."""
-    paths = launch.paths
     note = launch_note(launch)
-    return [procs.spawn(f"rank{r}", [sys.executable, "-m", "tiderl.run.rank", str(paths.root), str(r)],
-                        paths.rank_log(r), env=rank_env(r) | tag, marker=note)
-            for r in range(launch.config.launch.num_ranks)]
+    return [start_local_rank(launch, tag, r, note) for r in range(launch.config.launch.num_ranks)]
+
+
+RankRestarter = Callable[[int], "procs.Child | None"]
+
+
+def rank_restarter(launch: Launch, tag: dict[str, str], start_ranks: RankStarter) -> RankRestarter | None:
+    """How `_watch` restarts one local rank (None: this launch cannot, e.g. the ranks are one srun step)."""
+    if start_ranks is not start_local_ranks or launch.config.launch.rank_restarts == 0:
+        return None
+    return lambda rank: start_local_rank(launch, tag, rank, f"restart of rank {rank} after it died")
+
+
+def restartable(role: str | None, restarts: int, limit: int) -> bool:
+    """A dead rank is restarted in place only while rolling out (its tasks return to the pool and any
+    rank may run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
+    return role == Role.ROLLOUT.value and restarts < limit
 
 
 def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankStarter = start_local_ranks,
@@ -165,7 +184,9 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
               file=out, flush=True)
         r = cfg.rollout
         eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
-        state, message = _watch(store, children, out, eval_tasks, launched_at)
+        state, message = _watch(store, children, out, eval_tasks, launched_at,
+                                restart=rank_restarter(launch, tag, start_ranks),
+                                restart_limit=cfg.launch.rank_restarts)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -247,10 +268,12 @@ def engines_up(store: RunStore, version: int, since: float) -> tuple[int, int] |
 
 
 def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int,
-           launched_at: float) -> tuple[RunState, str]:
+           launched_at: float, *, restart: RankRestarter | None = None,
+           restart_limit: int = 0) -> tuple[RunState, str]:
     from tiderl.status import collect
 
     control = next(c for c in children if c.name == "control")
+    restarts: dict[int, int] = {}
     is_tty = out.isatty()
     last_line, last_print = "", 0.0
     first_version = int(store.run_info()["version"])
@@ -268,7 +291,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             last_line, last_print = line, time.monotonic()
         if doc["state"] == RunState.FINISHED.value:
             return RunState.FINISHED, doc["message"] or ""
-        for child in children:
+        for i, child in enumerate(children):
             code = child.exit_code
             if code is not None and (child is not control or code != 0):
                 # Ranks leave on their own once the run is over: that is no failure, even if it happened
@@ -276,9 +299,35 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
                 now = RunState(store.run_info()["state"])
                 if now.is_terminal:
                     return now, store.run_info()["message"] or ""
+                replacement = _restart_rank(store, child, code, restart, restarts, restart_limit, out)
+                if replacement is not None:
+                    children[i] = replacement
+                    continue
                 return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
         if control.exit_code == 0:
             return RunState(doc["state"]), doc["message"] or ""
+
+
+def _restart_rank(store: RunStore, child: procs.Child, code: int, restart: RankRestarter | None,
+                  restarts: dict[int, int], limit: int, out: TextIO) -> procs.Child | None:
+    """A rank that died: quarantined (dead, its claims back in the pool) and started again when it was
+    rolling out and has restarts left; None when the run must fail instead."""
+    if restart is None or not child.name.startswith("rank"):
+        return None
+    rank = int(child.name.removeprefix("rank"))
+    role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None)
+    if not restartable(role, restarts.get(rank, 0), limit):
+        return None
+    restarts[rank] = restarts.get(rank, 0) + 1
+    procs.stop([child])  # what it left in its process group (a vLLM engine core)
+    returned = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart "
+                                        f"{restarts[rank]} of {limit} (log: {child.log_path})")
+    store.record_event("launcher", "rank_restarted", f"rank {rank} restarted ({restarts[rank]} of {limit}) "
+                       f"after it exited with code {code}; {returned.tasks_returned} tasks back in the pool",
+                       rank=rank)
+    print(f"\nrank {rank} exited with code {code} while rolling out: restarting it ({restarts[rank]} of "
+          f"{limit}); its {returned.tasks_returned} tasks went back to the pool", file=out, flush=True)
+    return restart(rank)
 
 
 def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:

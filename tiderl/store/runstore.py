@@ -199,6 +199,15 @@ class RunStore:
     def heartbeat(self, rank: int) -> None:
         self.tx.write(lambda c: _heartbeat(c, rank, time.time()))
 
+    def declare_dead(self, rank: int, message: str) -> ReclaimResult:
+        """A rank whose process is known to be gone (its launcher saw it exit): dead now, its claims
+        back in the pool, without waiting for the heartbeat timeout."""
+        def write(c: Connection) -> ReclaimResult:
+            n_tasks, n_traj = _declare_dead(c, [rank], time.time(), {rank: message})
+            return ReclaimResult([rank], n_tasks, n_traj)
+
+        return self.tx.write(write)
+
     def set_rank_state(self, rank: int, state: RankState) -> None:
         self.tx.write(lambda c: c.execute(update(ranks).where(ranks.c.rank == rank).values(state=state.value)))
 
@@ -463,14 +472,8 @@ class RunStore:
                 ranks.c.heartbeat_at < t - timeout_s))]
             if not dead:
                 return ReclaimResult([], orphans, 0)
-            c.execute(update(ranks).where(ranks.c.rank.in_(dead)).values(state=RankState.DEAD.value))
-            n_tasks = c.execute(update(tasks).where(tasks.c.owner_rank.in_(dead),
-                                                    tasks.c.state == TaskState.RUNNING.value).values(
-                state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t)).rowcount
-            n_traj = _return_trajectories(c, dead)
-            c.execute(insert(events), [dict(ts=t, rank=r, source="store", kind="rank_dead",
-                                            message=f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
-                                                    "its claims returned to the pool") for r in dead])
+            n_tasks, n_traj = _declare_dead(c, dead, t, {r: f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
+                                                            "its claims returned to the pool" for r in dead})
             return ReclaimResult(dead, n_tasks + orphans, n_traj)
 
         return self.tx.write(write)
@@ -786,6 +789,19 @@ def _fail_group(c: Connection, gid: int) -> None:
     c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
     c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == TaskState.PENDING.value).values(
         state=TaskState.FAILED.value, last_error="another task of its group failed for good"))
+
+
+def _declare_dead(c: Connection, dead: list[int], t: float, messages: dict[int, str]) -> tuple[int, int]:
+    """Mark `dead` ranks dead and give their claims back: running tasks to pending, claimed
+    trajectories to ready. Returns (tasks, trajectories) returned."""
+    c.execute(update(ranks).where(ranks.c.rank.in_(dead)).values(state=RankState.DEAD.value))
+    n_tasks = c.execute(update(tasks).where(tasks.c.owner_rank.in_(dead),
+                                            tasks.c.state == TaskState.RUNNING.value).values(
+        state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t)).rowcount
+    n_traj = _return_trajectories(c, dead)
+    c.execute(insert(events), [dict(ts=t, rank=r, source="store", kind="rank_dead", message=messages[r])
+                               for r in dead])
+    return n_tasks, n_traj
 
 
 def _return_trajectories(c: Connection, owners: list[int]) -> int:
