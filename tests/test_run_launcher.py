@@ -159,9 +159,9 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     import sys
 
     from tiderl.config import load_job
-    from tiderl.run.launcher import _restart_rank
+    from tiderl.run.launcher import _replace
     from tiderl.rundir import create_run
-    from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
+    from tiderl.store.types import ClaimRequest, NewGroup, RankReport, Role, TaskKind
 
     root = Path(__file__).resolve().parents[1]
     _, store = create_run(load_job(root / "jobs" / "quickstart.yaml"), tmp_path / "run")
@@ -169,7 +169,6 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     store.register_rank(1, Role.ROLLOUT)
     store.register_rank(0, Role.ACTOR)
     store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
-    from tiderl.store.types import ClaimRequest
     claims = store.report(RankReport(rank=1, role=Role.ROLLOUT, claim=ClaimRequest(limit=2)))
     assert len(claims["claims"]) == 2 and store.buffer_state()["tasks_running"] == 2
 
@@ -178,19 +177,45 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
         child.proc.wait(30)
         return child
 
-    started: list[int] = []
+    started: list[str] = []
     fresh = dead("fresh")
 
-    def restart(rank: int) -> procs.Child:
-        started.append(rank)
+    def restart(child: procs.Child) -> procs.Child:
+        started.append(child.name)
         return fresh
 
     out, restarts = io.StringIO(), {}
-    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh
-    assert started == [1] and restarts == {1: 1} and "restarting it (1 of 2)" in out.getvalue()
+    assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh
+    assert started == ["rank1"] and restarts == {"rank1": 1} and "restarting it (1 of 2)" in out.getvalue()
     assert {r["rank"]: r["state"] for r in store.ranks()}[1] == "dead"
     assert store.buffer_state()["tasks_running"] == 0 and store.buffer_state()["tasks_pending"] == 2
-    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh  # 2 of 2
-    assert _restart_rank(store, dead("rank1"), 9, restart, restarts, 2, out) is None  # the limit: the run fails
-    assert _restart_rank(store, dead("rank0"), 9, restart, {}, 2, out) is None  # an actor: the run fails
-    assert _restart_rank(store, dead("rank1"), 9, None, {}, 2, out) is None  # a launch that cannot restart
+    assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh  # 2 of 2
+    assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is None  # the limit: the run fails
+    assert _replace(store, dead("rank0"), 9, restart, {}, 2, out) is None  # an actor: the run fails
+    assert _replace(store, dead("rank1"), 9, None, {}, 2, out) is None  # a launch that cannot restart
+    # The control plane and env servers keep nothing outside the store: restarted whatever they did.
+    assert _replace(store, dead("control"), 1, restart, restarts, 2, out) is fresh
+    assert _replace(store, dead("env0"), -9, restart, restarts, 2, out) is fresh
+    assert started[-2:] == ["control", "env0"]
+    kinds = [e["kind"] for e in store.recent_events(50, kinds=["restarted"])]
+    assert len(kinds) == 4
+
+
+def test_an_env_server_restarts_on_its_port(tmp_path: Path) -> None:
+    from tiderl.config import load_job
+    from tiderl.run.launcher import Launch, restarter, start_env_server, start_local_ranks
+    from tiderl.rundir import create_run
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_job(root / "jobs" / "quickstart.yaml")
+    paths, store = create_run(config, tmp_path / "run")
+    launch = Launch(config, paths, store, resumed=False)
+    child, url = start_env_server(launch, None, 0)
+    try:
+        child.proc.kill()
+        child.proc.wait(30)
+        replacement = restarter(launch, {}, start_local_ranks, [url])(child)
+        assert replacement is not None and replacement.exit_code is None
+        assert (paths.root / "env0.port").read_text().strip() == url
+    finally:
+        procs.stop([c for c in (child, replacement) if c is not None])

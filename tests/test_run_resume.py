@@ -123,13 +123,13 @@ def test_a_rollout_rank_that_dies_is_restarted_and_the_run_finishes(tmp_path: Pa
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
-    assert "restarting it (1 of 3)" in out
+    assert "exited with code -9: restarting it (1 of 3)" in out
     doc = json.loads(_status(run_dir))
     assert doc["state"] == "finished" and doc["version"] == STEPS
     facts = check_run(run_dir, max_staleness=1)  # nothing lost, nothing trained twice
     assert facts["versions"] == STEPS
     store = RunStore.for_run_dir(run_dir)
     try:
-        assert [e["kind"] for e in store.recent_events(500, kinds=["rank_restarted"])] == ["rank_restarted"]
+        assert [e["kind"] for e in store.recent_events(500, kinds=["restarted"])] == ["restarted"]
     finally:
         store.close()

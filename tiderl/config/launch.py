@@ -19,10 +19,11 @@ class LaunchConfig:
     heartbeat_timeout_s: float = option(
         30.0, gt=0, help="A rank silent this long is dead: its claims return to the pool."
     )
-    rank_restarts: int = option(
-        3, ge=0, help="`tiderl run`: times the launcher restarts a rank that died while rolling out (its tasks go "
-        "back to the pool, it rejoins at the next sync boundary) before the run fails; a rank that dies as "
-        "actor or ref always fails the run (`tiderl run --resume` continues it). 0: never restart."
+    restarts: int = option(
+        3, ge=0, help="`tiderl run`: times the launcher restarts each process of the run that dies: the control "
+        "plane, an env server (on its port), a rank that was rolling out (its tasks go back to the pool, it rejoins "
+        "at the next sync boundary). A rank that dies as actor or ref fails the run (`tiderl run --resume` "
+        "continues it), as does a death past this count. 0: never restart."
     )
 
     def __post_init__(self) -> None:

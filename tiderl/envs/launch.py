@@ -30,14 +30,14 @@ class EnvServerStartError(RuntimeError):
 
 
 def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
-                token_file: Path | None = None) -> list[str]:
+                token_file: Path | None = None, port: int = 0) -> list[str]:
     """The command line of one local env server for this config (the token file, `token_file` or
     `env.token_file`, is passed by path: the token itself never appears on a command line)."""
     argv = [
         sys.executable, "-m", "tiderl", "env", "serve",
         "--env", envs or cfg.name,
         "--host", cfg.host,
-        "--port", "0",
+        "--port", str(port),
         "--port-file", str(port_file),
         "--max-sessions", str(cfg.max_sessions),
         "--idle-timeout-s", str(cfg.idle_timeout_s),

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,27 +105,49 @@ def launch_note(launch: Launch) -> str:
     return f"resume of run {launch.paths.root.name} at version {launch.store.run_info()['version']}"
 
 
-def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tuple[list[procs.Child], list[str]]:
-    from tiderl.envs.launch import ensure_run_token, server_argv, wait_for_url
+def _token_file(launch: Launch) -> Path:
+    from tiderl.envs.launch import ensure_run_token
 
+    # Servers the run starts always require a token: the job's, else one of the run's own.
+    cfg = launch.config.env
+    return Path(cfg.token_file) if cfg.token_file else ensure_run_token(launch.paths.root)
+
+
+def start_env_server(launch: Launch, env: dict[str, str] | None, i: int, *, port: int = 0,
+                     note: str | None = None) -> tuple[procs.Child, str]:
+    """Env server `i` of the run (on `port`; 0: a free one) and its URL, once it listens."""
+    from tiderl.envs.launch import server_argv, wait_for_url
+
+    port_file = launch.paths.root / f"env{i}.port"
+    port_file.unlink(missing_ok=True)
+    child = procs.spawn(f"env{i}", server_argv(launch.config.env, port_file, token_file=_token_file(launch), port=port),
+                        launch.paths.env_log(i), env=env, marker=note or launch_note(launch))
+    try:
+        return child, wait_for_url(port_file, child.proc)
+    except Exception:
+        procs.stop([child])
+        raise
+
+
+def start_env_servers(launch: Launch, env: dict[str, str] | None = None) -> tuple[list[procs.Child], list[str]]:
     cfg = launch.config.env
     if cfg.servers:
         return [], list(cfg.servers)
-    # Servers the run starts always require a token: the job's, else one of the run's own.
-    token_file = Path(cfg.token_file) if cfg.token_file else ensure_run_token(launch.paths.root)
     children, urls = [], []
     for i in range(cfg.num_servers):
-        port_file = launch.paths.root / f"env{i}.port"
-        port_file.unlink(missing_ok=True)
-        child = procs.spawn(f"env{i}", server_argv(cfg, port_file, token_file=token_file), launch.paths.env_log(i),
-                            env=env, marker=launch_note(launch))
-        children.append(child)
         try:
-            urls.append(wait_for_url(port_file, child.proc))
+            child, url = start_env_server(launch, env, i)
         except Exception:
             procs.stop(children)
             raise
+        children.append(child)
+        urls.append(url)
     return children, urls
+
+
+def start_control(launch: Launch, tag: dict[str, str], note: str | None = None) -> procs.Child:
+    return procs.spawn("control", [sys.executable, "-m", "tiderl.run.control", str(launch.paths.root)],
+                       launch.paths.control_log(), env=tag, marker=note or launch_note(launch))
 
 
 RankStarter = Callable[[Launch, dict[str, str]], list[procs.Child]]
@@ -142,20 +165,41 @@ def start_local_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
     return [start_local_rank(launch, tag, r, note) for r in range(launch.config.launch.num_ranks)]
 
 
-RankRestarter = Callable[[int], "procs.Child | None"]
+Restarter = Callable[[procs.Child], "procs.Child | None"]
 
 
-def rank_restarter(launch: Launch, tag: dict[str, str], start_ranks: RankStarter) -> RankRestarter | None:
-    """How `_watch` restarts one local rank (None: this launch cannot, e.g. the ranks are one srun step)."""
-    if start_ranks is not start_local_ranks or launch.config.launch.rank_restarts == 0:
+def restarter(launch: Launch, tag: dict[str, str], start_ranks: RankStarter, urls: list[str]) -> Restarter | None:
+    """How `_watch` starts a replacement for a child that died: the control plane (it keeps no state
+    outside the store), an env server (on its old port, so every client's URL still holds) and a local
+    rank. None for what this launch cannot restart: the ranks as one srun step, or launch.restarts 0."""
+    if launch.config.launch.restarts == 0:
         return None
-    return lambda rank: start_local_rank(launch, tag, rank, f"restart of rank {rank} after it died")
+
+    def start(child: procs.Child) -> procs.Child | None:
+        note = f"restart of {child.name} after it died"
+        if child.name == "control":
+            return start_control(launch, tag, note)
+        if child.name.startswith("env") and child.name[3:].isdigit():
+            i = int(child.name[3:])
+            port = int(urllib.parse.urlsplit(urls[i]).port or 0)
+            replacement, url = start_env_server(launch, tag, i, port=port, note=note)
+            return replacement if url == urls[i] else None
+        if child.name.startswith("rank") and start_ranks is start_local_ranks:
+            return start_local_rank(launch, tag, int(child.name[4:]), note)
+        return None
+
+    return start
 
 
-def restartable(role: str | None, restarts: int, limit: int) -> bool:
-    """A dead rank is restarted in place only while rolling out (its tasks return to the pool and any
-    rank may run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
-    return role == Role.ROLLOUT.value and restarts < limit
+def restartable(name: str, role: str | None, restarts: int, limit: int) -> bool:
+    """Whether a child that died is restarted in place: the control plane and env servers always (up to
+    `limit` times each), a rank only while rolling out (its tasks return to the pool and any rank may
+    run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
+    if restarts >= limit:
+        return False
+    if name.startswith("rank"):
+        return role == Role.ROLLOUT.value
+    return name == "control" or name.startswith("env")
 
 
 def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankStarter = start_local_ranks,
@@ -176,8 +220,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         children += env_children
         write_run_files(paths, model, urls)
         store.set_run_state(RunState.RUNNING, "resumed" if launch.resumed else None)
-        children.append(procs.spawn("control", [sys.executable, "-m", "tiderl.run.control", str(paths.root)],
-                                    paths.control_log(), env=tag, marker=launch_note(launch)))
+        children.append(start_control(launch, tag))
         launched_at = time.time()
         children += start_ranks(launch, tag)
         print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
@@ -185,8 +228,8 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         r = cfg.rollout
         eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
         state, message = _watch(store, children, out, eval_tasks, launched_at,
-                                restart=rank_restarter(launch, tag, start_ranks),
-                                restart_limit=cfg.launch.rank_restarts)
+                                restart=restarter(launch, tag, start_ranks, urls),
+                                restart_limit=cfg.launch.restarts)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -268,12 +311,11 @@ def engines_up(store: RunStore, version: int, since: float) -> tuple[int, int] |
 
 
 def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int,
-           launched_at: float, *, restart: RankRestarter | None = None,
+           launched_at: float, *, restart: Restarter | None = None,
            restart_limit: int = 0) -> tuple[RunState, str]:
     from tiderl.status import collect
 
-    control = next(c for c in children if c.name == "control")
-    restarts: dict[int, int] = {}
+    restarts: dict[str, int] = {}
     is_tty = out.isatty()
     last_line, last_print = "", 0.0
     first_version = int(store.run_info()["version"])
@@ -291,6 +333,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             last_line, last_print = line, time.monotonic()
         if doc["state"] == RunState.FINISHED.value:
             return RunState.FINISHED, doc["message"] or ""
+        control = next(c for c in children if c.name == "control")
         for i, child in enumerate(children):
             code = child.exit_code
             if code is not None and (child is not control or code != 0):
@@ -299,7 +342,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
                 now = RunState(store.run_info()["state"])
                 if now.is_terminal:
                     return now, store.run_info()["message"] or ""
-                replacement = _restart_rank(store, child, code, restart, restarts, restart_limit, out)
+                replacement = _replace(store, child, code, restart, restarts, restart_limit, out)
                 if replacement is not None:
                     children[i] = replacement
                     continue
@@ -308,26 +351,33 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             return RunState(doc["state"]), doc["message"] or ""
 
 
-def _restart_rank(store: RunStore, child: procs.Child, code: int, restart: RankRestarter | None,
-                  restarts: dict[int, int], limit: int, out: TextIO) -> procs.Child | None:
-    """A rank that died: quarantined (dead, its claims back in the pool) and started again when it was
-    rolling out and has restarts left; None when the run must fail instead."""
-    if restart is None or not child.name.startswith("rank"):
+def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter | None,
+             restarts: dict[str, int], limit: int, out: TextIO) -> procs.Child | None:
+    """A child that died, started again where `restartable` allows it (a rank is quarantined first: dead,
+    its claims back in the pool); None when the run must fail instead."""
+    if restart is None:
         return None
-    rank = int(child.name.removeprefix("rank"))
-    role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None)
-    if not restartable(role, restarts.get(rank, 0), limit):
+    rank = int(child.name[4:]) if child.name.startswith("rank") and child.name[4:].isdigit() else None
+    role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None) if rank is not None else None
+    if not restartable(child.name, role, restarts.get(child.name, 0), limit):
         return None
-    restarts[rank] = restarts.get(rank, 0) + 1
-    procs.stop([child])  # what it left in its process group (a vLLM engine core)
-    returned = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart "
-                                        f"{restarts[rank]} of {limit} (log: {child.log_path})")
-    store.record_event("launcher", "rank_restarted", f"rank {rank} restarted ({restarts[rank]} of {limit}) "
-                       f"after it exited with code {code}; {returned.tasks_returned} tasks back in the pool",
-                       rank=rank)
-    print(f"\nrank {rank} exited with code {code} while rolling out: restarting it ({restarts[rank]} of "
-          f"{limit}); its {returned.tasks_returned} tasks went back to the pool", file=out, flush=True)
-    return restart(rank)
+    restarts[child.name] = n = restarts.get(child.name, 0) + 1
+    procs.stop([child])  # what it left in its process group (a rank's vLLM engine core)
+    returned = ""
+    if rank is not None:
+        back = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart {n} of "
+                                        f"{limit} (log: {child.log_path})")
+        returned = f"; its {back.tasks_returned} tasks went back to the pool"
+    print(f"\n{child.name} exited with code {code}: restarting it ({n} of {limit}){returned}", file=out, flush=True)
+    try:
+        replacement = restart(child)
+    except Exception as e:  # the replacement did not come up: the run fails on the original death
+        print(f"{child.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
+        return None
+    if replacement is not None:
+        store.record_event("launcher", "restarted", f"{child.name} restarted ({n} of {limit}) after it exited "
+                           f"with code {code}{returned}", rank=rank, data={"process": child.name, "code": code})
+    return replacement
 
 
 def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:
