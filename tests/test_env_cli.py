@@ -123,3 +123,31 @@ def test_one_token_source_for_servers_clients_and_status(tmp_path: Path) -> None
     with_file = build(EnvConfig, {"token_file": str(job_file)}, "job.yaml")
     with pytest.raises(TokenError, match=f"the env token file {job_file} is empty"):
         read_token(with_file, run_dir)
+
+
+def test_the_session_limits_of_the_job_reach_the_server(tmp_path: Path) -> None:
+    import asyncio
+
+    from tiderl.config.env import EnvConfig
+    from tiderl.config.schema import build
+    from tiderl.envs.launch import make_pool, server_argv, wait_for_url
+
+    cfg = build(EnvConfig, {"max_sessions": 4, "max_paused_s": 120, "max_sessions_per_client": 2}, "job.yaml")
+    argv = server_argv(cfg, tmp_path / "url0")
+    assert argv[argv.index("--max-paused-s") + 1] == "120.0"
+    assert argv[argv.index("--max-sessions-per-client") + 1] == "2"
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for_url(tmp_path / "url0", proc)
+
+        async def main() -> None:
+            async with make_pool(cfg, [url]) as pool:
+                await pool.start("hilo", seed=1)
+                await pool.start("hilo", seed=2)
+                with pytest.raises(Exception, match="client_limit|429"):
+                    await pool.start("hilo", seed=3)
+
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -20,6 +20,18 @@ class EnvConfig:
     idle_timeout_s: float = option(
         300.0, gt=0, help="An unpaused session idle this long is reaped by its server, in seconds."
     )
+    max_paused_s: float = option(
+        3600.0,
+        gt=0,
+        help="A session paused this long is ended by its server, in seconds (a task handed over at a "
+        "sync boundary that resumes later starts again from the beginning).",
+    )
+    max_sessions_per_client: int | None = option(
+        None,
+        ge=1,
+        help="Sessions one client may hold on one env server; a client is the token when servers have "
+        "one, else the peer address. null: all of `max_sessions` with a token, three quarters without.",
+    )
     latency: str = option(
         "none",
         help="Injected environment delay per step: `none`, `fixed:SECONDS`, "

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"File holding the shared token (else ${TOKEN_ENV_VAR}; neither: no token).")
     serve.add_argument("--max-workers", type=int, default=32,
                        help="Threads for environments with blocking steps (default 32).")
+    serve.add_argument("--max-paused-s", type=float, default=3600.0,
+                       help="A session paused longer than this expires, seconds (default 3600).")
+    serve.add_argument("--max-sessions-per-client", type=int, default=None,
+                       help="Sessions one client (its token, else its address) may hold (default: all of "
+                            "--max-sessions with a token, three quarters without).")
 
 
 def read_token(token_file: Path | None) -> str | None:
@@ -69,6 +74,8 @@ async def _serve(args: argparse.Namespace) -> int:
         latency=args.latency,
         token=read_token(args.token_file),
         max_workers=args.max_workers,
+        max_paused_s=args.max_paused_s,
+        max_sessions_per_client=args.max_sessions_per_client,
     )
     if options.token is None and options.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("tiderl.envs.server").warning(

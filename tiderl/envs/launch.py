@@ -43,7 +43,10 @@ def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
         "--idle-timeout-s", str(cfg.idle_timeout_s),
         "--latency", cfg.latency,
         "--max-workers", str(cfg.max_workers),
+        "--max-paused-s", str(cfg.max_paused_s),
     ]
+    if cfg.max_sessions_per_client is not None:
+        argv += ["--max-sessions-per-client", str(cfg.max_sessions_per_client)]
     token_file = token_file or (Path(cfg.token_file) if cfg.token_file else None)
     if token_file is not None:
         argv += ["--token-file", str(token_file)]

@@ -14,10 +14,16 @@ Pure: no HTTP stack here, so the server and the tests share one definition.
 Errors are `{"error": STR, "code": CODE}` with the HTTP status of `ErrorCode`.
 A 429 or 503 answer is given before the server changes any state, so a client may
 always retry it.
+
+A body is UTF-8 JSON nested at most `MAX_JSON_DEPTH` deep whose strings are valid
+Unicode (no lone surrogates); anything else is a 400 naming what was wrong
+(`parse_body`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -25,6 +31,7 @@ from typing import Any
 PROTOCOL_VERSION = 1
 TOKEN_HEADER = "Authorization"  # value: "Bearer TOKEN"
 TOKEN_ENV_VAR = "TIDERL_ENV_TOKEN"
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
 
 
 class ErrorCode(Enum):
@@ -37,15 +44,19 @@ class ErrorCode(Enum):
     UNKNOWN_ENV = ("unknown_env", 404)
     UNKNOWN_SESSION = ("unknown_session", 404)
     METHOD_NOT_ALLOWED = ("method_not_allowed", 405)
+    REQUEST_TIMEOUT = ("request_timeout", 408)  # headers or body not received in time
     SESSION_PAUSED = ("session_paused", 409)
     SESSION_ENDED = ("session_ended", 409)  # ended by /end, reaped, or failed
     EPISODE_DONE = ("episode_done", 409)  # the episode finished; only /end (or pause) remains
     SESSION_BUSY = ("session_busy", 409)  # /observation or /end while a step is in progress
     TOO_LARGE = ("too_large", 413)
-    AT_CAPACITY = ("at_capacity", 429)
+    AT_CAPACITY = ("at_capacity", 429)  # max_sessions sessions are live
+    CLIENT_LIMIT = ("client_limit", 429)  # this client holds max_sessions_per_client sessions
+    QUEUE_FULL = ("queue_full", 429)  # max_queued_steps env calls already wait for a worker thread
     ENV_ERROR = ("env_error", 500)  # the environment raised; the session is ended
     INTERNAL = ("internal", 500)
     DRAINING = ("draining", 503)  # the server is shutting down
+    TOO_MANY_CONNECTIONS = ("too_many_connections", 503)  # max_connections are open
 
     @property
     def code(self) -> str:
@@ -66,6 +77,69 @@ class ProtocolError(Exception):
 
     def to_json(self) -> dict[str, Any]:
         return {"error": self.message, "code": self.code.code}
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(text: str, endpoint: str, where: str) -> None:
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise _bad(
+            f"{endpoint}: {where} holds a lone surrogate ({ascii(bad.group())[1:-1]} at character {bad.start()}); "
+            "text must be valid Unicode"
+        )
+
+
+def parse_body(raw: bytes, endpoint: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON value of a request body, or a 400 naming what is wrong with it: not UTF-8,
+    not JSON (NaN and Infinity included), nested deeper than `max_depth`, or a string with
+    a lone surrogate (an escape like "\\ud800", which no environment could encode)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(f"{endpoint}: body is not UTF-8 (byte 0x{raw[e.start]:02x} at position {e.start})") from e
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError as e:  # the decoder's own depth limit, far above ours
+        raise _bad(f"{endpoint}: body is nested deeper than {max_depth} levels") from e
+    except ValueError as e:  # JSONDecodeError, NaN, an integer over Python's digit limit
+        raise _bad(f"{endpoint}: body is not valid JSON: {e}") from e
+    # Walk with an explicit stack: depth and text are checked without recursion.
+    stack: list[tuple[Any, str, int]] = [(value, "body", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, endpoint, where)
+        elif isinstance(item, (dict, list)):
+            if depth >= max_depth:
+                raise _bad(f"{endpoint}: body is nested deeper than {max_depth} levels")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_text(key, endpoint, f"a key of {where}")
+                    name = f"field {key!r}" if depth == 0 else f"{where}[{key!r}]"
+                    stack.append((child, name, depth + 1))
+            else:
+                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+    return value
+
+
+def describe_non_ascii(name: str, value: str) -> str | None:
+    """None if a header value is ASCII, else what is wrong with it. The HTTP parser hands
+    bytes that are not UTF-8 over as surrogate escapes; they are turned back into bytes here."""
+    if value.isascii():
+        return None
+    raw = value.encode("utf-8", "surrogateescape")
+    at = next(i for i, byte in enumerate(raw) if byte >= 0x80)
+    return f"the {name} header is not ASCII (byte 0x{raw[at]:02x} at position {at})"
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
-"""The session table of one env server: states, capacity, idle reaping.
+"""The session table of one env server: states, capacity, idle reaping, paused expiry.
 
 No HTTP and no I/O; the clock is injected so the timing rules are tested directly.
 
 Invariants:
-1. At most `max_sessions` sessions are live (active, paused or done) or being started.
+1. At most `max_sessions` sessions are live (active, paused or done) or being started,
+   and at most `max_sessions_per_client` of them belong to one client (a client is a
+   key the server gives: the token, or the peer address).
 2. A paused session is never idle: its inactivity clock stops at /pause and restarts
    from zero at /resume.
 3. A session is reaped only if it is not paused, has no request in progress, and has
    seen no request for longer than `idle_timeout_s`.
-4. An ended session (by /end, reaping or an environment failure) is remembered by id,
-   so requests naming it get "ended" (409) with the reason rather than "unknown" (404).
+4. A session paused for longer than `max_paused_s` with no request in progress expires;
+   pausing it again while paused does not extend that.
+5. An ended session (by /end, reaping, expiry or an environment failure) is remembered by
+   id, so requests naming it get "ended" (409) with the reason rather than "unknown" (404).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Session:
     state: SessionState
     created_s: float
     last_active_s: float
+    client: str = ""  # who started it (invariant 1)
+    paused_s: float | None = None  # when it was paused, while it is (invariant 4)
     num_steps: int = 0
     is_busy: bool = False
     is_episode_done: bool = False
@@ -50,7 +56,7 @@ class Session:
 
 @dataclass(frozen=True)
 class EndedSession:
-    reason: str  # "ended" | "reaped" | "failed: ..."
+    reason: str  # "ended" | "reaped" | "expired: ..." | "failed: ..."
     end_result: dict[str, Any] | None = None  # the /end answer, replayed if /end is repeated
 
 
@@ -58,31 +64,53 @@ class EndedSession:
 class SessionTable:
     max_sessions: int
     idle_timeout_s: float
+    max_paused_s: float | None = None  # None: paused sessions never expire
+    max_sessions_per_client: int | None = None  # None: only max_sessions bounds a client
     clock: Callable[[], float] = time.monotonic
     max_ended_kept: int = 65536
     sessions: dict[str, Session] = field(default_factory=dict)
     ended: OrderedDict[str, EndedSession] = field(default_factory=OrderedDict)
+    # Live and starting sessions per client (invariant 1); clients at zero are dropped.
+    num_by_client: dict[str, int] = field(default_factory=dict)
     num_starting: int = 0
     num_started: int = 0
     num_reaped: int = 0
+    num_expired: int = 0
     num_ended: int = 0
     num_failed: int = 0
 
-    def reserve(self) -> None:
-        """Claim a slot for a session being started; AT_CAPACITY if none is free."""
+    def reserve(self, client: str = "") -> None:
+        """Claim a slot for a session being started; AT_CAPACITY if none is free, CLIENT_LIMIT
+        if `client` holds its share already."""
         if len(self.sessions) + self.num_starting >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.AT_CAPACITY,
                 f"server at capacity: {len(self.sessions)} live sessions, max_sessions={self.max_sessions}",
             )
+        held = self.num_by_client.get(client, 0)
+        if self.max_sessions_per_client is not None and held >= self.max_sessions_per_client:
+            raise ProtocolError(
+                ErrorCode.CLIENT_LIMIT,
+                f"client {client or '?'} holds {held} sessions, max_sessions_per_client="
+                f"{self.max_sessions_per_client}; end or let expire some of them first",
+            )
         self.num_starting += 1
+        self.num_by_client[client] = held + 1
 
-    def release(self) -> None:
+    def release(self, client: str = "") -> None:
         """Give back a reserved slot whose session failed to start."""
         self.num_starting -= 1
+        self._uncount(client)
 
-    def add(self, env_name: str, env: Environment, seed: int) -> Session:
-        """Turn a reserved slot into a live session."""
+    def _uncount(self, client: str) -> None:
+        left = self.num_by_client[client] - 1
+        if left:
+            self.num_by_client[client] = left
+        else:
+            del self.num_by_client[client]
+
+    def add(self, env_name: str, env: Environment, seed: int, client: str = "") -> Session:
+        """Turn a slot `client` reserved into a live session."""
         self.num_starting -= 1
         now = self.clock()
         session = Session(
@@ -93,6 +121,7 @@ class SessionTable:
             state=SessionState.ACTIVE,
             created_s=now,
             last_active_s=now,
+            client=client,
         )
         self.sessions[session.session_id] = session
         self.num_started += 1
@@ -114,15 +143,18 @@ class SessionTable:
         if session.state is not SessionState.PAUSED:
             session.state_before_pause = session.state
             session.state = SessionState.PAUSED
+            session.paused_s = self.clock()
         self.touch(session)
 
     def resume(self, session: Session) -> None:
         if session.state is SessionState.PAUSED:
             session.state = session.state_before_pause
+            session.paused_s = None
         self.touch(session)
 
     def remove(self, session: Session, reason: str, end_result: dict[str, Any] | None = None) -> None:
         del self.sessions[session.session_id]
+        self._uncount(session.client)
         self.ended[session.session_id] = EndedSession(reason, end_result)
         while len(self.ended) > self.max_ended_kept:
             self.ended.popitem(last=False)
@@ -130,6 +162,8 @@ class SessionTable:
             self.num_ended += 1
         elif reason == "reaped":
             self.num_reaped += 1
+        elif reason.startswith("expired"):
+            self.num_expired += 1
         else:
             self.num_failed += 1
 
@@ -140,6 +174,17 @@ class SessionTable:
             s
             for s in self.sessions.values()
             if s.state is not SessionState.PAUSED and not s.is_busy and s.last_active_s < deadline
+        ]
+
+    def expired_sessions(self) -> list[Session]:
+        """Paused sessions to end now (invariant 4)."""
+        if self.max_paused_s is None:
+            return []
+        deadline = self.clock() - self.max_paused_s
+        return [
+            s
+            for s in self.sessions.values()
+            if s.paused_s is not None and s.paused_s < deadline and not s.is_busy
         ]
 
     def counts(self) -> dict[str, int]:
@@ -157,5 +202,6 @@ class SessionTable:
             "num_started": self.num_started,
             "num_ended": self.num_ended,
             "num_reaped": self.num_reaped,
+            "num_expired": self.num_expired,
             "num_failed": self.num_failed,
         }
