@@ -9,17 +9,32 @@ import time
 
 import pytest
 
-from tiderl.envs import EnvOptionError, make_env
-from tiderl.envs.client import EnvClient
-from tiderl.envs.pytool import HINT
+from tiderl.envs import EnvOptionError, make_env, sandbox
+from tiderl.envs.client import EnvBadRequestError, EnvClient
+from tiderl.envs.pytool import HINT, format_run
+from tiderl.envs.sandbox import SandboxResult, SandboxUnavailableError, check_bwrap
 from tiderl.envs.server import ServerOptions, start_server
 
 pytest.importorskip("reasoning_gym")
 
 
-def test_code_run_then_exact_answer() -> None:
+def _bwrap_missing() -> str | None:
+    try:
+        check_bwrap()
+    except SandboxUnavailableError as e:
+        return str(e)
+    return None
+
+
+BWRAP_MISSING = _bwrap_missing()
+SANDBOXES = [pytest.param("bwrap", marks=pytest.mark.skipif(BWRAP_MISSING is not None, reason=f"bwrap cannot run "
+                                                            f"here: {BWRAP_MISSING}")), "unsafe"]
+
+
+@pytest.mark.parametrize("sandbox_name", SANDBOXES)
+def test_code_run_then_exact_answer(sandbox_name: str) -> None:
     env = make_env("pytool")
-    observation, info = env.reset(seed=3, options={"dataset": "basic_arithmetic"})
+    observation, info = env.reset(seed=3, options={"dataset": "basic_arithmetic", "sandbox": sandbox_name})
     assert observation.endswith("\n" + HINT) and info["dataset"] == "basic_arithmetic"
     expected = env.entry["answer"]
     question = env.entry["question"]
@@ -32,12 +47,13 @@ def test_code_run_then_exact_answer() -> None:
     assert env.final_reward() == 1.0
 
 
-def test_wrong_answer_and_turn_limit_score_zero() -> None:
+@pytest.mark.parametrize("sandbox_name", SANDBOXES)
+def test_wrong_answer_and_turn_limit_score_zero(sandbox_name: str) -> None:
     env = make_env("pytool")
-    env.reset(seed=1, options={"dataset": "gcd"})
+    env.reset(seed=1, options={"dataset": "gcd", "sandbox": sandbox_name})
     assert env.step("Answer: -12345").observation == "wrong"
     assert env.final_reward() == 0.0
-    env.reset(seed=1, options={"max_turns": 2})
+    env.reset(seed=1, options={"max_turns": 2, "sandbox": sandbox_name})
     env.step("```python\nraise SystemExit(3)\n```")
     result = env.step("```\nprint('hi')\n```")
     assert result.done and result.info["out_of_turns"] and result.reward == 0.0
@@ -50,17 +66,51 @@ def test_bad_options_are_clear() -> None:
         env.reset(seed=0, options={"dataset": "no_such_dataset"})
     with pytest.raises(EnvOptionError, match="unknown option"):
         env.reset(seed=0, options={"limit": 3})
+    with pytest.raises(EnvOptionError, match="'sandbox' must be 'bwrap' or 'unsafe'"):
+        env.reset(seed=0, options={"sandbox": "docker"})
+
+
+def test_without_bwrap_code_runs_are_refused_unless_the_job_says_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "_bwrap_checked", False)
+    monkeypatch.setattr(sandbox, "find_bwrap", lambda: None)
+    env = make_env("pytool")
+    with pytest.raises(EnvOptionError, match=r"bubblewrap \(`bwrap`\) is not installed.*sandbox: unsafe"):
+        env.reset(seed=0, options={})
+    env.reset(seed=0, options={"sandbox": "unsafe"})
+    assert env.step("```python\nprint(6 * 7)\n```").observation == "exit 0\n42"
+
+    async def main() -> None:  # the server answers the refusal as bad options, naming tool and option
+        running = await start_server(ServerOptions(envs=("pytool",)))
+        try:
+            async with EnvClient(running.url) as client:
+                with pytest.raises(EnvBadRequestError, match="bubblewrap.*sandbox: unsafe"):
+                    await client.start("pytool", seed=0)
+                assert (await client.start("pytool", seed=0, options={"sandbox": "unsafe"})).session_id
+        finally:
+            await running.close()
+
+    asyncio.run(main())
+
+
+def test_a_run_killed_by_the_memory_limit_says_so() -> None:
+    killed = SandboxResult(stdout="", stderr="", exit_code=-9, timed_out=False, output_truncated=False, wall_s=1.0,
+                           memory_exceeded=True)
+    assert format_run(killed) == "memory limit"
+    survived = SandboxResult(stdout="ok\n", stderr="", exit_code=0, timed_out=False, output_truncated=False,
+                             wall_s=1.0, memory_exceeded=True)
+    assert format_run(survived) == "exit 0\nok"
 
 
 @pytest.mark.slow
-def test_hostile_code_never_takes_the_server_down() -> None:
+@pytest.mark.parametrize("sandbox_name", SANDBOXES)
+def test_hostile_code_never_takes_the_server_down(sandbox_name: str) -> None:
     hostile = [
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
         "while True:\n    pass\n",
         "while True:\n    print('x' * 10000)\n",
         "a = []\nwhile True:\n    a.append(bytearray(64 << 20))\n",
     ]
-    if os.geteuid() == 0:  # as root each run has its own uid, so it cannot signal the server
+    if sandbox_name == "bwrap" or os.geteuid() == 0:  # own PID namespace, or as root an own uid
         hostile.append("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
 
     async def main() -> None:
@@ -68,7 +118,7 @@ def test_hostile_code_never_takes_the_server_down() -> None:
         try:
             async with EnvClient(running.url) as client:
                 sessions = [
-                    (await client.start("pytool", seed=i, options={"max_turns": 2})).session_id
+                    (await client.start("pytool", seed=i, options={"max_turns": 2, "sandbox": sandbox_name})).session_id
                     for i in range(len(hostile))
                 ]
                 hilo = (await client.start("hilo", seed=0)).session_id

@@ -20,6 +20,18 @@ if ! command -v fusermount3 >/dev/null 2>&1; then
   fi
 fi
 
+# bubblewrap isolates pytool's code runs (tiderl/envs/sandbox.py); without it env servers refuse pytool.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing bubblewrap (the pytool sandbox)"
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      bubblewrap >/dev/null; } || step "apt-get could not install bubblewrap: env servers will refuse pytool"
+  else
+    step "bubblewrap (bwrap) is missing and cannot be installed here: env servers will refuse pytool" \
+      "(install the bubblewrap package, or set env.options: {sandbox: unsafe})"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating $VENV"
   "$PYTHON" -m venv "$VENV"

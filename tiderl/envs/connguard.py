@@ -22,7 +22,7 @@ from tiderl.envs.serverlog import conn_log
 
 LINGER_S = 1.0  # how long a connection is kept to read the rest of a body its answer did not need
 FILES_RESERVED = 64  # open files kept for the process itself, beyond connections and workers
-FILES_PER_WORKER = 4  # open files an environment call may hold (a sandbox run's pipes)
+FILES_PER_WORKER = 13  # open files an environment call may hold at its peak (a sandbox run starting: pipes, bwrap's fds)
 MAX_REFUSED_OPEN = 64  # refused connections kept open until their 503 is out; beyond: reset
 
 

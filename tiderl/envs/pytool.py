@@ -7,9 +7,10 @@ Each turn the agent either runs code or answers:
 - first observation: the task's question, then the line
   `run code with a ```python block, or reply answer: YOUR ANSWER`
 - action with a fenced block (```python ... ``` or ``` ... ```): the code runs in the
-  sandbox (`tiderl.envs.sandbox`: own process, CPU/memory/output/wall limits, scratch
-  directory, empty environment); the observation is `exit CODE` (or `timed out`,
-  `output limit`) on the first line, then stdout and stderr, cut to 1500 characters
+  sandbox (`tiderl.envs.sandbox`: own namespaces, CPU/memory/output/wall limits, private
+  /tmp, no network, empty environment); the observation is `exit CODE` (or `timed out`,
+  `output limit`, `memory limit`) on the first line, then stdout and stderr, cut to 1500
+  characters
 - action `answer: TEXT` (case-insensitive): the episode ends; reward 1.0 if the
   dataset's verifier scores TEXT as exactly right, else 0.0 (option `graded: true`
   gives the verifier's score in [0, 1] instead); observation `correct` or `wrong`
@@ -17,28 +18,42 @@ Each turn the agent either runs code or answers:
 - after `max_turns` actions without an answer the episode ends with reward 0.
 
 Options: `dataset` (default `basic_arithmetic`), `dataset_config` (keyword arguments
-of the reasoning-gym dataset config), `max_turns` (default 4), `graded` (false).
+of the reasoning-gym dataset config), `max_turns` (default 4), `graded` (false), `sandbox`
+(`bwrap`, the default: `reset` refuses with `EnvOptionError` where bubblewrap is missing or
+cannot work; `unsafe`: rlimits only, see `tiderl.envs.sandbox`; a job sets it in `env.options`).
 Code runs take real, uneven time: the class is `blocking`, so the server runs its
 steps in worker threads.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepResult, read_options
-from tiderl.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from tiderl.envs.sandbox import (
+    Isolation,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailableError,
+    check_bwrap,
+    run_python,
+)
 
 HINT = "run code with a ```python block, or reply answer: YOUR ANSWER"
 MAX_OBSERVATION_CHARS = 1500
-DEFAULTS: dict[str, Any] = {"dataset": "basic_arithmetic", "dataset_config": {}, "max_turns": 4, "graded": False}
+DEFAULTS: dict[str, Any] = {
+    "dataset": "basic_arithmetic", "dataset_config": {}, "max_turns": 4, "graded": False, "sandbox": "bwrap",
+}
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _ANSWER = re.compile(r"\s*answer\s*:\s*(.*)", re.DOTALL | re.IGNORECASE)
 _import_lock = threading.Lock()
+_warned_unsafe = False
+log = logging.getLogger("tiderl.envs.pytool")
 
 
 def _reasoning_gym() -> Any:
@@ -48,11 +63,34 @@ def _reasoning_gym() -> Any:
     return reasoning_gym
 
 
+def _isolation(name: str, limits: SandboxLimits) -> Isolation:
+    """The sandbox a job asked for, refused where bwrap cannot work: never a silent fallback."""
+    global _warned_unsafe
+    try:
+        isolation = Isolation(name)
+    except ValueError:
+        raise EnvOptionError(f"pytool: option 'sandbox' must be 'bwrap' or 'unsafe', got {name!r}") from None
+    if isolation is Isolation.BWRAP:
+        try:
+            check_bwrap(limits)
+        except SandboxUnavailableError as e:
+            raise EnvOptionError(
+                f"pytool: refusing to run model code without isolation: {e}. To run it with rlimits only, "
+                "set the option sandbox: unsafe (env.options.sandbox in the job config)"
+            ) from e
+    elif not _warned_unsafe:
+        _warned_unsafe = True
+        log.warning("pytool: sandbox: unsafe: model code runs without namespaces (see tiderl/envs/sandbox.py)")
+    return isolation
+
+
 def format_run(result: SandboxResult) -> str:
     if result.timed_out:
         head = "timed out"
     elif result.output_truncated:
         head = "output limit"
+    elif result.memory_exceeded and (result.exit_code or 0) < 0:
+        head = "memory limit"
     else:
         head = f"exit {result.exit_code}"
     text = f"{head}\n{result.stdout}{result.stderr}".rstrip("\n")
@@ -71,6 +109,7 @@ class PyToolEnv(Environment):
         self.dataset: Any = None
         self.max_turns = 4
         self.graded = False
+        self.isolation = Isolation.BWRAP
         self.turn = 0
         self.num_code_runs = 0
         self.score = 0.0
@@ -81,6 +120,7 @@ class PyToolEnv(Environment):
         opts = read_options(self.name, options, DEFAULTS)
         if opts["max_turns"] < 1:
             raise EnvOptionError(f"pytool: max_turns must be >= 1, got {opts['max_turns']}")
+        self.isolation = _isolation(opts["sandbox"], self.limits)
         rg = _reasoning_gym()
         try:
             self.dataset = rg.create_dataset(opts["dataset"], seed=seed, size=1, **opts["dataset_config"])
@@ -110,7 +150,7 @@ class PyToolEnv(Environment):
             info.update(correct=score >= 1.0, expected=str(self.entry["answer"]))
             return StepResult("correct" if score >= 1.0 else "wrong", self.score, True, info)
         if code is not None:
-            result = run_python(code.group(1), self.limits)
+            result = run_python(code.group(1), self.limits, self.isolation)
             self.num_code_runs += 1
             observation = format_run(result)
             info = self._info()
