@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from tiderl.envs import sandbox
+from tiderl.envs.uids import processes_of_uid
 from tiderl.envs.sandbox import (
     Isolation,
     SandboxLimits,
     SandboxUnavailableError,
-    _processes_of_uid,
     bwrap_argv,
     cgroup_candidates,
     check_bwrap,
@@ -133,7 +133,7 @@ def test_fork_bomb_is_capped_and_every_process_is_killed(isolation: Isolation) -
     limits = SandboxLimits(wall_s=3.0, max_processes=8, uid_base=UID_BASE, uid_slots=1)
     result = run_python(code, limits, isolation)
     assert result.timed_out and "forks refused" in result.stdout
-    assert _processes_of_uid(UID_BASE) == {}  # no process left, not even a zombie
+    assert processes_of_uid(UID_BASE) == {}  # no process left, not even a zombie
 
 
 @needs_root
@@ -219,13 +219,14 @@ def test_a_v2_cgroup_with_the_server_in_it_moves_the_server_to_a_leaf(tmp_path: 
             (tmp_path / "cgroup.procs").write_text("")  # the process leaves the parent
         path.write_text(text)
 
-    monkeypatch.setattr(sandbox, "_write", write)
-    assert sandbox._enable_v2(tmp_path)
+    from tiderl.envs.cgroups import enable_v2
+
+    assert enable_v2(tmp_path, write=write)
     assert (tmp_path / "tiderl-server" / "cgroup.procs").read_text() == str(os.getpid())
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids"
     (tmp_path / "cgroup.subtree_control").write_text("")
     (tmp_path / "cgroup.procs").write_text(f"{os.getpid()}\n1\n")  # not alone: nothing moves
-    assert not sandbox._enable_v2(tmp_path)
+    assert not enable_v2(tmp_path, write=write)
 
 
 def test_a_python_install_holding_the_home_directory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
