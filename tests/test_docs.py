@@ -16,7 +16,8 @@ CODE = re.compile(r"`([^`\n]+)`")
 REPO_DIRS = ("tiderl/", "jobs/", "tools/", "slurm/", "tests/", "docs/", ".ci/")
 SECTIONS = {key for key, _tp, _f in iter_fields(JobConfig) if "." not in key}
 KEYS = {key for key, _tp, _f in iter_fields(JobConfig)}
-FILE_SUFFIXES = (".py", ".yaml", ".md", ".safetensors", ".json", ".pt", ".url", ".log", ".db", ".txt")
+FILE_SUFFIXES = (".py", ".yaml", ".md", ".safetensors", ".json", ".pt", ".url", ".log", ".db", ".txt", ".conf", ".sh",
+                 ".sbatch", ".out", ".err", ".port", ".token", ".png", ".csv")
 SOURCE = "\n".join(p.read_text() for p in (ROOT / "tiderl").rglob("*.py"))
 
 

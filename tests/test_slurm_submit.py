@@ -183,3 +183,38 @@ def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster
     batch_log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert batch_log.count(f"tiderl: job {job_id} on ") == 2, batch_log
     assert "(resumed)" in batch_log
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_a_rollout_rank_killed_in_the_step_is_restarted_and_the_job_finishes(slurm_cluster: SlurmCluster,
+                                                                            run_dir: Path) -> None:
+    import os
+    import signal
+
+    # An actor and a rollout rank: the rollout task's rank is SIGKILLed mid-run; its task's supervisor
+    # restarts it while the step and the actor carry on.
+    out = submit(run_dir, 4, "env.latency=fixed:0.3")
+    assert out.returncode == 0, out.stderr
+    wait_for("version 1", lambda: (run_dir / "run.db").exists() and run_info(run_dir)["version"] >= 1,
+             RUN_TIMEOUT_S)
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        victim = next(r for r in store.ranks() if r["role"] == "rollout" and r["pid"])
+    finally:
+        store.close()
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for("the run ended", lambda: run_info(run_dir)["state"] in ("finished", "failed", "cancelled"),
+             RUN_TIMEOUT_S)
+    assert run_info(run_dir)["state"] == "finished", logs_of(run_dir)
+    assert check_run(run_dir, max_staleness=1)["versions"] == 4
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        restarted = store.recent_events(50, kinds=["restarted"])
+    finally:
+        store.close()
+    assert [e["rank"] for e in restarted] == [victim["rank"]]
+    [job] = recorded_jobs(run_dir)
+    assert slurm_cluster.wait(job["job_id"], timeout_s=120) is JobState.COMPLETED

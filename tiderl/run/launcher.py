@@ -31,6 +31,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
+from tiderl.run.supervise import quarantine, record_restart, restartable
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
 from tiderl.store.types import RankState, Role, RunState
@@ -189,17 +190,6 @@ def restarter(launch: Launch, tag: dict[str, str], start_ranks: RankStarter, url
         return None
 
     return start
-
-
-def restartable(name: str, role: str | None, restarts: int, limit: int) -> bool:
-    """Whether a child that died is restarted in place: the control plane and env servers always (up to
-    `limit` times each), a rank only while rolling out (its tasks return to the pool and any rank may
-    run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
-    if restarts >= limit:
-        return False
-    if name.startswith("rank"):
-        return role == Role.ROLLOUT.value
-    return name == "control" or name.startswith("env")
 
 
 def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankStarter = start_local_ranks,
@@ -363,11 +353,7 @@ def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter 
         return None
     restarts[child.name] = n = restarts.get(child.name, 0) + 1
     procs.stop([child])  # what it left in its process group (a rank's vLLM engine core)
-    returned = ""
-    if rank is not None:
-        back = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart {n} of "
-                                        f"{limit} (log: {child.log_path})")
-        returned = f"; its {back.tasks_returned} tasks went back to the pool"
+    returned = quarantine(store, rank, code, n, limit, f"log: {child.log_path}") if rank is not None else ""
     print(f"\n{child.name} exited with code {code}: restarting it ({n} of {limit}){returned}", file=out, flush=True)
     try:
         replacement = restart(child)
@@ -375,8 +361,7 @@ def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter 
         print(f"{child.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
         return None
     if replacement is not None:
-        store.record_event("launcher", "restarted", f"{child.name} restarted ({n} of {limit}) after it exited "
-                           f"with code {code}{returned}", rank=rank, data={"process": child.name, "code": code})
+        record_restart(store, child.name, rank, code, n, limit, returned)
     return replacement
 
 

@@ -1,7 +1,8 @@
 """A rank process: long-lived; at every sync boundary it reads its role and runs that role's loop.
 
     python -m tiderl.run.rank RUN_DIR RANK
-    srun --ntasks=N python -m tiderl.run.rank RUN_DIR    (each task's rank from Slurm, via submitit)
+    srun --ntasks=N python -m tiderl.run.rank RUN_DIR    (each task's rank from Slurm, via submitit; the
+                                                          task supervises its rank: tiderl.run.supervise)
 
 observe (the published version and its plan) -> act (the role's loop until the
 next boundary) -> record (heartbeats and reports go through the run store).
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.run.context import RankContext, RunStopped
+from tiderl.run.supervise import CHILD_ENV, supervise
 from tiderl.store.engine import StoreError
 from tiderl.store.types import EventRecord, PlanRecord, RankReport, RankState, Role
 
@@ -125,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank is None:
         args.rank = rank_from_slurm()
+        if os.environ.get(CHILD_ENV) != "1":
+            # A task of the Slurm step: supervise the rank, so that a rollout rank that dies is restarted
+            # in its task while the step and every other rank carry on (tiderl.run.supervise).
+            return supervise(args.run_dir, args.rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     ctx = RankContext.open(args.run_dir, args.rank)
     import socket

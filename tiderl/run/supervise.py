@@ -1,0 +1,117 @@
+"""Restarting a process of the run that died: the one policy, and the supervisor of a Slurm task.
+
+Locally the launcher (`tiderl.run.launcher`) watches every child and restarts what `restartable`
+allows. Under Slurm the ranks are the tasks of one srun step, which the batch step's launcher sees
+as one child: there each task runs `python -m tiderl.run.rank RUN_DIR` as its own supervisor
+(`supervise`), which runs the rank as a child process and, when it dies while rolling out,
+quarantines it (dead, its claims back in the pool) and starts it again; the step goes on with
+every other rank untouched. A death `restartable` refuses (an actor or ref inside a step, or past
+`launch.restarts`) ends the task with the rank's exit code, and `srun --kill-on-bad-exit` then
+ends the step, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tiderl.roles import Role
+from tiderl.store import RunStore
+from tiderl.store.types import RunState
+
+CHILD_ENV = "TIDERL_SUPERVISED"  # set in the rank a supervisor runs: that one is the rank itself
+POLL_S = 0.5
+
+
+def restartable(name: str, role: str | None, restarts: int, limit: int) -> bool:
+    """Whether a child that died is restarted in place: the control plane and env servers always (up to
+    `limit` times each), a rank only while rolling out (its tasks return to the pool and any rank may
+    run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
+    if restarts >= limit:
+        return False
+    if name.startswith("rank"):
+        return role == Role.ROLLOUT.value
+    return name == "control" or name.startswith("env")
+
+
+def quarantine(store: RunStore, rank: int, code: int, n: int, limit: int, where: str) -> str:
+    """A dead rank's claims back in the pool before it restarts; returns what to add to the messages."""
+    back = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart {n} of "
+                                    f"{limit} ({where})")
+    return f"; its {back.tasks_returned} tasks went back to the pool"
+
+
+def record_restart(store: RunStore, name: str, rank: int | None, code: int, n: int, limit: int, returned: str) -> None:
+    store.record_event("launcher" if rank is None else f"rank{rank}", "restarted",
+                       f"{name} restarted ({n} of {limit}) after it exited with code {code}{returned}",
+                       rank=rank, data={"process": name, "code": code})
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, limit: int | None = None,
+              poll_s: float = POLL_S) -> int:
+    """Run rank `rank` as a child until it ends; restart it where `restartable` allows. Returns the exit
+    code of the rank's last run. SIGTERM, SIGINT and SIGUSR2 go to the rank, and end the supervision."""
+    from tiderl.config import load_job
+    from tiderl.paths import RunPaths
+
+    argv = child_argv or [sys.executable, "-m", "tiderl.run.rank", str(run_dir), str(rank)]
+    if limit is None:
+        limit = load_job(RunPaths(Path(run_dir)).config).launch.restarts
+    stopping: list[int] = []
+    child: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        if child:
+            try:
+                os.killpg(child[0].pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    try:
+        return _supervise(Path(run_dir), rank, argv, limit, poll_s, stopping, child)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(run_dir: Path, rank: int, argv: list[str], limit: int, poll_s: float, stopping: list[int],
+               child: list[subprocess.Popen[bytes]]) -> int:
+    restarts = 0
+    while True:
+        proc = subprocess.Popen(argv, env={**os.environ, CHILD_ENV: "1"}, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        child[:] = [proc]
+        while proc.poll() is None:
+            time.sleep(poll_s)
+        code = proc.returncode
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what it left in its group (a vLLM engine core)
+        except ProcessLookupError:
+            pass
+        if code == 0 or stopping:
+            return code
+        store = RunStore.for_run_dir(run_dir)
+        try:
+            state, _ = store.position()
+            role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None)
+            if state is not RunState.RUNNING or not restartable(f"rank{rank}", role, restarts, limit):
+                return code
+            restarts += 1
+            returned = quarantine(store, rank, code, restarts, limit, "restarted by its Slurm task")
+            record_restart(store, f"rank{rank}", rank, code, restarts, limit, returned)
+        finally:
+            store.close()
+        print(f"tiderl: rank {rank} exited with code {code}: restarting it ({restarts} of {limit}){returned}",
+              file=sys.stderr, flush=True)
