@@ -254,3 +254,12 @@ def test_check_needs_attention_for_every_error_finding() -> None:
     d = diagnose(snap(ranks=tuple(rank(r.rank, r.role, age=200.0) for r in healthy_ranks())))
     assert any(f.kind is Kind.RUN_GONE and f.severity is Severity.ERROR for f in d.findings)
     assert not d.is_stalled and d.needs_attention
+
+
+def test_restarted_processes_are_reported() -> None:
+    events = (EventView(kind="restarted", age_s=12.0, rank=2,
+                        message="rank2 restarted (1 of 3) after it exited with code -9; its 4 tasks went back"),)
+    d = diagnose(snap(events=events))
+    [f] = [f for f in d.findings if f.kind is Kind.RESTARTED]
+    assert f.severity is Severity.WARNING and f.rank == 2 and "1 restart of processes that died" in f.message
+    assert "exited with code -9" in f.message and not d.needs_attention

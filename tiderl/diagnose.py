@@ -58,6 +58,7 @@ class Kind(str, enum.Enum):
     REF_DOWN = "ref_down"  # a decoupled step's ref rank is dead or silent
     RANK_DEAD = "rank_dead"
     RANK_FAILED = "rank_failed"  # a rank ended on an error
+    RESTARTED = "restarted"  # a process died and was restarted in place (a rank quarantined first)
     RANK_SILENT = "rank_silent"  # missed heartbeats, not yet declared dead
     RANK_MISSING = "rank_missing"  # never registered (still starting, or failed to start)
     SLOW_TASK = "slow_task"  # a task of a group the trainer waits for runs long
@@ -76,7 +77,7 @@ class Kind(str, enum.Enum):
 # Which finding most likely blocks progress, most likely first (invariant 6).
 CULPRIT_ORDER = (Kind.RUN_FAILED, Kind.SLURM_JOB, Kind.RUN_GONE, Kind.CONTROL_DOWN, Kind.ACTOR_DOWN, Kind.REF_DOWN, Kind.ENV_SERVER_DOWN,
                  Kind.ORPHANED_TASKS, Kind.SLOW_TASK, Kind.NO_ROLLOUT, Kind.ROLLOUT_NOT_CLAIMING, Kind.RANK_FAILED, Kind.RANK_DEAD, Kind.RANK_SILENT, Kind.RANK_MISSING,
-                 Kind.ROLLOUT_NO_WORK, Kind.ROLLOUT_HELD, Kind.TASK_RETRIED, Kind.GROUPS_FAILED)
+                 Kind.ROLLOUT_NO_WORK, Kind.ROLLOUT_HELD, Kind.TASK_RETRIED, Kind.RESTARTED, Kind.GROUPS_FAILED)
 _SEVERITY_ORDER = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
 
@@ -546,6 +547,12 @@ def _task_findings(snap: Snapshot) -> list[Finding]:
     if stale:
         out.append(Finding(Kind.STALE_DROPPED, Severity.INFO, f"latest staleness drop ({_dur(stale[0].age_s)} ago): "
                            f"{stale[0].message}"))
+    restarted = [e for e in snap.events if e.kind == "restarted"]  # newest first
+    if restarted:
+        out.append(Finding(Kind.RESTARTED, Severity.INFO if snap.state in TERMINAL_STATES else Severity.WARNING,
+                           f"{_plural(len(restarted), 'restart')} of processes that died, latest "
+                           f"{_dur(restarted[0].age_s)} ago: {restarted[0].message}",
+                           rank=restarted[0].rank, data={"restarts": len(restarted)}))
     return out
 
 
