@@ -334,6 +334,33 @@ def test_pool_takes_a_dead_server_out_of_rotation_and_brings_it_back() -> None:
     asyncio.run(main())
 
 
+def test_a_single_server_that_comes_back_is_back_in_rotation_at_once() -> None:
+    # One env server, killed and restarted on its port (the launcher does that): the sessions started
+    # on the new server must work at once, not fail "out of rotation" for the rest of down_s.
+    async def main() -> None:
+        first = await start_server(ServerOptions(envs=("hilo",)))
+        port = int(first.url.rsplit(":", 1)[1])
+        pool = EnvPool([first.url], down_s=60.0, max_retries=0, retry_backoff_s=0.01)
+        try:
+            s = await pool.start("hilo", seed=1)
+            await first.close()
+            with pytest.raises(EnvConnectionError):
+                await pool.step(s.session_id, "8")
+            assert not pool.is_up(pool.clients[0])
+            second = await start_server(ServerOptions(envs=("hilo",), port=port))
+            try:
+                again = await pool.start("hilo", seed=2)  # every server out: the pool tries it anyway
+                assert pool.is_up(pool.clients[0])
+                assert (await pool.step(again.session_id, "8")).info["turn"] == 1
+                await pool.end(again.session_id)
+            finally:
+                await second.close()
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_pool_with_every_server_dead_says_so() -> None:
     async def main() -> None:
         b = await start_server(ServerOptions(envs=("hilo",)))

@@ -230,7 +230,9 @@ class EnvPool:
     sessions go to the servers still answering (a `start` that finds its server dead
     moves on to the next); calls on sessions of the dead server raise, so their tasks
     fail and are retried elsewhere by the run store. After `down_s` the server gets new
-    sessions again; if it still does not answer it is out for another `down_s`."""
+    sessions again; if it still does not answer it is out for another `down_s`. A server
+    that answers (a `start` placed on it when every server was out, a restarted server)
+    is back in rotation at once: its sessions must not fail for the rest of `down_s`."""
 
     def __init__(self, urls: list[str] | tuple[str, ...], *, down_s: float = 30.0, **client_kwargs: Any) -> None:
         if not urls:
@@ -250,16 +252,23 @@ class EnvPool:
             log.warning("env server %s out of rotation for %.0f s: %s", client.url, self.down_s, error)
         self._down_until[id(client)] = time.monotonic() + self.down_s
 
+    def _mark_up(self, client: EnvClient) -> None:
+        if not self.is_up(client):
+            log.info("env server %s answers again: back in rotation", client.url)
+        self._down_until[id(client)] = 0.0
+
     async def _on(self, client: EnvClient, endpoint: str, session_id: str, call: Any) -> Any:
         """Run `call(session_id)` on `client`; a server out of rotation fails at once."""
         if not self.is_up(client):
             raise EnvConnectionError(client.url, endpoint, "the server stopped answering and is out of rotation",
                                      session_id=session_id, code="server_down")
         try:
-            return await call(session_id)
+            result = await call(session_id)
         except EnvConnectionError as e:
             self._mark_down(client, e)
             raise
+        self._mark_up(client)
+        return result
 
     async def __aenter__(self) -> EnvPool:
         return self
@@ -321,6 +330,7 @@ class EnvPool:
                 raise
             if tried:
                 self.num_failovers += 1
+            self._mark_up(client)
             self._owner[result.session_id] = client
             return result
 
