@@ -251,3 +251,27 @@ def test_worker_from_job_config(fmt: ChatFormat) -> None:
     assert len(got) == 4 and report.max_resident_tasks == 2 and all(t.num_turns <= 3 for t in got)
     with pytest.raises(ConfigError, match="rollout.kv_block_size"):
         build(JobConfig, {"system": "tiderl", "rollout": {"kv_block_size": 40}}, "job.yaml")
+
+
+def test_ctb_a_probe_that_fails_before_its_first_turn_does_not_hold_its_group(fmt: ChatFormat) -> None:
+    # The probe's environment start fails: another task of the group must probe instead (the group
+    # used to stay "probing" for ever, its other tasks never admitted, the run hung).
+    engine = FakeEngine(guesser(fmt))
+    env = LocalEnvLink()
+    real_start = env.start
+    calls: list[int] = []
+
+    async def start(name, seed, options=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("env server answered garbage")
+        return await real_start(name, seed, options)
+
+    env.start = start  # type: ignore[method-assign]
+    failed: list[str] = []
+    worker = RolloutWorker(engine, env, fmt, make_scheduler("ctb"),
+                           LoopLimits(max_turns=6, max_context_tokens=512, max_new_tokens=4), sink=[].append,
+                           on_failure=lambda spec, e: failed.append(spec.task_id))
+    worker.add_groups([make_group("g", "hilo", seed=2, group_size=4)])
+    report = asyncio.run(asyncio.wait_for(worker.run(), 30))
+    assert len(failed) == 1 and report.num_tasks == 3

@@ -5,8 +5,9 @@
 
 Each trial runs `python -m tiderl run jobs/quickstart.yaml --run-dir DIR --set ...`: `--steps` steps
 of 2 groups x 4 tasks, 4 ranks (rank 0 actor, ranks 1-2 rollout, rank 3 ref: `system=async` with a
-fixed decoupled RA2P mode, so every role exists for the whole run), environment steps of 0.3 s. Once
-version 1 or 2 is published and a seeded random delay has passed, the trial injects its fault, then
+fixed decoupled RA2P mode, so every role exists for the whole run), environment steps of 0.3 s
+(`rollout_stop` runs 30 steps: the rank it stops must have time to come back). Once version 1 or 2
+is published and a seeded random delay has passed, the trial injects its fault, then
 waits for the launcher to end (the launcher fault only: after one `tiderl run --resume`; no other
 fault gets any help). It prints one JSON line per fault:
 
@@ -362,7 +363,6 @@ class Trial:
     watcher: Watcher | None = None
     env_urls: Callable[[], list[str]] | None = None
     token_file: Path | None = None
-    resumed: bool = False
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -439,7 +439,6 @@ def _kill_launcher(trial: Trial) -> str:
         raise ChaosError("the SIGKILLed launcher did not exit within 30 s") from None
     trial.sleep(2.0)  # its children die by PDEATHSIG; what they leave, the resume reaps
     trial.launch("--resume", str(trial.run_dir))
-    trial.resumed = True
     return f"SIGKILL launcher (pid {first.pid}), then one `tiderl run --resume`"
 
 
@@ -608,15 +607,16 @@ def run_trial(fault: Fault, *, seed: int, steps: int = 10, timeout_s: float = 12
                 trial.stack = inner
                 inner.callback(lambda: trial.extra.__setitem__("reaped", reap_run(trial.run_dir)))
                 injected = _inject_and_wait(trial, fault, result)
-        except ChaosError as e:
-            trial.notes.append(f"fault not injected: {e}")
+        except (ChaosError, sqlite3.Error, OSError, subprocess.SubprocessError) as e:
+            # The campaign goes on with the next fault; this one's line says what went wrong.
+            trial.notes.append(f"fault not injected: {type(e).__name__}: {e}")
         trial.stack = outer
         if trial.launcher is not None:
             result["exit_code"] = trial.launcher.returncode
-        if trial.db.exists():
+        try:
             _fill(result, trial, exactly_once(trial.db), steps, injected)
-        else:
-            result["note"] = "; ".join(trial.notes + ["no run store"] + _launcher_lines(trial.log))
+        except (sqlite3.Error, IndexError) as e:
+            result["note"] = "; ".join(trial.notes + [f"run store unreadable: {e}"] + _launcher_lines(trial.log))
         if keep and trial.run_dir != work_dir / "run" and trial.run_dir.exists():  # on the tmpfs: keep a copy
             shutil.copytree(trial.run_dir, work_dir / "run", dirs_exist_ok=True)
     if not keep:
@@ -625,7 +625,7 @@ def run_trial(fault: Fault, *, seed: int, steps: int = 10, timeout_s: float = 12
 
 
 def _inject_and_wait(trial: Trial, fault: Fault, result: dict[str, Any]) -> bool:
-    """Launch, inject the fault in the steady state after a random delay, wait for the launcher's end."""
+    """Launch, inject the fault after version 1 or 2 and a random delay, wait for the launcher's end."""
     run_dir, steps = trial.run_dir, trial.steps
     trial.watcher = Watcher(run_dir, trial.env_urls or (lambda: json.loads((run_dir / "env_urls.json").read_text())),
                             lambda: trial.token_file or run_dir / "env.token")

@@ -304,6 +304,10 @@ class RolloutWorker:
             self._runs.pop(spec.task_id, None)
             self._tasks.pop(spec.task_id, None)
             self._paused.pop(spec.task_id, None)
+            if spec.group_id in self._probing and spec.group_id not in self._probe_tokens:
+                # A probe that ended (failed) before its first turn was measured: the group's next task
+                # probes instead; otherwise the group's other tasks would never be admitted.
+                self._probing.discard(spec.group_id)
             self._changed.set()
 
     # ---- TurnGate -----------------------------------------------------------------------
