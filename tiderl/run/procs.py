@@ -22,7 +22,8 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn of a child that must not outlive its parent (PR_SET_PDEATHSIG: SIGKILL)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -57,7 +58,7 @@ def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None
             log.write(launch_marker(name, marker).encode())
             log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent,
+                                start_new_session=True, preexec_fn=die_with_parent,
                                 env={**os.environ, **(env or {})})
     return Child(name, proc, log_path)
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from tiderl.roles import Role
+from tiderl.run import procs
 from tiderl.store import RunStore
 from tiderl.store.types import RunState
 
@@ -49,12 +50,6 @@ def record_restart(store: RunStore, name: str, rank: int | None, code: int, n: i
     store.record_event("launcher" if rank is None else f"rank{rank}", "restarted",
                        f"{name} restarted ({n} of {limit}) after it exited with code {code}{returned}",
                        rank=rank, data={"process": name, "code": code})
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, limit: int | None = None,
@@ -91,7 +86,7 @@ def _supervise(run_dir: Path, rank: int, argv: list[str], limit: int, poll_s: fl
     restarts = 0
     while True:
         proc = subprocess.Popen(argv, env={**os.environ, CHILD_ENV: "1"}, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=procs.die_with_parent)
         child[:] = [proc]
         while proc.poll() is None:
             time.sleep(poll_s)
