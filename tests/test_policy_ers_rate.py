@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import (Split, estimate, gen_latency_at, gen_latency_curve, latency_s, predict_tok_s,
-                                    regime)
+from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
+                                    latency_s, predict_tok_s, regime)
+from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
 
@@ -138,3 +139,79 @@ def test_measured_splits_are_read_as_measured_and_interpolated_in_one_over_n():
     model = estimate(replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC)
     assert latency_s(1, model) == pytest.approx(210.0)
     assert count(plan((R, R, A, A), replace(SHORT, gen_latency_by_rollout=((1, 200.0),)), ELASTIC).roles, R) >= 2
+
+
+# ---- a shared host (tiderl.policy.host): idle ranks -------------------------------------------------------
+I = Role.IDLE
+HOST = HostShare(slots=1.0, rollout_weight=1.6)
+SHARED = replace(LIMITS, host=HOST)
+# Two rollout ranks busy 60% of the time, a rank's worth idling, the trainer busy 80%: the `idle` regime.
+IDLING = signals(*[replace(obs(2, 1, idle_rank_s=10.0, wait_s=2.0), rollout_busy_rank_s=6.0)] * 2)
+
+
+def test_7_without_a_shared_host_no_rank_is_left_idle_and_idle_ranks_only_return():
+    assert regime(IDLING) == "idle"
+    assert all(s.idle == 0 for s in candidates(Split(2, 1, 0, 1), LIMITS, TIMES))
+    for roles in [(R, R, A, I), (R, R, A), (R, I, A, I)]:
+        p = plan(roles, IDLING, LIMITS)
+        assert {(m.from_role, m.to_role) for m in p.moves} <= {(R, F), (F, R), (I, R)}
+    assert host_factor(Split(1, 1, 0, 1), estimate(IDLING, LIMITS)) == 1.0
+
+
+def test_7_on_a_shared_host_an_unmeasured_rollout_count_is_tried_with_a_rank_left_idle():
+    p = plan((R, R, A), IDLING, SHARED)
+    assert p.reason is ErsReason.RATE_TO_IDLE
+    assert [(m.from_role, m.to_role) for m in p.moves] == [(R, I)] and count(p.roles, R) == 1
+    assert p.mode is Ra2pMode.COLOCATED
+    # Never below min_rollout_ranks, and never while the trainer waits (generation is short).
+    assert plan((R, A, I), replace(IDLING, window=tuple(replace(s, rollout_ranks=1) for s in IDLING.window)),
+                SHARED).moves == ()
+    short = signals(*[replace(obs(2, 1, wait_s=5.0), rollout_busy_rank_s=18.0)] * 2)
+    assert plan((R, R, A), short, SHARED).reason is not ErsReason.RATE_TO_IDLE
+
+
+def test_7_a_measured_idle_split_is_judged_by_its_measurement():
+    # One rollout rank was measured: generation latency beyond the environment's of 30 s against 10 s with
+    # two. The planner does not try it again; back at two ranks it stays, at one it returns to two.
+    curve = ((1, 30.0), (2, 10.0))
+    at_two = replace(IDLING, gen_latency_by_rollout=curve)
+    assert plan((R, R, A), at_two, SHARED).moves == ()
+    one = replace(obs(1, 1, latency_s=40.0, wait_s=4.0), rollout_busy_rank_s=9.0)
+    at_one = replace(signals(one, one), gen_latency_by_rollout=curve)
+    back = plan((R, A, I), at_one, SHARED)
+    assert [(m.from_role, m.to_role) for m in back.moves] == [(I, R)]
+
+
+def test_7_host_speed_moves_the_prediction_both_ways():
+    model = estimate(IDLING, SHARED)
+    fewer = host_factor(Split(1, 1, 0, 1), model)  # the same busy engine-time on one engine: no faster
+    more = host_factor(Split(3, 1, 0, 0), model)  # a third engine spreads the work: slower
+    assert fewer == pytest.approx(1.0) and more < 1.0
+    busier = host_factor(Split(1, 2, 0, 0), replace(model, busy_rollout=1.0))
+    assert busier < 1.0  # a further busy trainer rank slows everyone
+    s_now = predict_tok_s(Split(2, 1, 0, 0), model)
+    s_more = predict_tok_s(Split(3, 1, 0, 0), model)
+    assert s_more[1] < s_now[1]  # the trainer is slower beside a third engine
+
+
+def test_cold_start_on_a_shared_host_fills_only_the_room_the_host_has():
+    cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None)
+    # One slot, a rollout rank weighing 1.6: one engine already fills the host; the ref rank idles.
+    p = plan((R, A, F), cold, SHARED)
+    assert p.roles == (R, A, I) and p.reason is ErsReason.COLD_START and p.mode is Ra2pMode.COLOCATED
+    assert plan((R, A, I), cold, SHARED).roles == (R, A, I)
+    # Four slots, weight 1: up to four rollout ranks run at full speed.
+    roomy = replace(SHARED, host=HostShare(slots=4.0, rollout_weight=1.0))
+    assert plan((R, A, F, I, I, F), cold, roomy).roles == (R, A, R, R, R, I)
+    # Without a shared host every ref and idle rank rolls out (the paper's rule).
+    assert plan((R, A, F, I), cold, LIMITS).roles == (R, A, R, R)
+
+
+def test_7_no_idle_trial_that_would_leave_the_groups_in_flight_without_task_slots():
+    # (1 + 1) x 4 groups of 8 tasks in flight: one rank playing 64 tasks holds them, one playing 32 does not.
+    roomy = replace(SHARED, rank_tasks=64, group_size=8)
+    assert plan((R, R, A), IDLING, roomy).reason is ErsReason.RATE_TO_IDLE
+    tight = replace(SHARED, rank_tasks=32, group_size=8)
+    assert plan((R, R, A), IDLING, tight).reason is not ErsReason.RATE_TO_IDLE
+    with pytest.raises(ValueError, match="rank_tasks"):
+        replace(SHARED, rank_tasks=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from sim_helpers import small_dicts, small_specs, write_small
@@ -130,3 +131,18 @@ def test_one_seed_plays_out_the_same_in_every_run():
         sim = Simulation(w, c, parse_system("tiderl@0.5"), steps=6, seed=3)
         rows.append(sim.run()["per_step"])
     assert all(r == rows[0] for r in rows)
+
+
+def test_on_a_shared_host_ers_leaves_the_spare_rank_idle():
+    from tiderl.sim.spec import load_cluster, load_workload
+
+    root = Path(__file__).resolve().parents[1] / "jobs" / "sim"
+    workload = load_workload(root / "hilo-bench.workload.yaml")
+    cluster = load_cluster(root / "cpu.cluster.yaml")
+    shared = Simulation(workload, cluster, parse_system("tiderl"), steps=6, seed=0).run()
+    # One engine already takes the whole host (one slot): the spare ref rank idles from the cold start on.
+    assert {(e["rollout"], e["actor"], e["ref"]) for e in shared["roles_timeline"]} == {(1, 1, 0)}
+    # Told every rank has a device of its own, the cold-start rule rolls out on the spare rank too.
+    dedicated = dataclasses.replace(cluster, measured=dataclasses.replace(cluster.measured, host_compute_slots=None))
+    first = Simulation(workload, dedicated, parse_system("tiderl"), steps=6, seed=0).run()["roles_timeline"][0]
+    assert (first["rollout"], first["ref"]) == (2, 0)

@@ -55,5 +55,19 @@ class ErsConfig:
         help="After a rollout scale-down that leaves a generation deficit, fetch fewer groups per step "
         "(halfway toward trainer.groups_min) so a reservoir of ready data remains.",
     )
+    host_slots: float | None = option(
+        None,
+        gt=0,
+        help="The ranks share one host's compute (a CPU-only run): how many busy trainer ranks the host runs "
+        "at full speed at once (tools/calibrate_cpu.py measures it: `host_compute_slots`). The rate planner then "
+        "predicts how a further busy rank slows the others, and may leave a rollout rank idle (its engine "
+        "kept, claiming nothing). null: every rank has an accelerator of its own.",
+    )
+    rollout_host_weight: float = option(
+        1.0,
+        gt=0,
+        help="With `host_slots`: a busy rollout rank's demand on the host against a busy trainer rank's 1 "
+        "(tools/calibrate_cpu.py: `rollout_busy_cores`).",
+    )
     history_steps: int = option(5, ge=1, help="Recent steps: their mean duration is T_step for the HoL test, and at most this many settled "
                     "steps make the rate planner's window (it remembers the latency of earlier splits for 10x this).")

@@ -42,21 +42,27 @@ Signals (:class:`ErsSignals`)
 - Cold start (no step history) and evaluation steps: preemptive maximum
   rollout (every ref and idle rank to rollout, colocated), exempt from the
   move limit because it only adds rollout capacity; actor ranks are not
-  moved preemptively (they return one per step at most).
+  moved preemptively (they return one per step at most). On a shared host
+  (``host``, tiderl.policy.host) rollout capacity is the host's, not the
+  ranks': an idle rank returns to rollout only while the host runs every
+  busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
+  trainer waiting); ref ranks beyond that become IDLE.
 
 Invariants (each has a test in tests/test_policy_ers.py)
 1. The plan has as many ranks as the current map; without ``elastic_actors``
    the actor ranks keep their role; with it, actor ranks never drop below
    ``min_actor_ranks`` through a move.
 2. Moves are only ROLLOUT <-> REF, ROLLOUT <-> ACTOR (``elastic_actors``),
-   and IDLE -> ROLLOUT in a preemptive plan; ``moves`` lists exactly the
-   ranks whose role changed.
+   IDLE -> ROLLOUT, and ROLLOUT -> IDLE in a rate plan with a shared host
+   (``host``, tiderl.policy.ers_rate); ``moves`` lists exactly the ranks whose
+   role changed.
 3. At most ``max_moves_per_step`` moves, except a preemptive plan.
 4. Rollout ranks never drop below ``min_rollout_ranks`` through a move, and
    REF ranks never exceed ``max_ref_ranks``.
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
 6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
-   rank, colocated, every idle rank back to rollout.
+   rank, colocated, every idle rank back to rollout (on a shared host, only
+   while ``host.speed(rollout ranks, 0) == 1``; the others idle).
 7. Consumption deficit: trainer ranks (actor + ref) never decrease.
 8. Generation deficit without consumption deficit: trainer ranks never
    increase; they do not decrease either while ``rollout_idle_ranks >= 1``.
@@ -75,6 +81,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, break_even_ras, choose_mode
 from tiderl.roles import Role
 
@@ -103,6 +110,8 @@ class ErsReason(enum.Enum):
     RATE_TO_ROLLOUT = "rate_to_rollout"
     RATE_TO_TRAINER = "rate_to_trainer"
     RATE_REBALANCE = "rate_rebalance"
+    RATE_TO_IDLE = "rate_to_idle"
+    """A rollout rank left idle: on a shared host it slowed the others more than it added."""
 
 
 class ErsPolicy(enum.Enum):
@@ -132,6 +141,14 @@ class ErsLimits:
     """The system's staleness bound (versions): at most (max_staleness + 1) batches are in flight."""
     rate_margin: float = 0.05
     """Rate planner hysteresis: move only for a predicted goodput gain above this share."""
+    rank_tasks: int | None = None
+    """Tasks a rollout rank plays at once (rollout.max_concurrency; a simulated engine's max_num_seqs). None:
+    no bound. With fewer rollout ranks than the groups in flight need, the bound caps them."""
+    group_size: int = 1
+    """Tasks of a training group (rollout.group_size)."""
+    host: HostShare | None = None
+    """Ranks that share one host's compute (None: each rank its own accelerator). With it the rate planner
+    predicts how a busy rank slows the others and may leave a rollout rank IDLE."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.groups_min <= self.groups_ideal:
@@ -140,12 +157,24 @@ class ErsLimits:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.rate_margin < 0:
             raise ValueError(f"rate_margin: must be >= 0, got {self.rate_margin}")
+        if self.rank_tasks is not None and self.rank_tasks < 1:
+            raise ValueError(f"rank_tasks: must be >= 1, got {self.rank_tasks}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
 
     @classmethod
-    def from_config(cls, ers: object, groups_min: int, groups_ideal: int, max_staleness: int = 1) -> ErsLimits:
+    def from_config(cls, ers: object, groups_min: int, groups_ideal: int, max_staleness: int = 1,
+                    host: HostShare | None = None, rank_tasks: int | None = None, group_size: int = 1) -> ErsLimits:
         """From the job's `ers:` section (tiderl.config.ers.ErsConfig, read by attribute),
-        the trainer's elastic batch bounds and the system's staleness bound."""
+        the trainer's elastic batch bounds and the system's staleness bound. `host`: the shared host
+        (the simulator's measured one); None: the section's `host_slots` and `rollout_host_weight`."""
+        slots = getattr(ers, "host_slots", None)
+        if host is None and slots is not None:
+            host = HostShare(slots, ers.rollout_host_weight)  # type: ignore[attr-defined]
         return cls(
+            host=host,
+            rank_tasks=rank_tasks,
+            group_size=group_size,
             groups_min=groups_min,
             groups_ideal=groups_ideal,
             policy=ErsPolicy(ers.policy),  # type: ignore[attr-defined]
@@ -284,7 +313,7 @@ def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPl
 
     cold = not signals.step_history_s
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
-        new = tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in current)
+        new = max_rollout(current, limits.host)
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
         return finish_plan(current, new, fetch, reason)
     if limits.policy is ErsPolicy.RATE:
@@ -360,6 +389,22 @@ def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest
         if new[rank] is src:
             new[rank] = dst
             count -= 1
+    return tuple(new)
+
+
+def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
+    """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
+    busy rollout rank at full speed (the others idle)."""
+    if host is None:
+        return tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in roles)
+    rollout = sum(1 for r in roles if r is Role.ROLLOUT)
+    new = []
+    for r in roles:
+        if r in (Role.REF, Role.IDLE):
+            room = host.speed(rollout + 1, 0.0) >= 1.0
+            rollout += room
+            r = Role.ROLLOUT if room else Role.IDLE
+        new.append(r)
     return tuple(new)
 
 

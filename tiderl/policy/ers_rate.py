@@ -15,6 +15,12 @@ Model (every rate from the signals' window of recent steps, as measured)
   ``G = F / (L + T / 2 + tail + overhead)`` and ``T = B tok / G`` give
   ``G_gen(n, M, R) = (s + 1/2) B tok / (L(n) + tail(M, R) + overhead)``:
   while the staleness bound binds, a faster trainer still raises goodput.
+- The groups in flight are also capped by the tasks the rollout ranks play
+  at once (``rank_tasks`` x rollout ranks / ``group_size``, when
+  ``limits.rank_tasks`` is known). A group's measured latency counts from its
+  release, so it holds the wait for a free task slot where that cap bound;
+  the cap matters where no count was measured: the shared-host trial below
+  never leaves ranks idle that the groups in flight need.
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
@@ -39,10 +45,21 @@ Model (every rate from the signals' window of recent steps, as measured)
   the trainer beyond that (optimizer, publish, polling). Without stage times
   the measured consumption rate per actor rank scales with M.
 - Goodput of a split: ``min(G_gen(n), D(M, R))``.
+- A shared host (``limits.host``, :mod:`tiderl.policy.host`): the window's
+  rates were measured at the speed its busy ranks left each other; a split
+  with other busy ranks runs at ``speed(split) / speed(window)`` of them (its
+  generation latency beyond the environment's, the trainer's compute, tail
+  and overhead). Busy ranks of a split: the window's busy trainer share of
+  each trainer rank; the window's busy rollout ranks, at most the split's
+  rollout ranks (the same tasks in flight on fewer engines), or spread at the
+  window's busy share per rank over more. Rollout ranks may then be left
+  ``IDLE`` (their engines kept, claiming nothing): a split may hold idle
+  ranks only with a shared host.
 
 Decision: the best split over every split the limits allow (rollout ranks
 >= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
-up to the count that keeps up with the actors, and within max_ref_ranks);
+up to the count that keeps up with the actors, and within max_ref_ranks,
+idle ranks only with a shared host);
 ties go to the current split, then to fewer moves. The plan moves toward it,
 at most ``max_moves_per_step`` ranks, and only if the predicted gain of the
 best split over the current one exceeds ``rate_margin`` (hysteresis).
@@ -63,19 +80,22 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 5. Ref ranks are added only while the refs do not keep up with the actors
    (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move).
 6. The fetch size is always groups_ideal.
+7. Without a shared host no rank is moved to IDLE; idle ranks only return
+   to rollout. Host speed factors are 1 without a shared host.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
+from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 
 __all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
-           "latency_s", "plan_rate", "predict_tok_s", "regime"]
+           "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "split_of"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
 MIN_WINDOW_STEPS = 2  # settled steps on a split before the planner judges it (one step is mostly noise)
@@ -89,6 +109,12 @@ class Split:
     rollout: int
     actors: int
     refs: int
+    idle: int = 0
+
+
+def split_of(roles: Sequence[Role]) -> Split:
+    return Split(sum(1 for r in roles if r is Role.ROLLOUT), sum(1 for r in roles if r is Role.ACTOR),
+                 sum(1 for r in roles if r is Role.REF), sum(1 for r in roles if r is Role.IDLE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +142,18 @@ class RateModel:
     """Environment time of a group's slowest task, in that latency."""
     gen_curve: tuple[tuple[int, float], ...] = ()
     """Measured (rollout ranks, L_gen seconds), the current split's included (see gen_latency_at)."""
+    inflight_groups: float = math.inf
+    """Groups the staleness bound keeps in flight: (s + 1) x B."""
+    rank_groups: float = math.inf
+    """Groups one rollout rank plays at once (rank_tasks / group_size; inf: no bound)."""
+    host: HostShare | None = None
+    """The shared host (None: an accelerator per rank)."""
+    busy_rollout: float = 0.0
+    """Rollout ranks busy on average over the window (the engine generating)."""
+    trainer_busy_share: float = 1.0
+    """Share of the window each trainer rank computed (not waiting for data)."""
+    trainer_ranks: int = 1
+    """Actor and ref ranks of the window's split."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
@@ -146,6 +184,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         per_actor_rate = consumed / actor_s
     latency = signals.group_latency_s if signals.group_latency_s and signals.group_latency_s > 0 else None
     last = window[-1]
+    total_s = sum(s.duration_s for s in window)
     env = min(signals.group_env_s or 0.0, latency or 0.0)
     curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
     return RateModel(
@@ -160,6 +199,12 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         group_latency_s=latency,
         group_env_s=env,
         gen_curve=curve,
+        inflight_groups=(limits.max_staleness + 1) * limits.groups_ideal,
+        rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks else math.inf,
+        host=limits.host,
+        busy_rollout=min(last.rollout_ranks, busy_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
+        trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
+        trainer_ranks=last.actor_ranks + last.ref_ranks,
     )
 
 
@@ -212,11 +257,30 @@ def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_act
     return colocated_cost_s([0.0] * n, times)
 
 
-def latency_s(rollout: int, model: RateModel) -> float | None:
-    """The predicted group latency with `rollout` ranks (None: no latency measured)."""
+def host_factor(split: Split, model: RateModel) -> float:
+    """How much faster (> 1) or slower each busy rank of `split` runs than in the window, on a shared host
+    (1 without one); see the module docstring for the busy ranks of a split."""
+    host = model.host
+    if host is None:
+        return 1.0
+    now = host.speed(model.busy_rollout, model.trainer_busy_share * model.trainer_ranks)
+    if split.rollout <= model.rollout_ranks:
+        busy_rollout = min(float(split.rollout), model.busy_rollout)
+    else:
+        busy_rollout = model.busy_rollout * split.rollout / max(1, model.rollout_ranks)
+    then = host.speed(busy_rollout, model.trainer_busy_share * (split.actors + split.refs))
+    return then / now
+
+
+def latency_s(rollout: int, model: RateModel, factor: float = 1.0) -> float | None:
+    """The predicted group latency with `rollout` ranks running at `factor` of the window's speed (None:
+    no latency measured). A count measured before keeps its measurement: it ran at its own speed."""
     if model.group_latency_s is None or rollout < 1:
         return None
-    return model.group_env_s + gen_latency_at(rollout, model.gen_curve)
+    gen = gen_latency_at(rollout, model.gen_curve)
+    if rollout not in dict(model.gen_curve):
+        gen /= factor
+    return model.group_env_s + gen
 
 
 def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
@@ -229,22 +293,30 @@ def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
     return 2 * times.t_swap_s + times.t_ref_s + times.t_act_f_s + times.t_act_b_s
 
 
+def concurrency_share(rollout: int, model: RateModel) -> float:
+    """Share of the staleness bound's groups in flight that `rollout` ranks can play at once (at most 1)."""
+    if model.inflight_groups <= 0 or math.isinf(model.rank_groups):
+        return 1.0
+    return min(1.0, rollout * model.rank_groups / model.inflight_groups)
+
+
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     """(supply, demand, goodput) of a split, tokens per second."""
-    latency = latency_s(split.rollout, model)
+    f = host_factor(split, model)
+    latency = latency_s(split.rollout, model, f)
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
-        held = latency + model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)
+        held = latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
         supply = model.little_tokens / held
     else:
-        supply = split.rollout * model.supply_tok_s_per_rank
+        supply = split.rollout * model.supply_tok_s_per_rank * f
     if split.actors < 1:
         return supply, 0.0, 0.0
     if model.stage_times is not None:
-        step_s = _compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
-                            model.micro_batch_tokens_per_actor) + model.overhead_s
+        step_s = (_compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
+                             model.micro_batch_tokens_per_actor) + model.overhead_s) / f
     else:
-        step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors)  # type: ignore[operator]
+        step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
     demand = model.step_tokens / step_s if step_s > 0 else math.inf
     return supply, demand, min(supply, demand)
 
@@ -261,7 +333,7 @@ def refs_needed(actors: int, times: StageTimes | None) -> int:
 
 def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> list[Split]:
     """Every split the limits allow from `current` (same number of movable ranks)."""
-    movable = current.rollout + current.refs + (current.actors if limits.elastic_actors else 0)
+    movable = current.rollout + current.refs + current.idle + (current.actors if limits.elastic_actors else 0)
     actor_counts = range(limits.min_actor_ranks, movable - limits.min_rollout_ranks + 1) \
         if limits.elastic_actors else [current.actors]
     out = []
@@ -272,20 +344,20 @@ def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> l
             max_refs = min(max_refs, limits.max_ref_ranks)
         # Refs already present stay candidates: the planner may keep them rather than move at once.
         for refs in range(0, max(max_refs, current.refs if actors == current.actors else 0) + 1):
-            rollout = free - refs
-            if rollout >= limits.min_rollout_ranks:
-                out.append(Split(rollout, actors, refs))
+            for idle in range(0, free - refs - limits.min_rollout_ranks + 1 if limits.host is not None else 1):
+                rollout = free - refs - idle
+                if rollout >= limits.min_rollout_ranks:
+                    out.append(Split(rollout, actors, refs, idle))
     return out
 
 
 def _distance(a: Split, b: Split) -> int:
-    return abs(a.rollout - b.rollout) + abs(a.actors - b.actors) + abs(a.refs - b.refs)
+    return abs(a.rollout - b.rollout) + abs(a.actors - b.actors) + abs(a.refs - b.refs) + abs(a.idle - b.idle)
 
 
 def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
     fetch = limits.groups_ideal
-    now = Split(sum(1 for r in current if r is Role.ROLLOUT), sum(1 for r in current if r is Role.ACTOR),
-                sum(1 for r in current if r is Role.REF))
+    now = split_of(current)
     model = estimate(signals, limits)
     if model is None or now.actors < 1:
         return finish_plan(current, current, fetch, ErsReason.STEADY)
@@ -296,10 +368,15 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         options = [s for s in options if s.rollout >= now.rollout]
     elif seen == "idle":
         options = [s for s in options if s.rollout <= now.rollout]
+    if not options:  # e.g. idle ranks without a shared host, while rollout ranks idle: nothing to gain
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
     scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
     best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
     now_g = predict_tok_s(now, model)[2]
-    if best == now or best_g <= now_g * (1 + limits.rate_margin):
+    trial = _host_trial(now, options, model, seen, limits)
+    if trial is not None:
+        best = trial
+    elif best == now or best_g <= now_g * (1 + limits.rate_margin):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     new = current
     split = now
@@ -308,13 +385,31 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         if step is None:
             break
         new, split = step
-    if split.rollout > now.rollout:
+    if split.idle > now.idle:
+        reason = ErsReason.RATE_TO_IDLE
+    elif split.rollout > now.rollout:
         reason = ErsReason.RATE_TO_ROLLOUT
     elif split.rollout < now.rollout:
         reason = ErsReason.RATE_TO_TRAINER
     else:
         reason = ErsReason.RATE_REBALANCE
     return finish_plan(current, new, fetch, reason)
+
+
+def _host_trial(now: Split, options: list[Split], model: RateModel, seen: str, limits: ErsLimits) -> Split | None:
+    """On a shared host, with a rollout rank's worth idling (`idle` regime), one rollout rank fewer (left
+    idle) when that rollout count was never measured: how an engine's iteration cost divides between
+    its fixed part and its sequences, and so what fewer engines each batching more would give, is not
+    known from one split, and on a shared host it decides. The trial is measured like any split, then
+    the model judges both (invariant 4 keeps it from growing rollout back while ranks idle)."""
+    if limits.host is None or seen != "idle" or now.rollout - 1 < limits.min_rollout_ranks:
+        return None
+    trial = replace(now, rollout=now.rollout - 1, idle=now.idle + 1)
+    if trial not in options or trial.rollout in dict(model.gen_curve):
+        return None
+    if concurrency_share(trial.rollout, model) < 1.0:  # fewer engines could not even hold the tasks in flight
+        return None
+    return trial
 
 
 def regime(signals: ErsSignals) -> str:
@@ -340,17 +435,26 @@ def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLim
     """One rank moved toward `target`, or None when no allowed move gets closer."""
     if now.rollout < target.rollout or (now.rollout == target.rollout and now != target):
         if now.refs > target.refs:
-            return move_roles(roles, Role.REF, Role.ROLLOUT, 1), Split(now.rollout + 1, now.actors, now.refs - 1)
+            return move_roles(roles, Role.REF, Role.ROLLOUT, 1), replace(now, rollout=now.rollout + 1,
+                                                                         refs=now.refs - 1)
+        if now.idle > target.idle:
+            return move_roles(roles, Role.IDLE, Role.ROLLOUT, 1), replace(now, rollout=now.rollout + 1,
+                                                                          idle=now.idle - 1)
         if limits.elastic_actors and now.actors > target.actors and now.actors > limits.min_actor_ranks:
             return (move_roles(roles, Role.ACTOR, Role.ROLLOUT, 1, lowest_first=True),
-                    Split(now.rollout + 1, now.actors - 1, now.refs))
+                    replace(now, rollout=now.rollout + 1, actors=now.actors - 1))
         return None
     if now.rollout > target.rollout and now.rollout > limits.min_rollout_ranks:
         ref_room = limits.max_ref_ranks is None or now.refs < limits.max_ref_ranks
         if now.refs < target.refs and ref_room and (now.refs == 0 or _refs_short(now, times)):
-            return move_roles(roles, Role.ROLLOUT, Role.REF, 1), Split(now.rollout - 1, now.actors, now.refs + 1)
+            return move_roles(roles, Role.ROLLOUT, Role.REF, 1), replace(now, rollout=now.rollout - 1,
+                                                                         refs=now.refs + 1)
+        if limits.host is not None and now.idle < target.idle:
+            return move_roles(roles, Role.ROLLOUT, Role.IDLE, 1), replace(now, rollout=now.rollout - 1,
+                                                                          idle=now.idle + 1)
         if limits.elastic_actors and now.actors < target.actors:
-            return move_roles(roles, Role.ROLLOUT, Role.ACTOR, 1), Split(now.rollout - 1, now.actors + 1, now.refs)
+            return move_roles(roles, Role.ROLLOUT, Role.ACTOR, 1), replace(now, rollout=now.rollout - 1,
+                                                                           actors=now.actors + 1)
     return None
 
 
@@ -365,7 +469,5 @@ def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> d
     model = estimate(signals, limits)
     if model is None:
         return None
-    now = Split(sum(1 for r in roles if r is Role.ROLLOUT), sum(1 for r in roles if r is Role.ACTOR),
-                sum(1 for r in roles if r is Role.REF))
-    supply, demand, goodput = predict_tok_s(now, model)
+    supply, demand, goodput = predict_tok_s(split_of(roles), model)
     return {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_goodput_tok_s": goodput}

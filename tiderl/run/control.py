@@ -47,7 +47,8 @@ class ControlPlane:
         self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
                                                  ra2p_mode=config.trainer.ra2p_mode)
         self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
-                                   self.system.max_staleness)
+                                                self.system.max_staleness, rank_tasks=config.rollout.max_concurrency,
+                                                group_size=config.rollout.group_size)
         self._watched_at = float("-inf")
         self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiderl.policy.host import HostShare
 from tiderl.sim.spec import ClusterSpec
 
 
@@ -76,10 +77,15 @@ class Costs:
     def host_speed(self, busy_engines: int, busy_trainer_ranks: int = 0) -> float:
         """Speed of each busy rank while these ranks compute at once on a shared host (processor
         sharing of its slots; a busy rollout rank weighs `rollout_busy_cores`)."""
-        demand = busy_engines * self.rollout_busy_cores + busy_trainer_ranks
-        if self.host_compute_slots is None or demand <= self.host_compute_slots:
-            return 1.0
-        return self.host_compute_slots / demand
+        host = self.host
+        return 1.0 if host is None else host.speed(busy_engines, busy_trainer_ranks)
+
+    @property
+    def host(self) -> HostShare | None:
+        """The shared host as the ERS planner models it (None: an accelerator per rank)."""
+        if self.host_compute_slots is None:
+            return None
+        return HostShare(self.host_compute_slots, self.rollout_busy_cores)
 
     def decode_iteration_s(self, num_decoding: int, context_tokens: float, prefill_tokens: float,
                            prefill_position: float = 0.0) -> float:

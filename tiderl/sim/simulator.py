@@ -130,7 +130,9 @@ class Simulation:
         e = cluster.ers
         if system.ers_policy is not None:
             e = replace(e, policy=system.ers_policy)
-        self.ers_limits = replace(ErsLimits.from_config(e, self.b_min, self.b_ideal, self.staleness),
+        self.ers_limits = replace(ErsLimits.from_config(e, self.b_min, self.b_ideal, self.staleness,
+                                                        host=self.costs.host, rank_tasks=self.costs.max_num_seqs,
+                                                        group_size=workload.group_size),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
