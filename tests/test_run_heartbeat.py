@@ -52,3 +52,33 @@ def test_it_gives_up_once_nothing_got_through_for_the_timeout() -> None:
     gave_up = []
     _heartbeats(_ctx(store, 30.0), stopped, on_give_up=lambda: gave_up.append(store.calls), clock=clock)
     assert gave_up and 5 <= gave_up[0] <= 10  # ~30 s of 4 s failures after the last good beat
+
+
+def test_a_rank_declared_dead_while_away_is_told_and_leaves_a_fresh_start_is_not(tmp_path) -> None:
+    import os
+
+    import pytest
+
+    from tiderl.roles import Role
+    from tiderl.store import ClaimRequest, NewGroup, RankDeclaredDeadError, RankReport, RunStore, TaskKind
+
+    s = RunStore(f"sqlite:///{tmp_path / 'run.db'}")
+    s.create_schema()
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    s.register_rank(1, Role.ROLLOUT)  # this process
+    s.declare_dead(1, "no heartbeat for 30 s")
+    with pytest.raises(RankDeclaredDeadError, match="rank 1 .*declared dead"):
+        s.heartbeat(1)
+    with pytest.raises(RankDeclaredDeadError):  # nor does it claim: the whole tick is refused
+        s.report(RankReport(rank=1, claim=ClaimRequest(limit=2)))
+    assert s.buffer_state()["tasks_pending"] == 2
+    # A fresh start of the rank (another process) beats before it registers: not told, still dead.
+    s.register_rank(2, Role.ROLLOUT, pid=os.getpid() + 1)
+    s.declare_dead(2, "exited")
+    s.heartbeat(2)
+    # Its heartbeat thread leaves at once.
+    stopped, dead, gave_up = threading.Event(), threading.Event(), []
+    ctx = SimpleNamespace(rank=1, store=s, config=SimpleNamespace(
+        launch=SimpleNamespace(heartbeat_s=0.001, heartbeat_timeout_s=60.0)))
+    _heartbeats(ctx, stopped, on_give_up=lambda: gave_up.append(1), declared_dead=dead)
+    assert gave_up == [1] and dead.is_set()

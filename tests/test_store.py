@@ -158,6 +158,36 @@ def test_failed_task_retries_then_fails_its_group(tmp_path: Path) -> None:
     assert buf["tasks_failed"] == 2 and buf["tasks_pending"] == 0
 
 
+def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Path, monkeypatch) -> None:
+    import tiderl.store.runstore as rs
+
+    clock = [1000.0]
+    monkeypatch.setattr(rs.time, "time", lambda: clock[0])
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 1)])
+    waits = []
+    for _ in range(3):
+        (c,) = s.claim_tasks(0, 1)
+        s.report(RankReport(rank=0, failed=[TaskFailure(c.task_id, "boom")]), max_attempts=5, retry_backoff_s=2.0)
+        start = clock[0]
+        while not (again := s.claim_tasks(1, 1)):
+            clock[0] += 0.5
+        waits.append(clock[0] - start)
+        s.report(RankReport(rank=1, released=[again[0].task_id]))  # back, no attempt counted
+    assert waits == [2.0, 4.0, 8.0]
+
+
+def test_tasks_of_a_failed_group_never_go_back_to_pending(tmp_path: Path) -> None:
+    s = make_store(tmp_path)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 3)])
+    a, b, c = s.claim_tasks(0, 3)
+    s.report(RankReport(rank=0, failed=[TaskFailure(a.task_id, "boom")]), max_attempts=1)  # the group fails
+    s.report(RankReport(rank=0, failed=[TaskFailure(b.task_id, "boom too")], released=[c.task_id]), max_attempts=3)
+    buf = s.buffer_state()
+    assert buf["tasks_pending"] == 0 and buf["tasks_failed"] == 3
+    assert s.claim_tasks(1, 3) == []
+
+
 def test_released_tasks_go_back_without_counting_an_attempt(tmp_path: Path) -> None:
     s = make_store(tmp_path)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])

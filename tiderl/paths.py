@@ -10,11 +10,19 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -80,6 +88,30 @@ def _umask() -> int:
     except (OSError, ValueError):
         pass
     return 0o022
+
+
+def when_room(fn: Callable[[], T], *, wait_s: float, what: str, retry_s: float = 1.0,
+              sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> T:
+    """`fn()`, run again every `retry_s` while it fails for want of space (ENOSPC, EDQUOT), for up to
+    `wait_s`; then the OSError, its message naming `what`. `fn` must be whole or nothing (an atomic
+    write or publish), so that running it again is safe."""
+    since = clock()
+    warned = False
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if e.errno not in DISK_FULL_ERRNOS:
+                raise
+            waited = clock() - since
+            if waited >= wait_s:
+                raise OSError(e.errno, f"{what}: the disk is still full after {waited:.0f} s ({e.strerror})",
+                              e.filename) from e
+            if not warned:
+                logging.getLogger("tiderl.paths").warning("%s: the disk is full (%s); retrying every %.0f s for "
+                                                          "up to %.0f s", what, e, retry_s, wait_s)
+                warned = True
+            sleep(retry_s)
 
 
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:

@@ -30,6 +30,15 @@ class RolloutConfig:
         "heartbeat and its claim of new tasks in one transaction. Raise it where commits are slow "
         "(a store on a network filesystem: about 1 s).",
     )
+    task_attempts: int = option(
+        3, ge=1, help="Attempts a task gets: a task that fails this many times fails for good, and its group with it.")
+    retry_backoff_s: float = option(
+        1.0,
+        ge=0,
+        help="A task that failed waits this long before another rank may claim it, doubling with each "
+        "further failure (1, 2, 4 s by default): a transient fault (an env server restarting, a burst "
+        "of bad answers) does not burn every attempt at once. 0: claimable again at once.",
+    )
     max_staleness: int = option(
         1, ge=0, help="No task is admitted whose data would be more than this many versions old when trained."
     )

@@ -20,3 +20,11 @@ class StoreConfig:
     )
     busy_timeout_s: float = option(30.0, gt=0, help="How long SQLite waits on a locked database per attempt.")
     max_retries: int = option(8, ge=0, help="Retries of a transaction that still found the database locked.")
+    disk_full_wait_s: float = option(
+        60.0,
+        ge=0,
+        help="A write that finds the disk full (the run store's 'database or disk is full'; ENOSPC or EDQUOT "
+        "writing weights, checkpoints and step markers in the run directory) is retried every second for "
+        "this long before it fails: a filesystem that fills for a moment (a checkpoint, another job's files) "
+        "costs a wait, not the run. 0: fail at once.",
+    )

@@ -15,7 +15,9 @@ server: a retried /observation could apply an action twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +75,10 @@ class EnvFailedError(EnvServiceError):
 
 class EnvConnectionError(EnvServiceError):
     """No answer: connection refused or dropped, or timeout."""
+
+
+class EnvProtocolError(EnvServiceError):
+    """An answer outside the protocol: not UTF-8, not a JSON object, or a field missing or of the wrong type."""
 
 
 _BY_STATUS: dict[int, type[EnvServiceError]] = {
@@ -174,17 +180,20 @@ class EnvClient:
         url = self.url + endpoint
         try:
             async with self._http().request(method, url, json=body) as resp:
-                try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
-                    data = None
+                raw = await resp.read()
+                text, data = _decode(raw)
                 if resp.status == 200 and isinstance(data, dict):
                     return data
-                message = data.get("error", "") if isinstance(data, dict) else (await resp.text())[:200]
+                if resp.status == 200:
+                    what = "not UTF-8" if text is None else "not a JSON object"
+                    shown = raw[:80] if text is None else text[:80]
+                    raise EnvProtocolError(self.url, endpoint, f"answer is {what} ({len(raw)} bytes): {shown!r}",
+                                           session_id=session_id, status=200, code="bad_answer")
+                message = data.get("error", "") if isinstance(data, dict) else raw[:200].decode(errors="replace")
                 code = data.get("code") if isinstance(data, dict) else None
                 cls = _BY_STATUS.get(resp.status, EnvFailedError if resp.status >= 500 else EnvServiceError)
-                raise cls(self.url, endpoint, message or resp.reason or "", session_id=session_id,
-                          status=resp.status, code=code)
+                raise cls(self.url, endpoint, str(message) or resp.reason or "", session_id=session_id,
+                          status=resp.status, code=code if isinstance(code, str) else None)
         except aiohttp.ClientConnectorError as e:
             raise EnvConnectionError(self.url, endpoint, f"cannot connect: {e}", session_id=session_id,
                                      code="connect_failed") from e
@@ -197,12 +206,14 @@ class EnvClient:
 
     async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
         data = await self._request("POST", "/start", {"env": env, "seed": seed, "options": options or {}})
-        return StartResult(data["session_id"], data["observation"], bool(data["done"]), data.get("info", {}))
+        f = _Fields(self.url, "/start", data, None)
+        return StartResult(f.get("session_id", str), f.get("observation", str), f.get("done", bool), f.info())
 
     async def step(self, session_id: str, action: str) -> StepResult:
         """One environment step (POST /observation)."""
         data = await self._request("POST", "/observation", {"session_id": session_id, "action": action}, session_id)
-        return StepResult(data["observation"], float(data["reward"]), bool(data["done"]), data.get("info", {}))
+        f = _Fields(self.url, "/observation", data, session_id)
+        return StepResult(f.get("observation", str), f.get("reward", float), f.get("done", bool), f.info())
 
     async def pause(self, session_id: str) -> str:
         data = await self._request("POST", "/pause", {"session_id": session_id}, session_id)
@@ -214,10 +225,47 @@ class EnvClient:
 
     async def end(self, session_id: str) -> EndResult:
         data = await self._request("POST", "/end", {"session_id": session_id}, session_id)
-        return EndResult(float(data["reward"]), data.get("info", {}))
+        f = _Fields(self.url, "/end", data, session_id)
+        return EndResult(f.get("reward", float), f.info())
 
     async def health(self) -> dict[str, Any]:
         return await self._request("GET", "/health")
+
+
+def _decode(raw: bytes) -> tuple[str | None, Any]:
+    """(the body as text, None where it is not UTF-8; the JSON value, None where it is not JSON)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, None
+    try:
+        return text, json.loads(text)
+    except ValueError:
+        return text, None
+
+
+class _Fields:
+    """The fields of one answer, each checked: a missing or mistyped one is an EnvProtocolError naming it."""
+
+    def __init__(self, url: str, endpoint: str, data: dict[str, Any], session_id: str | None) -> None:
+        self.url, self.endpoint, self.data, self.session_id = url, endpoint, data, session_id
+
+    def get(self, key: str, kind: type) -> Any:
+        value = self.data.get(key)
+        ok = isinstance(value, kind) if kind is not float else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+        if not ok:
+            shown = "missing" if key not in self.data else f"{type(value).__name__} {str(value)[:40]!r}"
+            raise EnvProtocolError(self.url, self.endpoint, f"answer field {key!r}: want {kind.__name__}, got {shown}",
+                                   session_id=self.session_id, status=200, code="bad_answer")
+        return float(value) if kind is float else value
+
+    def info(self) -> dict[str, Any]:
+        info = self.data.get("info", {})
+        if not isinstance(info, dict):
+            raise EnvProtocolError(self.url, self.endpoint, f"answer field 'info': want an object, got "
+                                   f"{type(info).__name__}", session_id=self.session_id, status=200, code="bad_answer")
+        return info
 
 
 class EnvPool:

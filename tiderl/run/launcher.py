@@ -34,6 +34,7 @@ from tiderl.run.context import write_run_files
 from tiderl.run.supervise import quarantine, record_restart, restartable
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
+from tiderl.store.engine import StoreError
 from tiderl.store.types import RankState, Role, RunState
 
 PROGRESS_S = 2.0
@@ -228,20 +229,30 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         state, message = RunState.FAILED, f"{type(e).__name__}: {e}"
         raise
     finally:
-        current = RunState(store.run_info()["state"])
-        if current is RunState.FINISHED and state is RunState.FINISHED:
-            _let_ranks_leave(children, finish_grace_s)
-        elif not (current.is_terminal and state is RunState.RUNNING) and current is not RunState.CANCELLED:
-            # A run someone cancelled (`tiderl cancel`) stays cancelled: ranks dying then are its consequence.
-            store.set_run_state(state, message)
+        # The processes are stopped whatever the store says: a full disk or a damaged run.db must not
+        # leave ranks running behind a launcher that died on its own bookkeeping.
+        current: RunState | None = None
+        try:
+            current = RunState(store.run_info()["state"])
+            if current is RunState.FINISHED and state is RunState.FINISHED:
+                _let_ranks_leave(children, finish_grace_s)
+            elif not (current.is_terminal and state is RunState.RUNNING) and current is not RunState.CANCELLED:
+                # A run someone cancelled (`tiderl cancel`) stays cancelled: ranks dying then are its consequence.
+                store.set_run_state(state, message)
+        except StoreError as e:
+            print(f"\nthe run store could not record the run as {state.value}: {e}", file=out, flush=True)
         if state is not RunState.FINISHED:
             print(f"\nstopping: {message or state.value}; ending {len(children)} processes "
                   f"(up to {procs.STOP_GRACE_S:.0f} s)", file=out, flush=True)
         procs.stop(children)
-        _mark_ranks_stopped(store)
-        print(file=out)
-        print(summary(store), file=out, flush=True)
-        if state is not RunState.FINISHED and RunState(store.run_info()["state"]) is not RunState.FINISHED:
+        try:
+            _mark_ranks_stopped(store)
+            print(file=out)
+            print(summary(store), file=out, flush=True)
+            current = RunState(store.run_info()["state"])
+        except StoreError as e:
+            print(f"the run store could not be read for the summary: {e}", file=out, flush=True)
+        if state is not RunState.FINISHED and current is not RunState.FINISHED:
             print(f"resume with: tiderl run --resume {paths.root}", file=out, flush=True)
         store.close()
     return {RunState.FINISHED: 0, RunState.CANCELLED: 130, RunState.RUNNING: 143}.get(state, 1)
@@ -353,7 +364,10 @@ def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter 
         return None
     restarts[child.name] = n = restarts.get(child.name, 0) + 1
     procs.stop([child])  # what it left in its process group (a rank's vLLM engine core)
-    returned = quarantine(store, rank, code, n, limit, f"log: {child.log_path}") if rank is not None else ""
+    try:
+        returned = quarantine(store, rank, code, n, limit, f"log: {child.log_path}") if rank is not None else ""
+    except StoreError as e:  # its claims return at the heartbeat timeout instead
+        returned = f"; its tasks could not be returned to the pool now ({e})"
     print(f"\n{child.name} exited with code {code}: restarting it ({n} of {limit}){returned}", file=out, flush=True)
     try:
         replacement = restart(child)
@@ -361,7 +375,10 @@ def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter 
         print(f"{child.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
         return None
     if replacement is not None:
-        record_restart(store, child.name, rank, code, n, limit, returned)
+        try:
+            record_restart(store, child.name, rank, code, n, limit, returned)
+        except StoreError as e:
+            print(f"{child.name}'s restart could not be recorded in the run store: {e}", file=out, flush=True)
     return replacement
 
 

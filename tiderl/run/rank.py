@@ -25,10 +25,12 @@ from pathlib import Path
 
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.run.supervise import CHILD_ENV, supervise
+from tiderl.store import RankDeclaredDeadError
 from tiderl.store.engine import StoreError
 from tiderl.store.types import EventRecord, PlanRecord, RankReport, RankState, Role
 
 log = logging.getLogger("tiderl.rank")
+EXIT_DECLARED_DEAD = 75  # EX_TEMPFAIL: the rank was declared dead while away and left; a restart may take its place
 
 
 async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
@@ -71,17 +73,25 @@ async def serve(ctx: RankContext) -> None:
 
 
 def _heartbeats(ctx: RankContext, stopped: threading.Event, *, on_give_up: Callable[[], None] | None = None,
-                clock: Callable[[], float] = time.monotonic) -> None:
+                clock: Callable[[], float] = time.monotonic, declared_dead: threading.Event | None = None) -> None:
     """Beat every `heartbeat_s`. A store error (a lock held past the retries, a filesystem hiccup) is
     retried at the next beat; only when no beat got through for `heartbeat_timeout_s` (the control
     plane has declared the rank dead and given its claims to others by then) does it give up: the
-    rank leaves (`on_give_up`, by default SIGTERM to itself) instead of working on without a claim."""
+    rank leaves (`on_give_up`, by default SIGTERM to itself) instead of working on without a claim.
+    A rank the store says was declared dead (it came back after the timeout) leaves at once, setting
+    `declared_dead`."""
+    declared_dead = declared_dead or threading.Event()
     launch = ctx.config.launch
     last_ok = clock()
     failing = False
     while not stopped.wait(launch.heartbeat_s):
         try:
             ctx.store.heartbeat(ctx.rank)
+        except RankDeclaredDeadError as e:
+            log.error("rank %d: %s; leaving, so that a fresh start takes its place", ctx.rank, e)
+            declared_dead.set()
+            (on_give_up or (lambda: os.kill(os.getpid(), signal.SIGTERM)))()
+            return
         except StoreError as e:
             silent_s = clock() - last_ok
             if silent_s < launch.heartbeat_timeout_s:
@@ -143,19 +153,31 @@ def main(argv: list[str] | None = None) -> int:
     # Heartbeats from their own thread: an engine start or a training step blocks the role loop for
     # longer than the heartbeat timeout on a loaded machine, and that must not read as a dead rank.
     stopped = threading.Event()
-    beat = threading.Thread(target=_heartbeats, args=(ctx, stopped), name="heartbeat", daemon=True)
+    declared_dead = threading.Event()
+    beat = threading.Thread(target=_heartbeats, args=(ctx, stopped), kwargs={"declared_dead": declared_dead},
+                            name="heartbeat", daemon=True)
     beat.start()
     # This process's own Prometheus registry (vLLM's `vllm:*` metrics live there), when the run serves metrics.
     from tiderl.metrics import serve_process_metrics
 
     serve_process_metrics(ctx.paths.root, ctx.config, ctx.rank)
     state = RankState.STOPPED
+    code = 0
     try:
         asyncio.run(serve(ctx))
     except RunStopped as e:
         log.info("rank %d: run %s, stopping", ctx.rank, e)
-    except SystemExit:
-        log.info("rank %d: stopped by signal", ctx.rank)
+    except (RankDeclaredDeadError, SystemExit) as e:
+        if isinstance(e, RankDeclaredDeadError) or declared_dead.is_set():
+            # Away past the heartbeat timeout (stopped, or starved of CPU): its tasks are others' now. It
+            # stays dead and leaves with EX_TEMPFAIL; a launcher restarts a rollout rank afresh.
+            state, code = RankState.DEAD, EXIT_DECLARED_DEAD
+            log.error("rank %d: declared dead while away; leaving (exit %d)", ctx.rank, code)
+            ctx.store.record_event(f"rank{ctx.rank}", "rank_left", f"rank {ctx.rank} (pid {os.getpid()}) was "
+                                   "declared dead while away; it left, its claims already with other ranks",
+                                   rank=ctx.rank)
+        else:
+            log.info("rank %d: stopped by signal", ctx.rank)
     except Exception as e:
         # Shown as `failed` with this event by `tiderl status`, not as a rank that merely stopped.
         state = RankState.FAILED
@@ -172,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.close()
         finally:
             ctx.store.close()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -350,4 +350,5 @@ _PHASE_NAMES = {Phase.STARTING: "env", Phase.GENERATING: "generate", Phase.WAITI
 
 def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> list[TaskClaim]:
     report.version, report.role = version, role
-    return ctx.store.report(report)["claims"]
+    r = ctx.config.rollout
+    return ctx.store.report(report, max_attempts=r.task_attempts, retry_backoff_s=r.retry_backoff_s)["claims"]

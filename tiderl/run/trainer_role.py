@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiderl.paths import atomic_write_text
+from tiderl.paths import atomic_write_text, when_room
 from tiderl.run.context import RankContext
 from tiderl.store.types import EventRecord, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role, StepRecord
 
@@ -65,7 +65,8 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
         if leader:  # the only rank that writes weights and checkpoints
             _discard_uncommitted(ctx, version)
         actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
-                          weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True)
+                          weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True,
+                          disk_full_wait_s=ctx.config.store.disk_full_wait_s)
         # A data-parallel follower that holds another version takes it from the group (catch_up).
         if leader and actor.version != version:
             raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
@@ -179,7 +180,9 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     if members or len(actors) > 1:
         # The other ranks join the group only once the step's data is here (waiting for data can
         # outlast any rendezvous timeout, e.g. while the rollout engines start).
-        atomic_write_text(_step_marker(ctx, plan.version), json.dumps({"actors": actors, "refs": members}))
+        marker = _step_marker(ctx, plan.version)
+        when_room(lambda: atomic_write_text(marker, json.dumps({"actors": actors, "refs": members})),
+                  wait_s=ctx.config.store.disk_full_wait_s, what=f"the step marker {marker}")
         result = _in_group(ctx, plan, actors, members, lambda comm: _train(actor, comm, inp))
     else:
         result = actor.train_step(inp)

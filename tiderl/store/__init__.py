@@ -1,7 +1,7 @@
 """The run store: one SQLAlchemy schema (SQLite by default) through which every process coordinates."""
 
 from tiderl.store.engine import StoreBusyError, StoreError
-from tiderl.store.runstore import ClaimLostError, RunStore
+from tiderl.store.runstore import ClaimLostError, RankDeclaredDeadError, RunStore
 from tiderl.store.types import (
     ClaimRequest,
     EventRecord,
@@ -26,7 +26,7 @@ from tiderl.store.types import (
 )
 
 __all__ = [
-    "ClaimLostError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
+    "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
     "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TaskWhereabouts", "TrajectoryState",
 ]

@@ -15,6 +15,7 @@ SQLite is the default: one file in the run directory on the shared filesystem.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -27,6 +28,8 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 T = TypeVar("T")
+
+log = logging.getLogger("tiderl.store")
 
 # Filesystem types on which SQLite's WAL shared-memory index is unsafe or slow across hosts.
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p")
@@ -42,6 +45,10 @@ class StoreBusyError(StoreError):
 
 class StoreCorruptError(StoreError):
     """The database file is not a database, or its image is damaged."""
+
+
+class StoreFullError(StoreError):
+    """The disk holding the database stayed full through the wait (`store.disk_full_wait_s`)."""
 
 
 _CORRUPT = ("file is not a database", "malformed", "database corrupt", "disk image")
@@ -81,6 +88,11 @@ def _is_corrupt(e: DatabaseError) -> bool:
     return any(marker in text for marker in _CORRUPT)
 
 
+def _is_full(e: DatabaseError) -> bool:
+    text = str(e.orig if e.orig is not None else e).lower()
+    return "database or disk is full" in text or "no space left" in text
+
+
 def _is_busy(e: OperationalError) -> bool:
     text = str(e.orig if e.orig is not None else e).lower()
     return "locked" in text or "busy" in text
@@ -113,13 +125,22 @@ def make_engine(url: str, *, busy_timeout_s: float) -> Engine:
     return engine
 
 
+class _DiskFull(Exception):
+    def __init__(self, cause: DatabaseError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause.orig or cause
+
+
 class Transactor:
     """Runs functions inside short transactions, retrying the whole function on lock contention."""
 
-    def __init__(self, engine: Engine, *, max_retries: int, label: str) -> None:
+    def __init__(self, engine: Engine, *, max_retries: int, label: str, full_wait_s: float = 0.0,
+                 full_retry_s: float = 1.0) -> None:
         self.engine = engine
         self.max_retries = max_retries
         self.label = label
+        self.full_wait_s = full_wait_s
+        self.full_retry_s = full_retry_s
         self.num_retries = 0  # observed retries, for benchmarks and diagnostics
 
     def write(self, fn: Callable[[Connection], T]) -> T:
@@ -129,12 +150,32 @@ class Transactor:
         return self._run(fn, immediate=False)
 
     def _run(self, fn: Callable[[Connection], T], *, immediate: bool) -> T:
+        full_since: float | None = None
+        while True:
+            try:
+                return self._run_locked(fn, immediate=immediate)
+            except _DiskFull as e:
+                # The transaction rolled back whole: the same function runs again once there is room.
+                now = time.monotonic()
+                if full_since is None:
+                    full_since = now
+                    log.warning("run store %s: the disk is full (%s); retrying every %.0f s for up to %.0f s",
+                                self.label, e.cause, self.full_retry_s, self.full_wait_s)
+                if now - full_since >= self.full_wait_s:
+                    raise StoreFullError(f"run store {self.label}: the disk is still full after "
+                                         f"{self.full_wait_s:.0f} s: {e.cause}") from e.cause
+                self.num_retries += 1
+                time.sleep(self.full_retry_s)
+
+    def _run_locked(self, fn: Callable[[Connection], T], *, immediate: bool) -> T:
         delay_s = 0.01
         for attempt in range(self.max_retries + 1):
             try:
                 with self._connection(immediate) as conn, conn.begin():
                     return fn(conn)
             except OperationalError as e:
+                if _is_full(e):
+                    raise _DiskFull(e) from e
                 if _is_corrupt(e):
                     raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
                 if not _is_busy(e):
@@ -147,6 +188,8 @@ class Transactor:
                 time.sleep(delay_s * (0.5 + random.random()))
                 delay_s = min(delay_s * 2, 1.0)
             except DatabaseError as e:  # sqlite3.DatabaseError: "file is not a database", a damaged image
+                if _is_full(e):
+                    raise _DiskFull(e) from e
                 if _is_corrupt(e):
                     raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
                 raise StoreError(f"run store {self.label}: {e.orig or e}") from e

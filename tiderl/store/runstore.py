@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, case, func, insert, inspect, select, text, update
+from sqlalchemy import Connection, and_, bindparam, case, func, insert, inspect, or_, select, text, update
 
 from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
@@ -69,13 +69,19 @@ class ClaimLostError(StoreError):
     """A trainer tried to publish trajectories it no longer holds (its claim expired)."""
 
 
+class RankDeclaredDeadError(StoreError):
+    """This process's rank was declared dead (its heartbeats stopped past the timeout, or its launcher saw it
+    gone) and its claims went to other ranks: it must leave, and a fresh start registers the rank anew."""
+
+
 class RunStore:
     def __init__(self, url: str, config: StoreConfig | None = None) -> None:
         config = config or StoreConfig()
         self.url = url
         self.config = config
         self.engine = make_engine(url, busy_timeout_s=config.busy_timeout_s)
-        self.tx = Transactor(self.engine, max_retries=config.max_retries, label=url)
+        self.tx = Transactor(self.engine, max_retries=config.max_retries, label=url,
+                             full_wait_s=config.disk_full_wait_s)
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
@@ -299,10 +305,14 @@ class RunStore:
 
         return self.tx.write(write)
 
-    def report(self, report: RankReport, *, max_attempts: int = 3) -> dict[str, Any]:
+    def report(self, report: RankReport, *, max_attempts: int = 3, retry_backoff_s: float = 0.0) -> dict[str, Any]:
         """Apply a rank's tick in one transaction: heartbeat, finished trajectories, failures,
         releases, task whereabouts, metrics, events, and last its claim of new tasks. Returns
-        `accepted` and `dropped` trajectory counts and `claims` (the tasks claimed)."""
+        `accepted` and `dropped` trajectory counts and `claims` (the tasks claimed).
+
+        A failed task goes back to pending, claimable from `retry_backoff_s` x 2^(attempts - 1) on,
+        until its `max_attempts`-th failure fails it and its group; a task of a failed group never
+        goes back to pending (released or failed, it fails too)."""
         def write(c: Connection) -> dict[str, Any]:
             now = time.time()
             _heartbeat(c, report.rank, now, role=report.role, version=report.version)
@@ -314,9 +324,10 @@ class RunStore:
                 if row is None:
                     continue
                 final = row.attempts >= max_attempts
+                retry_at = now + retry_backoff_s * 2 ** max(0, row.attempts - 1) if retry_backoff_s > 0 else None
                 c.execute(update(tasks).where(tasks.c.id == f.task_id).values(
                     state=(TaskState.FAILED if final else TaskState.PENDING).value, owner_rank=None,
-                    claim_token=None, last_error=f.reason[:2000], updated_at=now))
+                    claim_token=None, last_error=f.reason[:2000], updated_at=now, retry_at=retry_at))
                 if final:
                     _fail_group(c, row.group_id)
             if report.released:
@@ -324,6 +335,13 @@ class RunStore:
                                               tasks.c.state == TaskState.RUNNING.value).values(
                     state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=now,
                     attempts=tasks.c.attempts - 1, progress=None))
+            if report.failed or report.released:  # a task of a group that failed meanwhile fails with it
+                touched = [f.task_id for f in report.failed] + list(report.released)
+                failed_groups = select(task_groups.c.id).where(task_groups.c.state == GroupState.FAILED.value)
+                c.execute(update(tasks).where(tasks.c.id.in_(touched), tasks.c.state == TaskState.PENDING.value,
+                                              tasks.c.group_id.in_(failed_groups)).values(
+                    state=TaskState.FAILED.value, last_error="another task of its group failed for good",
+                    progress=None))
             handed = [dict(tid=t, prog=json.dumps(p)) for t, p in report.handed_over.items()
                       if t in set(report.released)]
             if handed:  # just released by this rank above: pending, no owner
@@ -702,7 +720,16 @@ def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None
         values["role"] = role.value
     if version is not None:
         values["version"] = version
-    c.execute(update(ranks).where(ranks.c.rank == rank, ranks.c.state != RankState.DEAD.value).values(**values))
+    if c.execute(update(ranks).where(ranks.c.rank == rank, ranks.c.state != RankState.DEAD.value)
+                 .values(**values)).rowcount:
+        return
+    row = c.execute(select(ranks.c.state, ranks.c.pid, ranks.c.host, ranks.c.heartbeat_at)
+                    .where(ranks.c.rank == rank)).first()
+    # Only the very process that was declared dead is told: a restarted rank beats before it registers.
+    if row is not None and row.pid == os.getpid() and row.host == socket.gethostname():
+        raise RankDeclaredDeadError(f"rank {rank} (pid {row.pid} on {row.host}) was declared dead while away (its "
+                                    f"last heartbeat got through {now - (row.heartbeat_at or now):.0f} s ago) "
+                                    "and its claims went to other ranks")
 
 
 def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTrajectory], now: float) -> tuple[int, int]:
@@ -763,7 +790,8 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[
         return []
     token = uuid.uuid4().hex
     is_eval = tasks.c.kind == TaskKind.EVAL.value
-    where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds])]
+    where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds]),
+             or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= now)]
     if request.weights_version is not None:
         pinned = select(task_groups.c.id).where(task_groups.c.eval_version == request.weights_version)
         where.append(~is_eval | tasks.c.group_id.in_(pinned))

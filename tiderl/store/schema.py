@@ -95,6 +95,7 @@ tasks = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     Column("last_error", Text),
+    Column("retry_at", Float),  # a task that failed an attempt is claimable again from then (backoff)
     # A task released at a turn boundary with its env session kept (JSON of rollout's
     # TaskProgress): the next claimer carries it on; the claim takes it out.
     Column("progress", Text),

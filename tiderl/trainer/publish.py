@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tiderl.paths import when_room
 from tiderl.trainer.backend import ActorBackend
 
 CHECKSUM_FILE = "SHA256SUMS"
@@ -122,16 +123,26 @@ def versions_in(root: Path, pattern: re.Pattern[str] = _VERSION) -> list[int]:
 class WeightPublisher:
     """Writes ``weights/v{N}/`` after each optimizer step and prunes old versions."""
 
-    def __init__(self, weights_root: Path, tokenizer_dir: Path, keep_versions: int) -> None:
+    def __init__(self, weights_root: Path, tokenizer_dir: Path, keep_versions: int,
+                 disk_full_wait_s: float = 0.0) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.root = Path(weights_root)
+        self.disk_full_wait_s = disk_full_wait_s
         self.tokenizer_files = [
             p for p in sorted(Path(tokenizer_dir).iterdir()) if p.is_file() and not _MODEL_FILES.match(p.name)
         ]
         self.keep_versions = keep_versions
 
     def publish(self, actor: ActorBackend, version: int) -> PublishedVersion:
+        """Write and commit ``v{version}`` (whole or nothing: retried while the disk is full, for up to
+        ``disk_full_wait_s``), then prune."""
+        published = when_room(lambda: self._publish(actor, version), wait_s=self.disk_full_wait_s,
+                              what=f"publishing weights v{version} in {self.root}")
+        self.prune()
+        return published
+
+    def _publish(self, actor: ActorBackend, version: int) -> PublishedVersion:
         final = self.root / f"v{version}"
         tmp = _atomic_dir(final)
         try:
@@ -143,7 +154,6 @@ class WeightPublisher:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.prune()
         return PublishedVersion(version=version, path=final, checksum=checksum)
 
     def prune(self) -> list[int]:
@@ -170,10 +180,11 @@ class Checkpoint:
 class Checkpointer:
     """Optimizer checkpoints in ``ckpt/step{N}/``: every ``every`` steps, the newest ``keep`` kept."""
 
-    def __init__(self, ckpt_root: Path, every: int, keep: int = 2) -> None:
+    def __init__(self, ckpt_root: Path, every: int, keep: int = 2, disk_full_wait_s: float = 0.0) -> None:
         if every < 1 or keep < 1:
             raise ValueError(f"checkpoint every/keep must be >= 1, got {every}/{keep}")
         self.root = Path(ckpt_root)
+        self.disk_full_wait_s = disk_full_wait_s
         self.every = every
         self.keep = keep
 
@@ -181,6 +192,15 @@ class Checkpointer:
         return step % self.every == 0
 
     def save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None = None) -> Path:
+        """Write and commit ``step{step}`` (whole or nothing: retried while the disk is full, for up to
+        ``disk_full_wait_s``), then drop all but the newest ``keep``."""
+        final = when_room(lambda: self._save(actor, step, version, extra), wait_s=self.disk_full_wait_s,
+                          what=f"checkpoint step {step} in {self.root}")
+        for old in versions_in(self.root, _STEP)[: -self.keep]:
+            shutil.rmtree(self.root / f"step{old}", ignore_errors=True)
+        return final
+
+    def _save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None) -> Path:
         final = self.root / f"step{step}"
         tmp = _atomic_dir(final)
         try:
@@ -194,8 +214,6 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in versions_in(self.root, _STEP)[: -self.keep]:
-            shutil.rmtree(self.root / f"step{old}", ignore_errors=True)
         return final
 
     def latest(self) -> Checkpoint | None:

@@ -131,6 +131,7 @@ class ActorRank:
         with_ref: bool,
         device: str = "cpu",
         resume: bool = True,
+        disk_full_wait_s: float = 0.0,
     ) -> None:
         self.config = config
         self.comm = comm
@@ -152,10 +153,12 @@ class ActorRank:
         if with_ref:
             self.ref = make_backend(config.backend, "ref", base_model, device=device)
             self.ref.offload()  # colocation: one model on the device at a time
-        self.checkpointer = Checkpointer(ckpt_root, config.checkpoint_every, config.keep_checkpoints)
+        self.checkpointer = Checkpointer(ckpt_root, config.checkpoint_every, config.keep_checkpoints,
+                                         disk_full_wait_s=disk_full_wait_s)
         if point.checkpoint is not None:
             self.checkpointer.restore_optimizer(self.actor, point.checkpoint)
-        self.publisher = WeightPublisher(weights_root, base_model, config.keep_versions)
+        self.publisher = WeightPublisher(weights_root, base_model, config.keep_versions,
+                                         disk_full_wait_s=disk_full_wait_s)
         self.steps_done = 0
 
     @property

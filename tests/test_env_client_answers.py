@@ -1,0 +1,79 @@
+"""The env client against answers outside the protocol: each is an EnvServiceError naming the server,
+the endpoint and what was wrong, never a bare UnicodeDecodeError, KeyError or ValueError."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp import web
+
+from tiderl.envs.client import EnvClient, EnvFailedError, EnvProtocolError, EnvServiceError
+
+
+@asynccontextmanager
+async def answering(status: int, body: bytes) -> AsyncIterator[str]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def call(status: int, body: bytes, what: str) -> EnvServiceError:
+    async def go() -> EnvServiceError:
+        async with answering(status, body) as url:
+            client = EnvClient(url, max_retries=0)
+            try:
+                with pytest.raises(EnvServiceError) as info:
+                    if what == "start":
+                        await client.start("hilo", 0)
+                    elif what == "step":
+                        await client.step("s1", "5")
+                    else:
+                        await client.end("s1")
+                return info.value
+            finally:
+                await client.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"\xff\xfe{\"observation\": 1}", "not UTF-8"),
+    (b"<html>proxy error</html>", "not a JSON object"),
+    (b"[1, 2]", "not a JSON object"),
+])
+def test_a_200_answer_that_is_not_a_json_object_is_a_protocol_error(body, words):
+    e = call(200, body, "step")
+    assert isinstance(e, EnvProtocolError) and words in str(e)
+    assert "/observation" in str(e) and "session s1" in str(e)
+
+
+@pytest.mark.parametrize("what, body, field", [
+    ("start", b'{"session_id": "a", "done": false}', "observation"),
+    ("start", b'{"session_id": 7, "observation": "x", "done": false}', "session_id"),
+    ("step", b'{"observation": "x", "reward": "high", "done": false}', "reward"),
+    ("step", b'{"observation": "x", "reward": NaN, "done": false}', "reward"),
+    ("step", b'{"observation": "x", "reward": 1.0, "done": false, "info": [1]}', "info"),
+    ("end", b'{"info": {}}', "reward"),
+])
+def test_a_missing_or_mistyped_field_is_named(what, body, field):
+    e = call(200, body, what)
+    assert isinstance(e, EnvProtocolError) and repr(field) in str(e)
+
+
+def test_an_error_answer_that_is_not_utf8_keeps_its_status():
+    e = call(500, b"\xff\xfe internal", "step")
+    assert isinstance(e, EnvFailedError) and e.status == 500 and "internal" in str(e)
