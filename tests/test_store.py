@@ -9,6 +9,7 @@ import pytest
 
 from tiderl.config.store import StoreConfig
 from tiderl.store import (
+    RankDeclaredDeadError,
     ClaimLostError,
     FinishedTrajectory,
     NewGroup,
@@ -132,8 +133,11 @@ def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> N
     res = s.reclaim_expired(50, now=later)
     assert sorted(res.dead_ranks) == [0, 1, 2]
     assert res.tasks_returned == 2 and res.trajectories_returned == 2
-    # The dead rank's late report must not create duplicates: the tasks went back to the pool.
-    assert finish(s, 0, mine, [1.0, 1.0]) == {"accepted": 0, "dropped": 2, "claims": []}
+    # The dead rank's late report must not create duplicates: the tasks went back to the pool, and the
+    # process that was declared dead is told so (the whole tick refused).
+    with pytest.raises(RankDeclaredDeadError, match="rank 0 .*declared dead"):
+        finish(s, 0, mine, [1.0, 1.0])
+    assert s.buffer_state()["tasks_pending"] == 2
     s.register_rank(1, Role.ROLLOUT)
     again = s.claim_tasks(1, 5)
     assert sorted(c.task_id for c in again) == sorted(c.task_id for c in mine)

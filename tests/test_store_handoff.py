@@ -31,7 +31,8 @@ def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
     again = store.claim_tasks(1, 2)
     assert [(c.task_id, c.progress) for c in again] == [(first[0].task_id, progress)]
     assert again[0].attempts == 1  # a hand-over is not a failed attempt
-    store.reclaim_expired(0.0, now=10**12)  # ranks 0 and 1 die
+    store.reclaim_expired(0.0, now=10**12)  # every rank dies...
+    store.register_rank(2, Role.ROLLOUT)  # ...and rank 2 starts afresh
     third = store.claim_tasks(2, 2)
     assert sorted(c.task_id for c in third) == [c.task_id for c in first]
     assert all(c.progress is None for c in third)

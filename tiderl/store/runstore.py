@@ -374,7 +374,7 @@ class RunStore:
 
         def write(c: Connection) -> list[ReadyTrajectory]:
             now = time.time()
-            _heartbeat(c, owner, now)
+            _heartbeat(c, owner, now, tell_dead=False)
             gids = [g for (g,) in c.execute(select(task_groups.c.id).where(
                 task_groups.c.state == GroupState.READY.value).order_by(task_groups.c.completed_at,
                                                                         task_groups.c.id).limit(max_groups))]
@@ -714,7 +714,11 @@ class RunStore:
 
 
 # ---- helpers running inside a transaction ----------------------------------------------------
-def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None, version: int | None = None) -> None:
+def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None, version: int | None = None,
+               tell_dead: bool = True) -> None:
+    """The rank's heartbeat (and role and version). A rank declared dead stays dead; the very process
+    that was (`tell_dead`) gets RankDeclaredDeadError. A trainer is not told here: what it claimed went
+    back, so its publish fails with ClaimLostError."""
     values: dict[str, Any] = dict(heartbeat_at=now)
     if role is not None:
         values["role"] = role.value
@@ -726,7 +730,7 @@ def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None
     row = c.execute(select(ranks.c.state, ranks.c.pid, ranks.c.host, ranks.c.heartbeat_at)
                     .where(ranks.c.rank == rank)).first()
     # Only the very process that was declared dead is told: a restarted rank beats before it registers.
-    if row is not None and row.pid == os.getpid() and row.host == socket.gethostname():
+    if tell_dead and row is not None and row.pid == os.getpid() and row.host == socket.gethostname():
         raise RankDeclaredDeadError(f"rank {rank} (pid {row.pid} on {row.host}) was declared dead while away (its "
                                     f"last heartbeat got through {now - (row.heartbeat_at or now):.0f} s ago) "
                                     "and its claims went to other ranks")
