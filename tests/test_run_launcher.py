@@ -219,3 +219,60 @@ def test_an_env_server_restarts_on_its_port(tmp_path: Path) -> None:
         assert (paths.root / "env0.port").read_text().strip() == url
     finally:
         procs.stop([c for c in (child, replacement) if c is not None])
+
+
+def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: Path) -> None:
+    import io
+    import sys
+
+    from tiderl.config import load_job
+    from tiderl.run.launcher import _restart_trainer_group
+    from tiderl.rundir import create_run
+    from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, Role, TaskKind
+
+    root = Path(__file__).resolve().parents[1]
+    _, store = create_run(load_job(root / "jobs" / "quickstart.yaml"), tmp_path / "run")
+    store.register_initial_version("model", "0")
+    for rank, role in [(0, Role.ACTOR), (1, Role.ROLLOUT), (2, Role.REF)]:
+        store.register_rank(rank, role, pid=10_000 + rank)  # not this process
+    store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
+    claims = store.claim_tasks(1, 2)
+    store.report(RankReport(rank=1, finished=[FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                                                                  logprobs=[0.0, -0.1, -0.2], token_versions=[-1, 0, 0],
+                                                                  reward=float(c.index_in_group), success=True, num_turns=1)
+                                               for c in claims]))
+    assert len(store.claim_ready_groups(0, 1)) == 2  # the actor holds the step's data
+    rendezvous = tmp_path / "run" / "rendezvous"
+    rendezvous.mkdir()
+    (rendezvous / "v0.data-ready").write_text("{}")
+
+    def child(name: str, argv: list[str]) -> procs.Child:
+        return procs.spawn(name, [sys.executable, "-c", *argv], tmp_path / f"{name}.log")
+
+    dead = child("rank0", ["raise SystemExit(9)"])
+    dead.proc.wait(30)
+    ref = child("rank2", ["import time; time.sleep(60)"])
+    rollout = child("rank1", ["import time; time.sleep(60)"])
+    children = [dead, rollout, ref]
+    started: list[str] = []
+
+    def restart(c: procs.Child) -> procs.Child:
+        started.append(c.name)
+        return child(c.name, ["import time; time.sleep(60)"])
+
+    out, restarts = io.StringIO(), {}
+    try:
+        assert _restart_trainer_group(store, children, dead, 9, restart, restarts, 2, rendezvous, out)
+        assert sorted(started) == ["rank0", "rank2"] and restarts == {"trainer": 1}
+        assert ref.proc.poll() is not None and children[1] is rollout and rollout.exit_code is None
+        assert children[0].name == "rank0" and children[0].exit_code is None and children[2] is not ref
+        assert not rendezvous.exists()  # no stale marker for the restarted step
+        assert store.buffer_state()["traj_ready"] == 2  # the step's data is back for the new actor
+        assert "restarting the trainer group (rank0, rank2; 1 of 2)" in out.getvalue()
+        assert [e["kind"] for e in store.recent_events(20, kinds=["trainer_restarted"])] == ["trainer_restarted"]
+        # The limit, a rollout rank and a launch that cannot restart ranks are refused.
+        assert not _restart_trainer_group(store, children, dead, 9, restart, {"trainer": 2}, 2, rendezvous, out)
+        assert not _restart_trainer_group(store, children, rollout, 9, restart, {}, 2, rendezvous, out)
+        assert not _restart_trainer_group(store, children, dead, 9, None, {}, 2, rendezvous, out)
+    finally:
+        procs.stop(children)

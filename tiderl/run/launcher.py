@@ -31,7 +31,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
-from tiderl.run.supervise import quarantine, record_restart, restartable
+from tiderl.run.supervise import TRAINER_GROUP, group_restartable, quarantine, record_restart, restartable
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
 from tiderl.store.engine import StoreError
@@ -220,7 +220,8 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
         state, message = _watch(store, children, out, eval_tasks, launched_at,
                                 restart=restarter(launch, tag, start_ranks, urls),
-                                restart_limit=cfg.launch.restarts)
+                                restart_limit=cfg.launch.restarts,
+                                rendezvous=paths.root / "rendezvous" if start_ranks is start_local_ranks else None)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -313,7 +314,10 @@ def engines_up(store: RunStore, version: int, since: float) -> tuple[int, int] |
 
 def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int,
            launched_at: float, *, restart: Restarter | None = None,
-           restart_limit: int = 0) -> tuple[RunState, str]:
+           restart_limit: int = 0, rendezvous: Path | None = None) -> tuple[RunState, str]:
+    """Show progress until the run ends; restart what died where allowed (`rendezvous`: the trainer
+    group's rendezvous directory where its ranks are this launcher's own children, which lets an actor or
+    ref rank that died restart with its group)."""
     from tiderl.status import collect
 
     restarts: dict[str, int] = {}
@@ -346,6 +350,9 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
                 replacement = _replace(store, child, code, restart, restarts, restart_limit, out)
                 if replacement is not None:
                     children[i] = replacement
+                    continue
+                if rendezvous is not None and _restart_trainer_group(store, children, child, code, restart,
+                                                                     restarts, restart_limit, rendezvous, out):
                     continue
                 return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
         if control.exit_code == 0:
@@ -380,6 +387,60 @@ def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter 
         except StoreError as e:
             print(f"{child.name}'s restart could not be recorded in the run store: {e}", file=out, flush=True)
     return replacement
+
+
+def _rank_of(name: str) -> int | None:
+    return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
+
+
+def _restart_trainer_group(store: RunStore, children: list[procs.Child], dead: procs.Child, code: int,
+                           restart: Restarter | None, restarts: dict[str, int], limit: int, rendezvous: Path,
+                           out: TextIO) -> bool:
+    """An actor or ref rank died inside a step with others: stop the trainer group (every actor and ref
+    rank), give their claims back, clear the step's rendezvous and start them all again; they resume from
+    the last published version (uncommitted weights are dropped) while rollout ranks carry on. False where
+    `group_restartable` refuses (the run then fails, as before)."""
+    rank = _rank_of(dead.name)
+    if restart is None or rank is None:
+        return False
+    roles = {r["rank"]: r["role"] for r in store.ranks()}
+    n = restarts.get(TRAINER_GROUP, 0)
+    if not group_restartable(roles.get(rank), n, limit):
+        return False
+    restarts[TRAINER_GROUP] = n = n + 1
+    members = [c for c in children if (r := _rank_of(c.name)) is not None
+               and roles.get(r) in (Role.ACTOR.value, Role.REF.value)]
+    names = ", ".join(c.name for c in members)
+    print(f"\n{dead.name} ({roles.get(rank)}) exited with code {code} inside a step: restarting the trainer "
+          f"group ({names}; {n} of {limit}) from the last published version", file=out, flush=True)
+    procs.stop(members)
+    returned = 0
+    for c in members:
+        member = _rank_of(c.name)
+        assert member is not None
+        try:
+            returned += store.declare_dead(member, f"rank {member} stopped to restart the trainer group after "
+                                                   f"{dead.name} exited with code {code}").trajectories_returned
+        except StoreError as e:
+            print(f"the claims of {c.name} could not be returned now ({e})", file=out, flush=True)
+    shutil.rmtree(rendezvous, ignore_errors=True)  # the broken step's marker and rendezvous files
+    for c in members:
+        try:
+            replacement = restart(c)
+        except Exception as e:
+            print(f"{c.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
+            return False
+        if replacement is None:
+            return False
+        children[children.index(c)] = replacement
+    try:
+        store.record_event("launcher", "trainer_restarted",
+                           f"trainer group ({names}) restarted ({n} of {limit}) after {dead.name} exited with "
+                           f"code {code} inside a step; {returned} claimed trajectories back to ready",
+                           rank=rank, data={"process": dead.name, "code": code, "members": names})
+    except StoreError as e:
+        print(f"the trainer group's restart could not be recorded in the run store: {e}", file=out, flush=True)
+    return True
 
 
 def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:

@@ -39,6 +39,16 @@ def restartable(name: str, role: str | None, restarts: int, limit: int) -> bool:
     return name == "control" or name.startswith("env")
 
 
+TRAINER_GROUP = "trainer"  # the restart count of the trainer group (its actor and ref ranks together)
+
+
+def group_restartable(role: str | None, restarts: int, limit: int) -> bool:
+    """Whether an actor or ref rank that died is restarted with its whole trainer group (every actor and
+    ref rank stopped, their claims back, all started again from the last published version; the local
+    launcher only): the step in flight is lost, nothing it trained was committed."""
+    return role in (Role.ACTOR.value, Role.REF.value) and restarts < limit
+
+
 def quarantine(store: RunStore, rank: int, code: int, n: int, limit: int, where: str) -> str:
     """A dead rank's claims back in the pool before it restarts; returns what to add to the messages."""
     back = store.declare_dead(rank, f"rank {rank} exited with code {code} while rolling out; restart {n} of "
