@@ -114,3 +114,59 @@ def test_kl_is_reported_but_not_penalised_when_kl_coef_is_zero():
                       torch.tensor([[1.0, 1.0, 0.0]]), clip_eps=0.2, kl_coef=0.0, kl_estimator="k1", normalizer=2.0)
     assert parts.loss.item() == pytest.approx(-2.2, abs=1e-6)
     assert parts.kl_sum == pytest.approx(0.5, abs=1e-6)
+
+
+def test_token_logprobs_are_those_of_the_tempered_distribution():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])
+    ids = torch.tensor([[0, 0]])
+    for t in (0.5, 0.7, 2.0):
+        want = 2.0 / t - math.log(math.exp(2.0 / t) + 1.0 + math.exp(-1.0 / t))
+        assert token_logprobs(logits, ids, temperature=t).item() == pytest.approx(want, abs=1e-6)
+    assert token_logprobs(logits, ids).item() == pytest.approx(2.0 - math.log(math.exp(2) + 1 + math.exp(-1)))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, ids, temperature=0.0)
+
+
+def test_one_impossible_masked_token_leaves_loss_and_gradient_finite():
+    # A prompt position (mask 0) the policy finds impossible: log-prob -100 against a ref of -5.
+    logprobs = torch.tensor([[-100.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[0.0, -0.6]])
+    ref = torch.tensor([[-5.0, -0.4]])
+    mask = torch.tensor([[0.0, 1.0]])
+    parts = grpo_loss(logprobs, old, ref, torch.tensor([1.0]), mask, clip_eps=0.2, kl_coef=0.1,
+                      kl_estimator="k3", normalizer=1.0)
+    parts.loss.backward()
+    assert math.isfinite(parts.loss.item()) and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, 0].item() == 0.0
+    # The masked token changes nothing: the loss is the one masked token's alone.
+    r = math.exp(-0.5 + 0.6)
+    k3 = math.exp(-0.4 + 0.5) - (-0.4 + 0.5) - 1
+    assert parts.loss.item() == pytest.approx(-min(r, 1.2) * 1.0 + 0.1 * k3, rel=1e-5)
+
+
+def test_k3_is_clamped_so_a_far_off_token_stays_finite():
+    kl = kl_penalty(torch.tensor([-200.0, 0.0]), torch.tensor([0.0, -200.0]), "k3")
+    assert torch.isfinite(kl).all() and kl.max().item() == pytest.approx(10.0)
+
+
+def test_dual_clip_bounds_a_negative_advantage_at_c():
+    lp, old = torch.tensor([math.log(5.0)]), torch.tensor([0.0])  # ratio 5
+    neg = torch.tensor([-1.0])
+    plain, _, _ = clipped_policy_loss(lp, old, neg, 0.2)
+    dual, ratio, clipped = clipped_policy_loss(lp, old, neg, 0.2, dual_clip=3.0)
+    assert plain.item() == pytest.approx(5.0) and dual.item() == pytest.approx(3.0) and bool(clipped)
+    pos = torch.tensor([1.0])  # a positive advantage keeps the plain clip
+    assert clipped_policy_loss(lp, old, pos, 0.2, dual_clip=3.0)[0].item() == pytest.approx(-1.2)
+    small = clipped_policy_loss(torch.tensor([math.log(2.0)]), old, neg, 0.2, dual_clip=3.0)[0]
+    assert small.item() == pytest.approx(2.0)  # under c: untouched
+    with pytest.raises(ValueError, match="dual_clip"):
+        clipped_policy_loss(lp, old, neg, 0.2, dual_clip=1.0)
+
+
+def test_training_config_refuses_greedy_training_tasks_and_groups_of_one():
+    from tiderl.config.rollout import RolloutConfig
+    from tiderl.config.schema import ConfigError, build
+
+    for bad, key in (({"temperature": 0}, "temperature"), ({"group_size": 1}, "group_size")):
+        with pytest.raises(ConfigError, match=key):
+            build(RolloutConfig, bad, "job.yaml")

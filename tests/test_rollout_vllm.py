@@ -121,3 +121,24 @@ def test_reload_weights_in_place_and_drop_the_cache(engine, fmt: ChatFormat, mod
 def test_reload_from_a_dir_without_weights_is_a_clear_error(engine, tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no \\*.safetensors"):
         run(engine.reload_weights(tmp_path, version=9))
+
+
+def test_the_trainer_scores_tokens_at_the_engines_temperature(engine, fmt: ChatFormat, model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tiderl.trainer.grpo import token_logprobs
+
+    prompt = long_prompt(fmt)
+    spec = SamplingSpec(max_new_tokens=6, temperature=0.7, stop_token_ids=(fmt.end_of_turn_id,), seed=11)
+    g = run(engine.generate(prompt, spec))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + list(g.token_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    n = len(g.token_ids)
+    at_t = token_logprobs(logits, ids, temperature=0.7)[0, -n:]
+    plain = token_logprobs(logits, ids)[0, -n:]
+    engine_lp = torch.tensor(g.logprobs)
+    assert torch.allclose(at_t, engine_lp, atol=2e-3), (at_t, engine_lp)
+    assert not torch.allclose(plain, engine_lp, atol=2e-3)  # T = 1 on the trainer's side would be off

@@ -14,7 +14,9 @@ class RolloutConfig:
         help="Task scheduler: `ctb` (Continuous Task Batching by KV token budget and RL priority) "
         "or `vanilla` (request-level, fixed concurrency, engine cache policy decides).",
     )
-    group_size: int = option(4, ge=1, help="GRPO group size G: tasks played per prompt.")
+    group_size: int = option(
+        4, ge=2, help="GRPO group size G: tasks played per prompt (>= 2: a group's advantages are its rewards "
+        "against their mean, so one task alone learns nothing).")
     max_concurrency: int = option(
         64, ge=1, help="Tasks one rollout rank runs at once under `vanilla` (CTB's upper cap too)."
     )
@@ -43,7 +45,9 @@ class RolloutConfig:
         1, ge=0, help="No task is admitted whose data would be more than this many versions old when trained."
     )
     max_new_tokens: int = option(16, ge=1, help="Tokens the model may generate in one turn.")
-    temperature: float = option(1.0, ge=0.0, help="Sampling temperature of training tasks.")
+    temperature: float = option(
+        1.0, gt=0.0, help="Sampling temperature of training tasks (> 0: greedy tasks of a group would all be "
+        "the same, with zero advantages; the trainer scores tokens at this temperature too).")
     eval_every_steps: int = option(0, ge=0, help="Run evaluation tasks every N versions (0: never).")
     eval_groups: int = option(4, ge=0, help="Evaluation prompts per evaluation round.")
     kv_cache_gib: int = option(

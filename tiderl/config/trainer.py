@@ -34,6 +34,12 @@ class TrainerConfig:
     )
     grad_clip: float = option(1.0, gt=0, help="Gradient-norm clip.")
     clip_eps: float = option(0.2, gt=0, help="PPO-style clip of the importance ratio (1 +/- eps).")
+    dual_clip: float | None = option(
+        3.0,
+        gt=1,
+        help="Dual-clip PPO: for a negative advantage A, a token's loss is at most -c A (c this value, > 1), "
+        "however much likelier the token is now than when it was sampled. null: the plain clip only.",
+    )
     kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")
     kl_estimator: Literal["k1", "k3"] = option("k3", help="KL estimator: `k1` (log-ratio) or `k3` (unbiased, non-negative).")
     ra2p_mode: Literal["auto", "decoupled", "colocated", "vanilla_stream", "vanilla_stream_offload"] = option(

@@ -66,7 +66,8 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
             _discard_uncommitted(ctx, version)
         actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True,
-                          disk_full_wait_s=ctx.config.store.disk_full_wait_s)
+                          disk_full_wait_s=ctx.config.store.disk_full_wait_s,
+                          temperature=ctx.config.rollout.temperature)
         # A data-parallel follower that holds another version takes it from the group (catch_up).
         if leader and actor.version != version:
             raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
@@ -281,7 +282,7 @@ def _ref(ctx: RankContext) -> Any:
 
         torch.set_num_threads(1)
         ctx.cache["ref"] = RefRank(ctx.config.trainer, TrainerComm(rank=1, actor_ranks=(0,), ref_ranks=(1,)),
-                                   base_model=ctx.model_dir)
+                                   base_model=ctx.model_dir, temperature=ctx.config.rollout.temperature)
     return ctx.cache["ref"]
 
 

@@ -25,11 +25,21 @@ import torch
 KlEstimator = Literal["k1", "k3"]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token: ``[B, T, V]`` logits, ``[B, T]`` ids -> ``[B, T-1]``."""
+KL_LOG_RATIO_CLAMP = 20.0  # |log ref - log pi| beyond this is clamped before the exp of k3 (as verl)
+KL_K3_CLAMP = 10.0  # and k3 itself is clamped to [-10, 10]: one far-off token cannot blow the loss up
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token under softmax(logits / temperature), the distribution the
+    engine sampled from: ``[B, T, V]`` logits, ``[B, T]`` ids -> ``[B, T-1]``."""
     if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[:2] != input_ids.shape:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -37,27 +47,40 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Kl
     """Per-token KL(pi || ref) estimate from samples of pi.
 
     k1 = log pi - log ref (unbiased, can be negative per token);
-    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, always >= 0).
+    k3 = exp(log ref - log pi) - (log ref - log pi) - 1 (unbiased, always >= 0), with the log-ratio
+    clamped to +-KL_LOG_RATIO_CLAMP and k3 to +-KL_K3_CLAMP, so that it stays finite.
     """
     if estimator == "k1":
         return logprobs - ref_logprobs
     if estimator == "k3":
-        log_ratio = ref_logprobs - logprobs
-        return torch.exp(log_ratio) - log_ratio - 1.0
+        log_ratio = torch.clamp(ref_logprobs - logprobs, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -KL_K3_CLAMP, KL_K3_CLAMP)
     raise ValueError(f"kl_penalty: unknown estimator {estimator!r} (expected 'k1' or 'k3')")
 
 
 def clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO-style clipped surrogate per token: ``max(-r A, -clip(r, 1-eps, 1+eps) A)``.
+    """PPO-style clipped surrogate per token: ``max(-r A, -clip(r, 1-eps, 1+eps) A)``; with
+    ``dual_clip`` c (> 1), for A < 0 also at most ``-c A`` (dual-clip PPO: a token far more likely now
+    than when sampled cannot weigh without bound).
 
-    Returns (per-token loss, ratio, whether the clipped branch was taken).
+    Returns (per-token loss, ratio, whether a clipped branch was taken).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"clipped_policy_loss: dual_clip must be > 1, got {dual_clip}")
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, max=KL_LOG_RATIO_CLAMP))
     unclipped = -ratio * advantages
     clipped = -torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    return torch.maximum(unclipped, clipped), ratio, clipped > unclipped
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        was_clipped = was_clipped | dual
+    return loss, ratio, was_clipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +110,7 @@ def grpo_loss(
     kl_coef: float,
     kl_estimator: KlEstimator,
     normalizer: float,
+    dual_clip: float | None = None,
 ) -> LossParts:
     """Token-level GRPO loss of one micro-batch (see the module docstring for the scaling).
 
@@ -106,7 +130,9 @@ def grpo_loss(
     if clip_eps <= 0:
         raise ValueError(f"grpo_loss: clip_eps must be > 0, got {clip_eps}")
     mask = loss_mask.to(logprobs.dtype)
-    pg, ratio, was_clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps)
+    keep = loss_mask > 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    pg, ratio, was_clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, dual_clip)
     per_token = pg
     kl_sum = 0.0
     if kl_coef > 0 and ref_logprobs is None:
@@ -118,13 +144,15 @@ def grpo_loss(
         if kl_coef > 0:
             per_token = pg + kl_coef * kl
         # Reported even when it is not penalised, to watch the policy drift from the reference.
-        kl_sum = float((kl.detach() * mask).sum())
-    loss = (per_token * mask).sum() / normalizer
+        kl_sum = float(torch.where(keep, kl.detach(), zero).sum())
+    # Masked positions are selected away, not multiplied by 0: an inf or NaN there (a prompt token the
+    # policy finds impossible) must not reach the loss or the gradient (inf x 0 is NaN).
+    loss = torch.where(keep, per_token, zero).sum() / normalizer
     return LossParts(
         loss=loss,
-        pg_sum=float((pg.detach() * mask).sum()),
+        pg_sum=float(torch.where(keep, pg.detach(), zero).sum()),
         kl_sum=kl_sum,
-        ratio_sum=float((ratio.detach() * mask).sum()),
+        ratio_sum=float(torch.where(keep, ratio.detach(), zero).sum()),
         clipped_sum=float((was_clipped.to(mask.dtype) * mask).sum()),
         num_tokens=int(mask.sum().item()),
     )

@@ -90,7 +90,8 @@ def find_resume_point(base_model: Path, weights_root: Path, ckpt_root: Path, kee
 
 
 def loss_config(config: TrainerConfig) -> LossConfig:
-    return LossConfig(clip_eps=config.clip_eps, kl_coef=config.kl_coef, kl_estimator=config.kl_estimator)
+    return LossConfig(clip_eps=config.clip_eps, kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+                      dual_clip=config.dual_clip)
 
 
 def lr_at(config: TrainerConfig, version: int) -> float:
@@ -132,7 +133,10 @@ class ActorRank:
         device: str = "cpu",
         resume: bool = True,
         disk_full_wait_s: float = 0.0,
+        temperature: float = 1.0,
     ) -> None:
+        """`temperature`: the sampling temperature of the trajectories (rollout.temperature); the actor and
+        the reference score tokens under softmax(logits / temperature), as the engine sampled them."""
         self.config = config
         self.comm = comm
         point = (
@@ -147,11 +151,12 @@ class ActorRank:
         self.exact = point.version == 0 or point.is_exact
         optim = OptimConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self.actor: ActorBackend = make_backend(
-            config.backend, "actor", point.weights_path, device=device, optim=optim, dp_group=comm.dp_group
+            config.backend, "actor", point.weights_path, device=device, optim=optim, dp_group=comm.dp_group,
+            temperature=temperature,
         )
         self.ref: RefBackend | None = None
         if with_ref:
-            self.ref = make_backend(config.backend, "ref", base_model, device=device)
+            self.ref = make_backend(config.backend, "ref", base_model, device=device, temperature=temperature)
             self.ref.offload()  # colocation: one model on the device at a time
         self.checkpointer = Checkpointer(ckpt_root, config.checkpoint_every, config.keep_checkpoints,
                                          disk_full_wait_s=disk_full_wait_s)
@@ -249,10 +254,11 @@ class ActorRank:
 class RefRank:
     """A decoupled-mode reference rank serving the actor group."""
 
-    def __init__(self, config: TrainerConfig, comm: TrainerComm, *, base_model: Path, device: str = "cpu") -> None:
+    def __init__(self, config: TrainerConfig, comm: TrainerComm, *, base_model: Path, device: str = "cpu",
+                 temperature: float = 1.0) -> None:
         self.config = config
         self.comm = comm
-        self.ref: RefBackend = make_backend(config.backend, "ref", base_model, device=device)
+        self.ref: RefBackend = make_backend(config.backend, "ref", base_model, device=device, temperature=temperature)
 
     def serve_step(self, inp: StepInput) -> RefStats:
         return run_ref(build_plan(inp, self.config, self.comm), self.ref, self.comm)

@@ -26,6 +26,7 @@ class LossConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.01
     kl_estimator: KlEstimator = "k3"
+    dual_clip: float | None = 3.0
 
 
 @dataclass(slots=True)
@@ -140,6 +141,7 @@ def finish(
         kl_coef=loss.kl_coef,
         kl_estimator=loss.kl_estimator,
         normalizer=normalizer,
+        dual_clip=loss.dual_clip,
     )
     actor.backward(parts.loss)
     acc.actor_backward_s += time.perf_counter() - t0

@@ -79,16 +79,17 @@ def _load(model_path: Path, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
-def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float) -> torch.Tensor:
     out = model(
         input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False
     )
-    return token_logprobs(out.logits, mb.input_ids.to(device))
+    return token_logprobs(out.logits, mb.input_ids.to(device), temperature=temperature)
 
 
 class TorchRef(RefBackend):
-    def __init__(self, model_path: Path, device: torch.device) -> None:
+    def __init__(self, model_path: Path, device: torch.device, temperature: float = 1.0) -> None:
         self.device = device
+        self.temperature = temperature
         self.model = _load(model_path, device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -108,7 +109,7 @@ class TorchRef(RefBackend):
     def logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if not self.is_resident:
             raise RuntimeError("reference model is offloaded; onload() it before a forward pass")
-        return _logprobs(self.model, mb, self.device).cpu()
+        return _logprobs(self.model, mb, self.device, self.temperature).cpu()
 
 
 class TorchActor(ActorBackend):
@@ -118,8 +119,10 @@ class TorchActor(ActorBackend):
         device: torch.device,
         optim: OptimConfig,
         dp_group: dist.ProcessGroup | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.device = device
+        self.temperature = temperature
         self.optim_config = optim
         self.dp_group = dp_group
         self.model = _load(model_path, device).train()
@@ -142,7 +145,7 @@ class TorchActor(ActorBackend):
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
-        return _logprobs(self.model, mb, self.device)
+        return _logprobs(self.model, mb, self.device, self.temperature)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -195,8 +198,11 @@ def make(
     device: str = "cpu",
     optim: OptimConfig | None = None,
     dp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
 ) -> TorchRef | TorchActor:
+    """`temperature`: the sampling temperature of the trajectories trained on (rollout.temperature):
+    log-probabilities are those of softmax(logits / T), as the engine's, for the actor and the ref alike."""
     dev = torch.device(device)
     if role == "ref":
-        return TorchRef(model_path, dev)
-    return TorchActor(model_path, dev, optim or OptimConfig(), dp_group)
+        return TorchRef(model_path, dev, temperature)
+    return TorchActor(model_path, dev, optim or OptimConfig(), dp_group, temperature)
