@@ -28,14 +28,35 @@ def test_progress_line_shows_step_roles_buffer_and_only_complete_evaluations() -
     assert first.startswith("v0  reward -  success -") and "goodput - " in first  # no step yet: no figure
 
 
-def test_eval_trend_gives_first_last_and_a_better_one_between() -> None:
-    def ev(version: int, rate: float | None) -> dict:
-        return {"eval_version": version, "success_rate": rate}
+def test_eval_trend_gives_first_last_whether_beyond_noise_and_a_better_one_between() -> None:
+    def ev(version: int, rate: float | None, n: int = 64) -> dict:
+        return {"eval_version": version, "success_rate": rate, "num_tasks": n}
 
     assert eval_trend([ev(0, 0.5)]) is None
-    assert eval_trend([ev(0, 0.5), ev(5, 0.75)]) == "eval success rate: 0.50 at version 0 -> 0.75 at version 5"
-    assert eval_trend([ev(0, 0.5), ev(5, 0.9), ev(10, 0.75), ev(15, None)]) == (
-        "eval success rate: 0.50 at version 0 -> 0.75 at version 10 (best 0.90 at version 5)")
+    # 32/64 -> 48/64: z = 0.25 / sqrt(0.625 x 0.375 x 2 / 64) = 2.92.
+    assert eval_trend([ev(0, 0.5), ev(5, 0.75)]) == (
+        "eval success rate: 0.50 at version 0 -> 0.75 at version 5: +0.25, beyond noise (95%, z +2.9, "
+        "64 and 64 tasks)")
+    # 16/32 -> 20/32: z = 1.01, within noise.
+    assert eval_trend([ev(0, 0.5, 32), ev(5, 0.9, 32), ev(10, 0.625, 32), ev(15, None)]) == (
+        "eval success rate: 0.50 at version 0 -> 0.62 at version 10: +0.12, within noise (95%, z +1.0, "
+        "32 and 32 tasks) (best 0.90 at version 5)")
+
+
+def test_wilson_interval_and_two_proportion_test_match_hand_values() -> None:
+    import pytest
+
+    from tiderl.evalstats import compare, wilson_interval
+
+    low, high = wilson_interval(32, 64)
+    assert (round(low, 3), round(high, 3)) == (0.381, 0.619)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    c = compare(32, 64, 48, 64)
+    assert c.change == 0.25 and c.z == pytest.approx(2.921, abs=1e-3) and c.beyond_noise
+    assert not compare(16, 32, 20, 32).beyond_noise and compare(5, 5, 5, 5).z == 0.0
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(11, 10)
 
 
 def test_ranks_get_one_thread_and_their_own_core() -> None:

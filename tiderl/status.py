@@ -224,7 +224,13 @@ def render(doc: dict[str, Any]) -> str:
                          f"{s['ras'] if s['ras'] is not None else '-':>5}  {_f(s['tprm_s'], 2):>6}  "
                          f"{s['ra2p_mode'] or '-'}")
     for e in doc["eval"]:
-        lines.append(f"eval @ version {e['eval_version']}: success {_f(e['success_rate'], 2)} over "
+        ci = ""
+        if e["success_rate"] is not None and e["num_tasks"]:
+            from tiderl.evalstats import wilson_interval
+
+            low, high = wilson_interval(round(e["success_rate"] * e["num_tasks"]), e["num_tasks"])
+            ci = f" (95% {low:.2f}-{high:.2f})"
+        lines.append(f"eval @ version {e['eval_version']}: success {_f(e['success_rate'], 2)}{ci} over "
                      f"{e['num_tasks']} tasks")
     for j in doc.get("slurm") or ():
         lines.append(f"slurm job {j['job_id']}: {j['state']}" + (f" ({j['reason']})" if j.get("reason") else ""))

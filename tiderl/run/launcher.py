@@ -475,14 +475,21 @@ def summary(store: RunStore) -> str:
 
 
 def eval_trend(evals: list[dict[str, Any]]) -> str | None:
-    """The first and last evaluation's success rate, and the best later one if it beats the last."""
-    done = [e for e in evals if e["success_rate"] is not None]
+    """The first and last evaluation's success rate, whether the change is beyond noise (95%), and the best
+    later one if it beats the last."""
+    from tiderl.evalstats import compare
+
+    done = [e for e in evals if e["success_rate"] is not None and e["num_tasks"]]
     if len(done) < 2:
         return None
     first, last = done[0], done[-1]
     best = max(done[1:], key=lambda e: e["success_rate"])
     line = (f"eval success rate: {first['success_rate']:.2f} at version {first['eval_version']} -> "
             f"{last['success_rate']:.2f} at version {last['eval_version']}")
+    c = compare(round(first["success_rate"] * first["num_tasks"]), first["num_tasks"],
+                round(last["success_rate"] * last["num_tasks"]), last["num_tasks"])
+    line += (f": {c.change:+.2f}, {'beyond' if c.beyond_noise else 'within'} noise (95%, z {c.z:+.1f}, "
+             f"{first['num_tasks']} and {last['num_tasks']} tasks)")
     if best["success_rate"] > last["success_rate"]:
         line += f" (best {best['success_rate']:.2f} at version {best['eval_version']})"
     return line
