@@ -170,3 +170,28 @@ def test_training_config_refuses_greedy_training_tasks_and_groups_of_one():
     for bad, key in (({"temperature": 0}, "temperature"), ({"group_size": 1}, "group_size")):
         with pytest.raises(ConfigError, match=key):
             build(RolloutConfig, bad, "job.yaml")
+
+
+def test_decoupled_off_policy_weights_the_gradient_by_the_truncated_importance_weight():
+    # Two tokens: the trainer now gives them log-probs -1.0 and -0.2, the engine sampled them at -1.5
+    # and -2.0 (stale weights or engine mismatch). Weights: min(e^0.5, 2) = 1.6487 and min(e^1.8, 2) = 2.
+    lp = torch.tensor([[-1.0, -0.2]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]])
+    adv, mask = torch.tensor([1.0]), torch.tensor([[1.0, 1.0]])
+    parts = grpo_loss(lp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, kl_estimator="k3", normalizer=2.0,
+                      off_policy="decoupled", is_cap=2.0)
+    parts.loss.backward()
+    w = [math.exp(0.5), 2.0]
+    assert parts.loss.item() == pytest.approx(-(w[0] + w[1]) / 2)  # the proximal ratio is 1
+    assert lp.grad.tolist()[0] == pytest.approx([-w[0] / 2, -w[1] / 2], rel=1e-6)
+    assert parts.is_weight_sum == pytest.approx(sum(w)) and parts.is_truncated_sum == 1
+    assert parts.mismatch_sum == pytest.approx(0.5 + 1.8) and parts.clipped_sum == 0
+    # `none` clips the same tokens against the engine's log-probs: ratios e^0.5 and e^1.8, both past
+    # 1.2 with a positive advantage, so no gradient flows at all.
+    lp2 = torch.tensor([[-1.0, -0.2]], requires_grad=True)
+    plain = grpo_loss(lp2, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, kl_estimator="k3", normalizer=2.0)
+    plain.loss.backward()
+    assert lp2.grad.abs().sum().item() == 0.0 and plain.clipped_sum == 2 and plain.is_weight_sum == 2.0
+    with pytest.raises(ValueError, match="off_policy"):
+        grpo_loss(lp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, kl_estimator="k3", normalizer=2.0,
+                  off_policy="tis-typo")

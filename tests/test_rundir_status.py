@@ -74,6 +74,8 @@ def _story(run_dir: Path) -> None:
     s.publish_version(StepRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                  step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=1)
+    s.report(RankReport(rank=1, metrics=[MetricPoint("clip_frac", 0.125, 0, "actor"),
+                                         MetricPoint("logprob_mismatch", 0.0625, 0, "actor")]))
 
 
 def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,6 +91,7 @@ def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                     "goodput_tok_s": 2.0, "ras": 1, "tprm_s": 0.5, "ra2p_mode": "colocated", "max_staleness": 0,
                     "eval": False}
     assert doc["buffer"]["tasks_pending"] == 2 and doc["buffer"]["traj_consumed"] == 2
+    assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch": 0.0625}
 
 
 def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,6 +100,7 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "run quickstart (tiderl): running" in out
     assert "colocated" in out and "rollout" in out and "tasks pending 2" in out
+    assert "trainer (last step): clip_frac 0.125, logprob_mismatch 0.062" in out
 
 
 def test_status_of_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

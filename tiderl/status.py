@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probe", action="store_true", help="Do not ask the env servers for /health.")
 
 
+TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max")
+
+
 def collect(store: Any) -> dict[str, Any]:
     """The status document of a run (what --json prints, without the diagnosis)."""
     info = store.run_info()
@@ -69,6 +72,7 @@ def collect(store: Any) -> dict[str, Any]:
         "buffer": store.buffer_state(),
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
         "eval": [e | {"eval": True} for e in store.view("eval_summary")],
+        "trainer": store.latest_metrics(TRAINER_KEYS),
     }
 
 
@@ -223,6 +227,9 @@ def render(doc: dict[str, Any]) -> str:
                          f"{s['consumed_tokens']:>6}  {_f(s['duration_s'], 1):>6}  {_f(s['goodput_tok_s'], 0):>5}  "
                          f"{s['ras'] if s['ras'] is not None else '-':>5}  {_f(s['tprm_s'], 2):>6}  "
                          f"{s['ra2p_mode'] or '-'}")
+    t = doc.get("trainer") or {}
+    if t:
+        lines.append("trainer (last step): " + ", ".join(f"{k} {_f(t[k], 3)}" for k in TRAINER_KEYS if k in t))
     for e in doc["eval"]:
         ci = ""
         if e["success_rate"] is not None and e["num_tasks"]:

@@ -40,6 +40,14 @@ class TrainerConfig:
         help="Dual-clip PPO: for a negative advantage A, a token's loss is at most -c A (c this value, > 1), "
         "however much likelier the token is now than when it was sampled. null: the plain clip only.",
     )
+    off_policy: Literal["none", "decoupled"] = option(
+        "none",
+        help="Off-policy correction of stale or engine-mismatched tokens. `none`: the ratio is clipped against "
+        "the engine's log-probabilities (the behaviour policy). `decoupled`: decoupled PPO, the ratio against "
+        "the trainer's weights at the step's start and the surrogate weighted by min(pi / mu, is_cap) "
+        "(truncated importance sampling; with one optimizer step per batch the two coincide).",
+    )
+    is_cap: float = option(2.0, gt=1, help="`off_policy: decoupled`: the cap C of the importance weight min(pi / mu, C).")
     kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")
     kl_estimator: Literal["k1", "k3"] = option("k3", help="KL estimator: `k1` (log-ratio) or `k3` (unbiased, non-negative).")
     ra2p_mode: Literal["auto", "decoupled", "colocated", "vanilla_stream", "vanilla_stream_offload"] = option(

@@ -194,7 +194,10 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                         loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     v = plan.version
-    metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"),
+    metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
+               MetricPoint("logprob_mismatch", stats.logprob_mismatch, v, "actor"),
+               MetricPoint("is_weight_mean", stats.is_weight_mean, v, "actor"),
+               MetricPoint("is_truncated_frac", stats.is_truncated_frac, v, "actor"),
                MetricPoint("staleness_max", stats.staleness_max, v, "actor"),
                MetricPoint("train_s", stats.duration_s, v, "actor")]
     metrics += [MetricPoint(n, getattr(stats, n), v, "actor") for n in ("t_ref_s", "t_act_f_s", "t_act_b_s",

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 KlEstimator = Literal["k1", "k3"]
+OffPolicy = Literal["none", "decoupled"]
 
 
 KL_LOG_RATIO_CLAMP = 20.0  # |log ref - log pi| beyond this is clamped before the exp of k3 (as verl)
@@ -97,6 +98,12 @@ class LossParts:
     ratio_sum: float
     clipped_sum: float
     num_tokens: int
+    mismatch_sum: float = 0.0
+    """Sum of |trainer log-prob - engine log-prob| of the same tokens (engine/trainer mismatch plus policy lag)."""
+    is_weight_sum: float = 0.0
+    """Sum of the importance weights applied (decoupled: min(pi_prox / mu, is_cap); none: 1 each)."""
+    is_truncated_sum: float = 0.0
+    """Tokens whose importance weight was truncated at is_cap."""
 
 
 def grpo_loss(
@@ -111,11 +118,20 @@ def grpo_loss(
     kl_estimator: KlEstimator,
     normalizer: float,
     dual_clip: float | None = None,
+    off_policy: OffPolicy = "none",
+    is_cap: float = 2.0,
 ) -> LossParts:
     """Token-level GRPO loss of one micro-batch (see the module docstring for the scaling).
 
     ``advantages`` is per token (``[B, T-1]``) or per sequence (``[B]``).
     ``ref_logprobs`` may be None only when ``kl_coef`` is 0.
+
+    ``off_policy``: ``none`` clips the ratio against the behaviour policy (the engine's log-probabilities,
+    ``old_logprobs``). ``decoupled`` (decoupled PPO, Hilton et al. 2021): the ratio is taken against the
+    proximal policy, the trainer's own weights at the start of the step (``logprobs`` detached), and the
+    surrogate is weighted by the truncated importance weight ``min(pi_prox / mu, is_cap)``: stale or
+    mismatched tokens are corrected, not clipped away. With one optimizer step per batch the proximal
+    ratio is 1 at the forward, so this is truncated importance sampling (TIS) of the policy gradient.
     """
     shape = logprobs.shape
     for name, t in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask)):
@@ -129,10 +145,24 @@ def grpo_loss(
         raise ValueError(f"grpo_loss: normalizer must be > 0, got {normalizer}")
     if clip_eps <= 0:
         raise ValueError(f"grpo_loss: clip_eps must be > 0, got {clip_eps}")
+    if off_policy not in ("none", "decoupled"):
+        raise ValueError(f"grpo_loss: off_policy must be 'none' or 'decoupled', got {off_policy!r}")
+    if not is_cap > 1.0:
+        raise ValueError(f"grpo_loss: is_cap must be > 1, got {is_cap}")
     mask = loss_mask.to(logprobs.dtype)
     keep = loss_mask > 0
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    pg, ratio, was_clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, dual_clip)
+    prox = logprobs.detach()
+    if off_policy == "decoupled":
+        pg, ratio, was_clipped = clipped_policy_loss(logprobs, prox, advantages, clip_eps, dual_clip)
+        raw = torch.exp(torch.clamp(prox - old_logprobs, max=KL_LOG_RATIO_CLAMP))
+        weight = torch.clamp(raw, max=is_cap)
+        pg = weight * pg
+        truncated = raw > is_cap
+    else:
+        pg, ratio, was_clipped = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, dual_clip)
+        weight = torch.ones_like(prox)
+        truncated = torch.zeros_like(keep)
     per_token = pg
     kl_sum = 0.0
     if kl_coef > 0 and ref_logprobs is None:
@@ -153,6 +183,9 @@ def grpo_loss(
         pg_sum=float(torch.where(keep, pg.detach(), zero).sum()),
         kl_sum=kl_sum,
         ratio_sum=float(torch.where(keep, ratio.detach(), zero).sum()),
-        clipped_sum=float((was_clipped.to(mask.dtype) * mask).sum()),
+        clipped_sum=float((was_clipped & keep).sum()),
         num_tokens=int(mask.sum().item()),
+        mismatch_sum=float(torch.where(keep, (prox - old_logprobs).abs(), zero).sum()),
+        is_weight_sum=float(torch.where(keep, weight, zero).sum()),
+        is_truncated_sum=float((truncated & keep).sum()),
     )

@@ -91,7 +91,7 @@ def find_resume_point(base_model: Path, weights_root: Path, ckpt_root: Path, kee
 
 def loss_config(config: TrainerConfig) -> LossConfig:
     return LossConfig(clip_eps=config.clip_eps, kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
-                      dual_clip=config.dual_clip)
+                      dual_clip=config.dual_clip, off_policy=config.off_policy, is_cap=config.is_cap)
 
 
 def lr_at(config: TrainerConfig, version: int) -> float:

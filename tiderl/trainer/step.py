@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tiderl.trainer.backend import ActorBackend, RefBackend
 from tiderl.trainer.batch import MicroBatch
-from tiderl.trainer.grpo import KlEstimator, LossParts, grpo_loss
+from tiderl.trainer.grpo import KlEstimator, LossParts, OffPolicy, grpo_loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,8 @@ class LossConfig:
     kl_coef: float = 0.01
     kl_estimator: KlEstimator = "k3"
     dual_clip: float | None = 3.0
+    off_policy: OffPolicy = "none"
+    is_cap: float = 2.0
 
 
 @dataclass(slots=True)
@@ -38,6 +40,9 @@ class StepAccumulator:
     kl_sum: float = 0.0
     ratio_sum: float = 0.0
     clipped_sum: float = 0.0
+    mismatch_sum: float = 0.0
+    is_weight_sum: float = 0.0
+    is_truncated_sum: float = 0.0
     loss_sum: float = 0.0
     num_tokens: int = 0
     num_micro_batches: int = 0
@@ -59,6 +64,9 @@ class StepAccumulator:
         self.kl_sum += parts.kl_sum
         self.ratio_sum += parts.ratio_sum
         self.clipped_sum += parts.clipped_sum
+        self.mismatch_sum += parts.mismatch_sum
+        self.is_weight_sum += parts.is_weight_sum
+        self.is_truncated_sum += parts.is_truncated_sum
         self.loss_sum += float(parts.loss.detach())
         self.num_tokens += parts.num_tokens
         self.num_micro_batches += 1
@@ -102,6 +110,9 @@ class StepStats:
     t_swap_s: float  # mean seconds of one ref<->actor swap (0: none)
     optimizer_s: float  # gradient reduction + clipping + AdamW step
     duration_s: float
+    logprob_mismatch: float = 0.0  # mean |trainer - engine| log-prob of the trained tokens
+    is_weight_mean: float = 1.0  # mean importance weight applied (trainer.off_policy)
+    is_truncated_frac: float = 0.0  # share of tokens whose weight was truncated at trainer.is_cap
 
 
 def forward(actor: ActorBackend, mb: MicroBatch, acc: StepAccumulator) -> torch.Tensor:
@@ -142,6 +153,8 @@ def finish(
         kl_estimator=loss.kl_estimator,
         normalizer=normalizer,
         dual_clip=loss.dual_clip,
+        off_policy=loss.off_policy,
+        is_cap=loss.is_cap,
     )
     actor.backward(parts.loss)
     acc.actor_backward_s += time.perf_counter() - t0
@@ -154,7 +167,8 @@ def reduce_stats(
     """Global step figures: sums all-reduced over ``group`` (timings: the slowest rank)."""
     sums = torch.tensor(
         [acc.loss_sum, acc.pg_sum, acc.kl_sum, acc.ratio_sum, acc.clipped_sum, acc.num_tokens,
-         acc.num_sequences, acc.num_micro_batches, acc.staleness_sum, acc.num_swaps],
+         acc.num_sequences, acc.num_micro_batches, acc.staleness_sum, acc.num_swaps, acc.mismatch_sum,
+         acc.is_weight_sum, acc.is_truncated_sum],
         dtype=torch.float64,
     )
     per = max(acc.num_micro_batches, 1)
@@ -165,7 +179,7 @@ def reduce_stats(
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-    loss, pg, kl, ratio, clipped, tokens, seqs, mbs, stale, swaps = sums.tolist()
+    loss, pg, kl, ratio, clipped, tokens, seqs, mbs, stale, swaps, mismatch, weight, truncated = sums.tolist()
     n = max(tokens, 1.0)
     return StepStats(
         version=acc.version,
@@ -190,4 +204,7 @@ def reduce_stats(
         t_swap_s=float(maxes[7]),
         optimizer_s=float(maxes[8]),
         duration_s=float(maxes[9]),
+        logprob_mismatch=mismatch / n,
+        is_weight_mean=weight / n if tokens else 1.0,
+        is_truncated_frac=truncated / n,
     )
