@@ -53,3 +53,40 @@ def test_bad_input_is_named():
                   sample_ready_s=[0.0])
     with pytest.raises(ValueError, match="unknown RA2P mode 'fast'"):
         Ra2pMode.parse("fast")
+
+
+def test_flat_groups_are_dropped_unless_every_group_is_flat():
+    import dataclasses
+
+    from tiderl.trainer.plan import drop_flat_groups
+
+    base = random_samples(3, 2, seed=3)
+    # Groups a (signal), b (flat), c (flat): two samples each.
+    advantages = [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    samples = [dataclasses.replace(s, group_id="abc"[i // 2], advantage=a) for i, (s, a) in
+               enumerate(zip(base, advantages))]
+    kept, ready, dropped = drop_flat_groups(samples, [float(i) for i in range(6)])
+    assert [s.group_id for s in kept] == ["a", "a"] and ready == [0.0, 1.0] and dropped == 2
+    flat = [dataclasses.replace(s, advantage=0.0) for s in samples]
+    kept, ready, dropped = drop_flat_groups(flat)
+    assert kept == flat and ready is None and dropped == 0
+    # A group with one non-zero advantage has signal.
+    mixed = samples[:2] + [dataclasses.replace(samples[2], advantage=0.25), samples[3]]
+    assert [s.group_id for s in drop_flat_groups(mixed)[0]] == ["a", "a", "b", "b"]
+
+
+def test_the_step_plan_leaves_flat_groups_out_of_the_token_mean_when_asked():
+    import dataclasses
+
+    from tiderl.config.trainer import TrainerConfig
+    from tiderl.trainer.modes import TrainerComm
+    from tiderl.trainer.rank import StepInput, build_plan
+
+    base = random_samples(2, 2, seed=4)
+    samples = [dataclasses.replace(s, group_id=i // 2, advantage=(0.5, -0.5, 0.0, 0.0)[i]) for i, s in enumerate(base)]
+    inp = StepInput(version=0, samples=tuple(samples), mode=Ra2pMode.COLOCATED)
+    comm = TrainerComm(rank=0, actor_ranks=(0,))
+    everything = build_plan(inp, TrainerConfig(), comm).normalizer
+    signal = build_plan(inp, TrainerConfig(skip_flat_groups=True), comm).normalizer
+    assert everything == sum(s.num_model_tokens for s in samples)
+    assert signal == sum(s.num_model_tokens for s in samples[:2]) < everything

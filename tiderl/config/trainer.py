@@ -47,6 +47,12 @@ class TrainerConfig:
         "the trainer's weights at the step's start and the surrogate weighted by min(pi / mu, is_cap) "
         "(truncated importance sampling; with one optimizer step per batch the two coincide).",
     )
+    skip_flat_groups: bool = option(
+        False,
+        help="Train no group whose rewards are all equal (zero advantages: no policy-gradient signal, yet its "
+        "tokens would count in the token mean and the KL act on them; DAPO's filter). Its trajectories are "
+        "still consumed. A step whose every group is flat trains them as before.",
+    )
     is_cap: float = option(2.0, gt=1, help="`off_policy: decoupled`: the cap C of the importance weight min(pi / mu, C).")
     kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")
     kl_estimator: Literal["k1", "k3"] = option("k3", help="KL estimator: `k1` (log-ratio) or `k3` (unbiased, non-negative).")

@@ -71,6 +71,24 @@ def _micro_batches(
     return mbs, ready_at
 
 
+FLAT = 1e-9  # |advantage| below this: no signal
+
+
+def drop_flat_groups(samples: Sequence[TrainSample], sample_ready_s: Sequence[float] | None = None
+                     ) -> tuple[list[TrainSample], list[float] | None, int]:
+    """The samples without the groups whose every advantage is 0 (equal rewards: no policy-gradient
+    signal, only KL; DAPO's dynamic-sampling filter), their ready times alike, and how many groups were
+    dropped. A step whose every group is flat keeps them all: it has nothing else to train on."""
+    flat: dict[int | str, bool] = {}
+    for s in samples:
+        flat[s.group_id] = flat.get(s.group_id, True) and abs(s.advantage) < FLAT
+    keep = [i for i, s in enumerate(samples) if not flat[s.group_id]]
+    if not keep:
+        return list(samples), None if sample_ready_s is None else list(sample_ready_s), 0
+    ready = None if sample_ready_s is None else [sample_ready_s[i] for i in keep]
+    return [samples[i] for i in keep], ready, sum(flat.values())
+
+
 def plan_step(
     samples: Sequence[TrainSample],
     *,

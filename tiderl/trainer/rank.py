@@ -24,7 +24,7 @@ from tiderl.config.trainer import TrainerConfig
 from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
-from tiderl.trainer.plan import Ra2pMode, StepPlan, plan_step
+from tiderl.trainer.plan import Ra2pMode, StepPlan, drop_flat_groups, plan_step
 from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify, versions_in
 from tiderl.trainer.step import LossConfig, StepStats
 
@@ -107,13 +107,17 @@ def lr_at(config: TrainerConfig, version: int) -> float:
 
 
 def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id: int = 0) -> StepPlan:
+    """The step's plan, the same on every actor and ref rank (each builds it from the same input)."""
+    samples, ready = list(inp.samples), inp.sample_ready_s
+    if config.skip_flat_groups:
+        samples, ready, _ = drop_flat_groups(samples, ready)
     return plan_step(
-        inp.samples,
+        samples,
         version=inp.version,
         mode=inp.mode,
         num_actors=len(comm.actor_ranks),
         micro_batch_tokens=config.micro_batch_tokens,
-        sample_ready_s=inp.sample_ready_s,
+        sample_ready_s=ready,
         pad_id=pad_id,
     )
 
