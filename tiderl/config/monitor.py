@@ -28,6 +28,12 @@ class MonitorConfig:
     metrics_host: str = option(
         "0.0.0.0", help="Address the Prometheus endpoint listens on (0.0.0.0: every interface of the node)."
     )
+    tensorboard: bool = option(
+        True,
+        help="Write the run's per-step figures (reward, success, KL, clip fraction, log-prob mismatch, goodput, "
+        "RWT/TWT, roles, evaluations) as TensorBoard event files in RUN_DIR/tensorboard/ "
+        "(`tensorboard --logdir RUN_DIR/tensorboard`), every `metrics_interval_s`.",
+    )
     metrics_interval_s: float = option(
         2.0, gt=0, help="Seconds between two refreshes of the Prometheus metrics from the run store."
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
+from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_signals
@@ -226,14 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     store = RunStore.for_run_dir(paths.root, config.store)
     plane = ControlPlane(config, store)
     exporter = MetricsServer.start(paths.root, store, config)  # monitor.metrics_port; docs/observability.md
+    board = TensorBoardLog.start(paths.root, store, config)  # monitor.tensorboard
     try:
         while plane.tick():
             if exporter is not None:
                 exporter.tick()
+            if board is not None:
+                board.tick()
             time.sleep(TICK_S)
     finally:
         if exporter is not None:
             exporter.close()
+        if board is not None:
+            board.close()
         store.close()
     return 0
 

@@ -1,0 +1,60 @@
+"""TensorBoard event files from the run store (tiderl.tboard), read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tiderl.config import load_job
+from tiderl.rundir import create_run
+from tiderl.store import (FinishedTrajectory, MetricPoint, NewGroup, RankReport, StepRecord, TaskKind)
+from tiderl.store.types import Role, RunState
+from tiderl.tboard import TensorBoardLog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _step(s, version: int) -> None:
+    s.add_groups([NewGroup(TaskKind.TRAIN, version, 2)])
+    claims = s.claim_tasks(1, 2)
+    s.report(RankReport(rank=1, finished=[
+        FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
+                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1,
+                           reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
+        metrics=[MetricPoint("rwt_s", 1.5, version - 1, "rollout")]))
+    got = s.claim_ready_groups(0, 4)
+    s.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum="c",
+                                 trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=2.0,
+                                 ras=1, tprm_s=0.5, ra2p_mode="colocated"), owner=0)
+    s.report(RankReport(rank=0, metrics=[MetricPoint("clip_frac", 0.25 * version, version - 1, "actor")]))
+    s.plan_roles(version, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
+
+
+def _scalars(d: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(d))
+    acc.Reload()
+    return [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def test_per_step_scalars_are_written_once_and_a_restart_carries_on(tmp_path: Path) -> None:
+    paths, s = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ACTOR)
+    s.register_rank(1, Role.ROLLOUT)
+    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
+    s.set_run_state(RunState.RUNNING)
+    _step(s, 1)
+    board = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
+    board.close()
+    d = paths.root / "tensorboard"
+    assert _scalars(d, "train/success_rate") == [(1, 0.5)]
+    assert _scalars(d, "trainer/clip_frac") == [(1, 0.25)]
+    assert _scalars(d, "roles/idle") == [(1, 1.0)] and _scalars(d, "wait/rwt_s") == [(1, 1.5)]
+    # A restarted control plane writes only what is new.
+    _step(s, 2)
+    again = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
+    again.close()
+    assert _scalars(d, "train/success_rate") == [(1, 0.5), (2, 0.5)]
+    assert _scalars(d, "trainer/clip_frac") == [(1, 0.25), (2, 0.5)]
+    assert _scalars(d, "wait/rwt_s") == [(1, 1.5), (2, 3.0)]

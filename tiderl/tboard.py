@@ -1,0 +1,124 @@
+"""TensorBoard event files of a run, written by the control plane (`monitor.tensorboard`).
+
+One writer per run: the control plane reads the run store every `monitor.metrics_interval_s` and
+writes what is new to `RUN_DIR/tensorboard/` (`tensorboard --logdir RUN_DIR/tensorboard`). The step
+of every scalar is the weights version a training step published, so curves of a resumed or restarted
+run continue where they were: the versions and metric rows already written are kept in
+`RUN_DIR/tensorboard/written.json`, and a restarted control plane carries on from there.
+
+Scalars: `train/` (success rate, reward, trained tokens, step seconds, RAS, TPRM, staleness),
+`trainer/` (KL, clip fraction, log-prob mismatch, importance weights: the actor's step metrics),
+`wait/` (RWT and TWT seconds so far: the slope is the waiting), `roles/` (ranks per role of the version's plan),
+`eval/` (success rate of each evaluation once all its tasks are in, with its 95% interval) and
+`throughput/goodput_tok_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from tiderl.paths import atomic_write_text
+from tiderl.store.engine import StoreError
+
+log = logging.getLogger(__name__)
+TB_DIR = "tensorboard"
+STEP_SCALARS = {"success_rate": "train/success_rate", "reward_mean": "train/reward_mean",
+                "consumed_tokens": "train/consumed_tokens", "duration_s": "train/step_s", "ras": "train/ras",
+                "tprm_s": "train/tprm_s", "max_staleness": "train/max_staleness",
+                "goodput_tok_s": "throughput/goodput_tok_s"}
+ACTOR_METRICS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max",
+                 "train_s")
+WAITS = ("rwt_s", "twt_s")
+
+
+class TensorBoardLog:
+    """`tick()` it from the control loop; `close()` it at the end."""
+
+    def __init__(self, run_dir: Path, store: Any, *, interval_s: float, eval_tasks: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir) / TB_DIR
+        self.store = store
+        self.interval_s = interval_s
+        self.eval_tasks = eval_tasks
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(self.dir))
+        state = self._load()
+        self.version = int(state.get("version", 0))  # steps of versions up to this one are written
+        self.metric_id = int(state.get("metric_id", 0))
+        self.evals = set(state.get("evals", []))
+        self.waits: dict[str, float] = {n: float(state.get(n, 0.0)) for n in WAITS}
+        self._next_at = 0.0
+
+    @classmethod
+    def start(cls, run_dir: Path, store: Any, config: Any) -> "TensorBoardLog | None":
+        if not config.monitor.tensorboard:
+            return None
+        r = config.rollout
+        return cls(run_dir, store, interval_s=config.monitor.metrics_interval_s,
+                   eval_tasks=r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size))
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "written.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def tick(self, force: bool = False) -> None:
+        if not force and time.monotonic() < self._next_at:
+            return
+        self._next_at = time.monotonic() + self.interval_s
+        try:
+            self._write()
+        except StoreError as e:
+            log.warning("TensorBoard not updated: %s", e)
+
+    def _write(self) -> None:
+        rows = self.store.metric_rows_after(self.metric_id, ACTOR_METRICS + WAITS)
+        for row in rows:
+            self.metric_id = max(self.metric_id, int(row["id"]))
+            v = row["version"]
+            if row["name"] in WAITS:
+                self.waits[row["name"]] += float(row["value"])
+            elif v is not None:  # the actor's metrics of the step that trained version v: that step published v + 1
+                self.writer.add_scalar(f"trainer/{row['name']}", float(row["value"]), int(v) + 1)
+        for s in self.store.steps():
+            v = int(s["version"])
+            if v <= self.version:
+                continue
+            for key, tag in STEP_SCALARS.items():
+                if s.get(key) is not None:
+                    self.writer.add_scalar(tag, float(s[key]), v)
+            for name, value in self.waits.items():
+                self.writer.add_scalar(f"wait/{name}", value, v)
+            plan = self.store.plan_at(v)
+            if plan is not None:
+                counts: dict[str, int] = defaultdict(int)
+                for role in plan.roles.values():
+                    counts[role.value] += 1
+                for role in ("rollout", "actor", "ref", "idle"):
+                    self.writer.add_scalar(f"roles/{role}", counts.get(role, 0), v)
+            self.version = v
+        for e in self.store.view("eval_summary"):
+            v, n = int(e["eval_version"]), int(e["num_tasks"] or 0)
+            if v in self.evals or e["success_rate"] is None or n < self.eval_tasks:
+                continue
+            from tiderl.evalstats import wilson_interval
+
+            low, high = wilson_interval(round(e["success_rate"] * n), n)
+            self.writer.add_scalar("eval/success_rate", float(e["success_rate"]), v)
+            self.writer.add_scalar("eval/success_rate_low95", low, v)
+            self.writer.add_scalar("eval/success_rate_high95", high, v)
+            self.evals.add(v)
+        self.writer.flush()
+        atomic_write_text(self.dir / "written.json", json.dumps(
+            {"version": self.version, "metric_id": self.metric_id, "evals": sorted(self.evals)} | self.waits))
+
+    def close(self) -> None:
+        self.tick(force=True)
+        self.writer.close()
