@@ -59,6 +59,11 @@ class TensorBoardLog:
     def start(cls, run_dir: Path, store: Any, config: Any) -> "TensorBoardLog | None":
         if not config.monitor.tensorboard:
             return None
+        try:
+            import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+        except ImportError:
+            log.warning("monitor.tensorboard is on but the tensorboard package is not installed: no event files")
+            return None
         r = config.rollout
         return cls(run_dir, store, interval_s=config.monitor.metrics_interval_s,
                    eval_tasks=r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size))
