@@ -180,7 +180,7 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     import sys
 
     from tiderl.config import load_job
-    from tiderl.run.launcher import _replace
+    from tiderl.run.supervise import replace_child as _replace
     from tiderl.rundir import create_run
     from tiderl.store.types import ClaimRequest, NewGroup, RankReport, Role, TaskKind
 
@@ -247,7 +247,7 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
     import sys
 
     from tiderl.config import load_job
-    from tiderl.run.launcher import _restart_trainer_group
+    from tiderl.run.supervise import restart_trainer_group as _restart_trainer_group
     from tiderl.rundir import create_run
     from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, Role, TaskKind
 

@@ -3,7 +3,9 @@ generation rate of the rollout ranks meets the consumption rate of the
 trainer ranks (``ers.policy: rate``).
 
 Pure: no torch, no database, no HTTP, no processes. :func:`tiderl.policy.ers.plan`
-calls :func:`plan_rate` after its cold-start and evaluation rules.
+calls :func:`plan_rate` after its cold-start and evaluation rules. (Over 450 lines: the model, the
+candidate splits and the moves are one planner whose parts only make sense together, and a third
+of the file is this statement of its model and invariants.)
 
 Model (every rate from the signals' window of recent steps, as measured)
 - Generation, by Little's law: at most (max_staleness + 1) x groups_ideal

@@ -31,7 +31,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
-from tiderl.run.supervise import TRAINER_GROUP, group_restartable, quarantine, record_restart, restartable
+from tiderl.run.supervise import Restarter, replace_child, restart_trainer_group
 from tiderl.rundir import create_run, open_run
 from tiderl.store import RunStore
 from tiderl.store.engine import StoreError
@@ -165,9 +165,6 @@ def start_local_ranks(launch: Launch, tag: dict[str, str]) -> list[procs.Child]:
     """`launch.num_ranks` rank processes on this machine, each a child with its own log."""
     note = launch_note(launch)
     return [start_local_rank(launch, tag, r, note) for r in range(launch.config.launch.num_ranks)]
-
-
-Restarter = Callable[[procs.Child], "procs.Child | None"]
 
 
 def restarter(launch: Launch, tag: dict[str, str], start_ranks: RankStarter, urls: list[str]) -> Restarter | None:
@@ -347,100 +344,16 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
                 now = RunState(store.run_info()["state"])
                 if now.is_terminal:
                     return now, store.run_info()["message"] or ""
-                replacement = _replace(store, child, code, restart, restarts, restart_limit, out)
+                replacement = replace_child(store, child, code, restart, restarts, restart_limit, out)
                 if replacement is not None:
                     children[i] = replacement
                     continue
-                if rendezvous is not None and _restart_trainer_group(store, children, child, code, restart,
+                if rendezvous is not None and restart_trainer_group(store, children, child, code, restart,
                                                                      restarts, restart_limit, rendezvous, out):
                     continue
                 return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
         if control.exit_code == 0:
             return RunState(doc["state"]), doc["message"] or ""
-
-
-def _replace(store: RunStore, child: procs.Child, code: int, restart: Restarter | None,
-             restarts: dict[str, int], limit: int, out: TextIO) -> procs.Child | None:
-    """A child that died, started again where `restartable` allows it (a rank is quarantined first: dead,
-    its claims back in the pool); None when the run must fail instead."""
-    if restart is None:
-        return None
-    rank = int(child.name[4:]) if child.name.startswith("rank") and child.name[4:].isdigit() else None
-    role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None) if rank is not None else None
-    if not restartable(child.name, role, restarts.get(child.name, 0), limit):
-        return None
-    restarts[child.name] = n = restarts.get(child.name, 0) + 1
-    procs.stop([child])  # what it left in its process group (a rank's vLLM engine core)
-    try:
-        returned = quarantine(store, rank, code, n, limit, f"log: {child.log_path}") if rank is not None else ""
-    except StoreError as e:  # its claims return at the heartbeat timeout instead
-        returned = f"; its tasks could not be returned to the pool now ({e})"
-    print(f"\n{child.name} exited with code {code}: restarting it ({n} of {limit}){returned}", file=out, flush=True)
-    try:
-        replacement = restart(child)
-    except Exception as e:  # the replacement did not come up: the run fails on the original death
-        print(f"{child.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
-        return None
-    if replacement is not None:
-        try:
-            record_restart(store, child.name, rank, code, n, limit, returned)
-        except StoreError as e:
-            print(f"{child.name}'s restart could not be recorded in the run store: {e}", file=out, flush=True)
-    return replacement
-
-
-def _rank_of(name: str) -> int | None:
-    return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
-
-
-def _restart_trainer_group(store: RunStore, children: list[procs.Child], dead: procs.Child, code: int,
-                           restart: Restarter | None, restarts: dict[str, int], limit: int, rendezvous: Path,
-                           out: TextIO) -> bool:
-    """An actor or ref rank died inside a step with others: stop the trainer group (every actor and ref
-    rank), give their claims back, clear the step's rendezvous and start them all again; they resume from
-    the last published version (uncommitted weights are dropped) while rollout ranks carry on. False where
-    `group_restartable` refuses (the run then fails, as before)."""
-    rank = _rank_of(dead.name)
-    if restart is None or rank is None:
-        return False
-    roles = {r["rank"]: r["role"] for r in store.ranks()}
-    n = restarts.get(TRAINER_GROUP, 0)
-    if not group_restartable(roles.get(rank), n, limit):
-        return False
-    restarts[TRAINER_GROUP] = n = n + 1
-    members = [c for c in children if (r := _rank_of(c.name)) is not None
-               and roles.get(r) in (Role.ACTOR.value, Role.REF.value)]
-    names = ", ".join(c.name for c in members)
-    print(f"\n{dead.name} ({roles.get(rank)}) exited with code {code} inside a step: restarting the trainer "
-          f"group ({names}; {n} of {limit}) from the last published version", file=out, flush=True)
-    procs.stop(members)
-    returned = 0
-    for c in members:
-        member = _rank_of(c.name)
-        assert member is not None
-        try:
-            returned += store.declare_dead(member, f"rank {member} stopped to restart the trainer group after "
-                                                   f"{dead.name} exited with code {code}").trajectories_returned
-        except StoreError as e:
-            print(f"the claims of {c.name} could not be returned now ({e})", file=out, flush=True)
-    shutil.rmtree(rendezvous, ignore_errors=True)  # the broken step's marker and rendezvous files
-    for c in members:
-        try:
-            replacement = restart(c)
-        except Exception as e:
-            print(f"{c.name} did not restart: {type(e).__name__}: {e}", file=out, flush=True)
-            return False
-        if replacement is None:
-            return False
-        children[children.index(c)] = replacement
-    try:
-        store.record_event("launcher", "trainer_restarted",
-                           f"trainer group ({names}) restarted ({n} of {limit}) after {dead.name} exited with "
-                           f"code {code} inside a step; {returned} claimed trajectories back to ready",
-                           rank=rank, data={"process": dead.name, "code": code, "members": names})
-    except StoreError as e:
-        print(f"the trainer group's restart could not be recorded in the run store: {e}", file=out, flush=True)
-    return True
 
 
 def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:
