@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tiderl.evalstats import wilson_interval
 from tiderl.paths import atomic_write_text
 from tiderl.store.engine import StoreError
 
@@ -113,8 +114,6 @@ class TensorBoardLog:
             v, n = int(e["eval_version"]), int(e["num_tasks"] or 0)
             if v in self.evals or e["success_rate"] is None or n < self.eval_tasks:
                 continue
-            from tiderl.evalstats import wilson_interval
-
             low, high = wilson_interval(round(e["success_rate"] * n), n)
             self.writer.add_scalar("eval/success_rate", float(e["success_rate"]), v)
             self.writer.add_scalar("eval/success_rate_low95", low, v)

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HostShare"]
+__all__ = ["HostShare", "shared_speed"]
+
+
+def shared_speed(slots: float, rollout_weight: float, busy_rollout: float, busy_trainer: float) -> float:
+    """Speed of each busy rank (1: as fast as alone) on a host of `slots` (see the module docstring)."""
+    demand = busy_rollout * rollout_weight + busy_trainer
+    return 1.0 if demand <= slots else slots / demand
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +42,4 @@ class HostShare:
 
     def speed(self, busy_rollout: float, busy_trainer: float = 0.0) -> float:
         """Speed of each busy rank (1: as fast as alone) while these ranks compute at once."""
-        demand = busy_rollout * self.rollout_weight + busy_trainer
-        if demand <= self.slots:
-            return 1.0
-        return self.slots / demand
+        return shared_speed(self.slots, self.rollout_weight, busy_rollout, busy_trainer)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiderl.policy.host import HostShare
+from tiderl.policy.host import HostShare, shared_speed
 from tiderl.sim.spec import ClusterSpec
 
 
@@ -77,8 +77,10 @@ class Costs:
     def host_speed(self, busy_engines: int, busy_trainer_ranks: int = 0) -> float:
         """Speed of each busy rank while these ranks compute at once on a shared host (processor
         sharing of its slots; a busy rollout rank weighs `rollout_busy_cores`)."""
-        host = self.host
-        return 1.0 if host is None else host.speed(busy_engines, busy_trainer_ranks)
+        # Called at every engine reschedule: no object built here (HostShare.speed is the same formula).
+        if self.host_compute_slots is None:
+            return 1.0
+        return shared_speed(self.host_compute_slots, self.rollout_busy_cores, busy_engines, busy_trainer_ranks)
 
     @property
     def host(self) -> HostShare | None:
