@@ -116,3 +116,24 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
                                   oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
                                   fill_steps=2),
                          config.ers.history_steps) == signals
+
+
+def test_the_control_plane_counts_tprm_in_global_micro_batches(tmp_path: Path) -> None:
+    """The trainer times arrivals of one rank's share (micro_batch_tokens); ERS counts a micro-batch as
+    the shares of every actor rank, as the simulator does: with 2 actors a share every 0.5 s is a
+    micro-batch every second."""
+    from tiderl.rundir import create_run
+    from tiderl.run.control import ControlPlane
+    from tiderl.store.types import StepRecord
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_job(root / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0", "launch.num_ranks=3",
+                                                          "trainer.num_steps=3"])
+    _, store = create_run(config, tmp_path / "run")
+    store.register_initial_version("model", "0")
+    roles = {0: A, 1: A, 2: R}
+    store.plan_roles(0, roles, ra2p_mode="colocated", fetch_groups=1)
+    store.publish_version(StepRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[],
+                                     step_started_at=0.0, duration_s=1.0, ras=4, tprm_s=0.5), owner=0)
+    signals = ControlPlane(config, store).signals(1, roles)
+    assert signals.tprm_s == pytest.approx(1.0)

@@ -202,7 +202,9 @@ class ControlPlane:
             rollout_idle_rank_s=window.rank_s.get(("rollout_idle_s", Role.ROLLOUT.value), 0.0),
             rollout_busy_rank_s=window.rank_s.get(("rollout_busy_s", Role.ROLLOUT.value), 0.0),
             trainer_wait_s=min(end - start, window.rank_s.get(("twt_s", Role.ACTOR.value), 0.0) / actors),
-            tprm_s=row["tprm_s"])
+            # The trainer counts readiness in one rank's shares (micro_batch_tokens); ERS and the RA2P
+            # cost model in global micro-batches of `actors` shares.
+            tprm_s=row["tprm_s"] * actors if row["tprm_s"] is not None else None)
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")
