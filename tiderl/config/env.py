@@ -56,6 +56,11 @@ class EnvConfig:
     max_retries: int = option(
         3, ge=0, help="Client retries of a request, only where a retry is safe (never a step that may have run)."
     )
+    hold_s: float = option(
+        60.0, ge=0, help="With every env server out of rotation (not answering, or answering outside the "
+        "protocol), how long a new session waits for one to answer its health check again before its task "
+        "fails, seconds (0: fail at once).",
+    )
     max_workers: int = option(
         32, ge=1, help="Threads per env server for environments with blocking steps (code runs, game engines)."
     )

@@ -280,13 +280,24 @@ class EnvPool:
     fail and are retried elsewhere by the run store. After `down_s` the server gets new
     sessions again; if it still does not answer it is out for another `down_s`. A server
     that answers (a `start` placed on it when every server was out, a restarted server)
-    is back in rotation at once: its sessions must not fail for the rest of `down_s`."""
+    is back in rotation at once: its sessions must not fail for the rest of `down_s`.
 
-    def __init__(self, urls: list[str] | tuple[str, ...], *, down_s: float = 30.0, **client_kwargs: Any) -> None:
+    A server whose `/start` answers outside the protocol (garbled JSON, a missing field)
+    is out of rotation too when its `/health` is broken as well: the server, not one
+    answer, is at fault. With every server out of rotation, a `start` holds for up to
+    `hold_s` seconds, probing `/health` (0.25 s, doubling, at most 5 s apart), and
+    places the session as soon as one answers: a task does not spend its attempts on an
+    outage shorter than that. `hold_s` 0 fails at once."""
+
+    def __init__(self, urls: list[str] | tuple[str, ...], *, down_s: float = 30.0, hold_s: float = 0.0,
+                 **client_kwargs: Any) -> None:
         if not urls:
             raise ValueError("EnvPool needs at least one env server URL")
+        if hold_s < 0:
+            raise ValueError(f"hold_s: must be >= 0, got {hold_s}")
         self.clients = [EnvClient(url, **client_kwargs) for url in urls]
         self.down_s = down_s
+        self.hold_s = hold_s
         self._owner: dict[str, EnvClient] = {}
         self._load = {id(c): 0 for c in self.clients}
         self._down_until = {id(c): 0.0 for c in self.clients}
@@ -295,7 +306,7 @@ class EnvPool:
     def is_up(self, client: EnvClient) -> bool:
         return time.monotonic() >= self._down_until[id(client)]
 
-    def _mark_down(self, client: EnvClient, error: EnvConnectionError) -> None:
+    def _mark_down(self, client: EnvClient, error: EnvServiceError) -> None:
         if self.is_up(client):
             log.warning("env server %s out of rotation for %.0f s: %s", client.url, self.down_s, error)
         self._down_until[id(client)] = time.monotonic() + self.down_s
@@ -355,15 +366,23 @@ class EnvPool:
                        f"({', '.join(c.url for c in self.clients)})")
 
     async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
-        tried: list[EnvConnectionError] = []
+        tried: list[EnvServiceError] = []
+        deadline: float | None = None
         while True:
             up = [c for c in self.clients if self.is_up(c)]
-            if not up:
-                if tried:
-                    raise EnvConnectionError(tried[-1].url, "/start", "no env server answers: " + "; ".join(
-                        str(e) for e in tried))
+            if not up and not tried:
                 # Every server is out of rotation: try the one that went out first.
                 up = [min(self.clients, key=lambda c: self._down_until[id(c)])]
+            elif not up:
+                if deadline is None:
+                    deadline = time.monotonic() + self.hold_s
+                    if self.hold_s > 0:
+                        log.warning("no env server in rotation: holding a new session up to %.0f s", self.hold_s)
+                up = await self._answering(deadline)
+                if not up:
+                    held = f" within {self.hold_s:g} s" if self.hold_s > 0 else ""
+                    raise EnvConnectionError(tried[-1].url, "/start", f"no env server answers{held}: " + "; ".join(
+                        str(e) for e in tried[-len(self.clients):]))
             client = min(up, key=lambda c: self._load[id(c)])
             self._load[id(client)] += 1
             try:
@@ -371,6 +390,12 @@ class EnvPool:
             except EnvConnectionError as e:
                 self._load[id(client)] -= 1
                 self._mark_down(client, e)
+                tried.append(e)
+                continue
+            except EnvProtocolError as e:
+                self._load[id(client)] -= 1
+                if await self._is_healthy(client):
+                    raise  # the server answers its health check: this answer, not the server, is at fault
                 tried.append(e)
                 continue
             except BaseException:
@@ -381,6 +406,28 @@ class EnvPool:
             self._mark_up(client)
             self._owner[result.session_id] = client
             return result
+
+    async def _is_healthy(self, client: EnvClient) -> bool:
+        """Probe `client`'s /health: in rotation if it answers in protocol, out of it if not."""
+        try:
+            await client.health()
+        except (EnvConnectionError, EnvProtocolError) as e:
+            self._mark_down(client, e)
+            return False
+        self._mark_up(client)
+        return True
+
+    async def _answering(self, deadline: float) -> list[EnvClient]:
+        """The servers whose /health answers in protocol, probing every server until one does or until
+        `deadline` (monotonic) would pass before the next probe ([] then)."""
+        delay = 0.25
+        while True:
+            answering = [c for c, ok in zip(self.clients, await asyncio.gather(
+                *(self._is_healthy(c) for c in self.clients))) if ok]
+            if answering or time.monotonic() + delay > deadline:
+                return answering
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
     async def step(self, session_id: str, action: str) -> StepResult:
         client = self.client_of(session_id)

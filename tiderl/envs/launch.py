@@ -111,5 +111,6 @@ def ensure_run_token(run_dir: Path) -> Path:
 def make_pool(cfg: EnvConfig, urls: list[str] | tuple[str, ...], run_dir: Path | None = None) -> EnvPool:
     """The rollout side's client of these servers, with the config's timeouts and the run's token."""
     return EnvPool(
-        list(urls), token=read_token(cfg, run_dir), timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries
+        list(urls), token=read_token(cfg, run_dir), timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
+        hold_s=cfg.hold_s,
     )
