@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tiderl.diagnose import (EnvServerView, EventView, GroupView, Kind, Limits, RankView, Severity, SlurmJobView,
+from tiderl.diagnose import (EnvServerView, EventView, GroupView, Kind, Limits, RankStatusView, Severity, SlurmJobView,
                              Snapshot, TaskView, diagnose)
 
 LIMITS = Limits(num_ranks=4, num_steps=30, max_staleness=1, groups_ideal=4, feed_cap_groups=8, max_concurrency=16,
@@ -12,8 +12,8 @@ LIMITS = Limits(num_ranks=4, num_steps=30, max_staleness=1, groups_ideal=4, feed
                 rwt_window_s=30.0)
 
 
-def rank(r: int, role: str, *, age: float = 0.5, state: str = "running", **kw: object) -> RankView:
-    return RankView(rank=r, role=role, state=state, version=7, heartbeat_age_s=age, **kw)
+def rank(r: int, role: str, *, age: float = 0.5, state: str = "running", **kw: object) -> RankStatusView:
+    return RankStatusView(rank=r, role=role, state=state, version=7, heartbeat_age_s=age, **kw)
 
 
 def group(gid: int, *, done: int, size: int = 4, state: str = "open", tasks: tuple[TaskView, ...] = ()) -> GroupView:
@@ -25,7 +25,7 @@ def running(tid: int, gid: int, owner: int, seconds: float, **kw: object) -> Tas
                     **({"attempts": 1} | kw))  # type: ignore[arg-type]
 
 
-def healthy_ranks() -> tuple[RankView, ...]:
+def healthy_ranks() -> tuple[RankStatusView, ...]:
     return (rank(0, "actor"), rank(1, "rollout", running_tasks=3), rank(2, "rollout", running_tasks=2),
             rank(3, "ref"))
 

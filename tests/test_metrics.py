@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiderl.config import load_job
 from tiderl.metrics import METRICS_DIR, MetricsServer, serve_process_metrics
 from tiderl.rundir import create_run
-from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, StepRecord, TaskKind
+from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ["trainer.groups_min=1", "trainer.groups_ideal=1", "rollout.group_size=2", "launch.num_ranks=2",
@@ -53,8 +53,8 @@ def story(tmp_path: Path):
         MetricPoint("rwt_s", 1.5, 0, "rollout"), MetricPoint("prefix_cache_queries", 200, 0, "rollout"),
         MetricPoint("prefix_cache_hits", 50, 0, "rollout"), MetricPoint("kv_usage", 0.25, 0, "rollout")]))
     got = s.claim_ready_groups(0, 1)
-    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
-                                 step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
+    s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
+                                    step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
     s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[MetricPoint("twt_s", 0.75, 0, "actor")]))
     server = MetricsServer.start(tmp_path / "r", s, config)

@@ -78,7 +78,7 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     by hand from the same facts: the measurements a simulator would hand over."""
     from tiderl.rundir import create_run
     from tiderl.run.control import ControlPlane
-    from tiderl.store.types import FinishedTrajectory, MetricPoint, NewGroup, RankReport, StepRecord, TaskKind
+    from tiderl.store.types import FinishedTrajectory, MetricPoint, NewGroup, RankReport, TaskKind, VersionRecord
 
     root = Path(__file__).resolve().parents[1]
     config = load_job(root / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0", "launch.num_ranks=3",
@@ -100,8 +100,8 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
                                      MetricPoint("rollout_idle_s", 0.25, 0, "rollout")]))
     got = store.claim_ready_groups(0, 1)
     time.sleep(0.01)
-    store.publish_version(StepRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
-                                     step_started_at=0.0, duration_s=1.0), owner=0)
+    store.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
+                                        step_started_at=0.0, duration_s=1.0), owner=0)
     signals = plane.signals(1, roles)
     rows = {r["version"]: r for r in store.version_rows()}
     duration = rows[1]["created_at"] - rows[0]["created_at"]
@@ -124,7 +124,7 @@ def test_the_control_plane_counts_tprm_in_global_micro_batches(tmp_path: Path) -
     micro-batch every second."""
     from tiderl.rundir import create_run
     from tiderl.run.control import ControlPlane
-    from tiderl.store.types import StepRecord
+    from tiderl.store.types import VersionRecord
 
     root = Path(__file__).resolve().parents[1]
     config = load_job(root / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0", "launch.num_ranks=3",
@@ -133,7 +133,7 @@ def test_the_control_plane_counts_tprm_in_global_micro_batches(tmp_path: Path) -
     store.register_initial_version("model", "0")
     roles = {0: A, 1: A, 2: R}
     store.plan_roles(0, roles, ra2p_mode="colocated", fetch_groups=1)
-    store.publish_version(StepRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[],
-                                     step_started_at=0.0, duration_s=1.0, ras=4, tprm_s=0.5), owner=0)
+    store.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[],
+                                        step_started_at=0.0, duration_s=1.0, ras=4, tprm_s=0.5), owner=0)
     signals = ControlPlane(config, store).signals(1, roles)
     assert signals.tprm_s == pytest.approx(1.0)

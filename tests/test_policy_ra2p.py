@@ -185,3 +185,16 @@ def test_10_smallest_last_microbatches():
         assert body == sorted(body, reverse=True)
         assert len(mbs[-1]) <= m
         assert lengths[flat[-1]] == min(lengths)
+
+
+def test_mode_names_are_the_config_and_store_strings():
+    import typing
+
+    from tiderl.config.trainer import TrainerConfig
+
+    configured = typing.get_args(typing.get_type_hints(TrainerConfig)["ra2p_mode"])
+    assert {m.value for m in Ra2pMode} == set(configured) - {"auto"}
+    for mode in Ra2pMode:
+        assert Ra2pMode.parse(mode.value) is mode and mode == mode.value  # stored and compared as plain text
+    with pytest.raises(ValueError, match="unknown RA2P mode 'fast' .*known: decoupled, colocated"):
+        Ra2pMode.parse("fast")

@@ -13,7 +13,7 @@ from tiderl.config import load_job
 from tiderl.report.data import load, role_spans
 from tiderl.report.figures import FIGURES
 from tiderl.rundir import create_run, open_run
-from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, StepRecord, TaskKind
+from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,8 +48,8 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
         MetricPoint("rwt_s", 0.5, 0, "rollout"), MetricPoint("prefix_cache_queries", 100, 0, "rollout"),
         MetricPoint("prefix_cache_hits", 40, 0, "rollout"), MetricPoint("kv_usage", 0.3, 0, "rollout")]))
     got = s.claim_ready_groups(0, 1)
-    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
-                                 step_started_at=0.0, duration_s=2.0, ras=0, tprm_s=0.5, ra2p_mode="colocated"),
+    s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
+                                    step_started_at=0.0, duration_s=2.0, ras=0, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
     s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[MetricPoint("twt_s", 1.25, 0, "actor")]))
     s.plan_roles(1, {0: Role.ACTOR, 1: Role.IDLE}, ra2p_mode="colocated", fetch_groups=1)

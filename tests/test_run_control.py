@@ -8,7 +8,7 @@ from tiderl.config import load_job
 from tiderl.run.control import ControlPlane
 from tiderl.rundir import create_run
 from tiderl.store import RunStore
-from tiderl.store.types import FinishedTrajectory, RankReport, Role, RunState, StepRecord
+from tiderl.store.types import FinishedTrajectory, RankReport, Role, RunState, VersionRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ def _train_one_step(store: RunStore, version: int) -> None:
         token_versions=[-1, version, version], num_turns=1, reward=float(c.index_in_group % 2), success=True)
         for c in claims]))
     got = store.claim_ready_groups(0, 100)
-    store.publish_version(StepRecord(version=version + 1, path="w", checksum="c", trajectory_ids=[t.id for t in got],
-                                     step_started_at=0.0, duration_s=1.0), owner=0)
+    store.publish_version(VersionRecord(version=version + 1, path="w", checksum="c", trajectory_ids=[t.id for t in got],
+                                        step_started_at=0.0, duration_s=1.0), owner=0)
 
 
 def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path) -> None:

@@ -23,8 +23,8 @@ from tiderl.run.systems import behaviour
 from tiderl.rundir import create_run
 from tiderl.store import RunStore, codec
 from tiderl.trainer.publish import _write_checksums
-from tiderl.store.types import (GroupState, NewGroup, RankReport, RankState, Role, RunState, StepRecord,
-                                TaskKind, TaskState)
+from tiderl.store.types import (GroupState, NewGroup, RankReport, RankState, Role, RunState, StoreTaskState,
+                                TaskKind, VersionRecord)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +44,8 @@ def _publish(store: RunStore, version: int, roles: dict[int, Role], weights_root
         final.mkdir(parents=True)
         (final / "model.safetensors").write_bytes(bytes([version]) * 16)
         checksum = _write_checksums(final)
-    store.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum=checksum,
-                                     trajectory_ids=[], step_started_at=0.0, duration_s=1.0), owner=1)
+    store.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum=checksum,
+                                        trajectory_ids=[], step_started_at=0.0, duration_s=1.0), owner=1)
     store.plan_roles(version, roles, ra2p_mode="colocated", fetch_groups=1)
 
 
@@ -143,7 +143,7 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
     assert [v for _, v in engine.reloads] == [3]
     states = dict(store.tx.read(lambda c: c.exec_driver_sql(
         "select state, count(*) from tasks group by state").all()))
-    assert states == {TaskState.DONE.value: 4}
+    assert states == {StoreTaskState.DONE.value: 4}
     kinds = store.tx.read(lambda c: [k for (k,) in c.exec_driver_sql("select kind from events")])
     assert "weights_kept" in kinds
     names = store.tx.read(lambda c: {n for (n,) in c.exec_driver_sql("select distinct name from metrics")})

@@ -14,7 +14,7 @@ from tiderl.rollout.engine import EngineError
 from tiderl.rundir import create_run
 from tiderl.run.weights import WeightsRejected, WeightsSource
 from tiderl.store.runstore import RunStore
-from tiderl.store.types import StepRecord
+from tiderl.store.types import VersionRecord
 from tiderl.trainer.publish import WeightPublisher, _write_checksums
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ def _publish(store: RunStore, root: Path, version: int, keep: int) -> Path:
     (final / "model.safetensors").write_bytes(bytes([version]) * 64)
     (final / "config.json").write_text("{}")
     checksum = _write_checksums(final)
-    store.publish_version(StepRecord(version=version, path=str(final), checksum=checksum, trajectory_ids=[],
-                                     step_started_at=0.0, duration_s=1.0), owner=0)
+    store.publish_version(VersionRecord(version=version, path=str(final), checksum=checksum, trajectory_ids=[],
+                                        step_started_at=0.0, duration_s=1.0), owner=0)
     WeightPublisher.prune(_Keep(root, keep))  # type: ignore[arg-type]
     return final
 

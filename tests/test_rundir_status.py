@@ -13,7 +13,7 @@ from tiderl.cli import main
 from tiderl.config import load_job
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.rundir import RunDirError, create_run, open_run
-from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, StepRecord, TaskKind
+from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +71,8 @@ def _story(run_dir: Path) -> None:
                            reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
         metrics=[MetricPoint("rwt_s", 1.5), MetricPoint("twt_s", 0.25)]))
     got = s.claim_ready_groups(1, 4)
-    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
-                                 step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
+    s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
+                                    step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=1)
     s.report(RankReport(rank=1, metrics=[MetricPoint("clip_frac", 0.125, 0, "actor"),
                                          MetricPoint("logprob_mismatch", 0.0625, 0, "actor")]))

@@ -17,7 +17,7 @@ from tiderl.sim.costs import Costs, derive_costs
 from tiderl.sim.report import FIXED, best_fixed, fixed_partitions, refs_to_keep_up
 from tiderl.sim.simulator import Simulation
 from tiderl.sim.spec import ClusterSpec, WorkloadSpec, load_cluster, load_workload
-from tiderl.sim.systems import UnknownSystemError, parse_system
+from tiderl.sim.systems import SimSystemError, parse_system
 from tiderl.sim.workload import TaskPlan
 
 DRAINED = 1 - math.exp(-1)
@@ -160,7 +160,7 @@ def test_a_fixed_decoupled_split_runs_decoupled_with_its_refs():
     assert all((e["rollout"], e["actor"], e["ref"], e["mode"]) == (2, 4, 2, "decoupled") for e in r["roles_timeline"])
     assert r["ra2p"]["decoupled_steps"] == 4
     for bad in ("async@0.25+ref1", "tiderl@0.25+ref1", "tiderl-noers@0.25+ref0", "tiderl-noers@0.25+refs"):
-        with pytest.raises(UnknownSystemError):
+        with pytest.raises(SimSystemError):
             parse_system(bad)
     with pytest.raises(ValueError, match="no actor"):
         Simulation(w, c, parse_system("tiderl-noers@0.75+ref2"), steps=1, seed=0)

@@ -10,7 +10,7 @@ import pytest
 
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.sim.costs import Costs
-from tiderl.sim.engine import Engine
+from tiderl.sim.engine import SimEngine
 from tiderl.sim.trainer import Trainer, TrainerKind
 
 
@@ -28,7 +28,7 @@ def costs(**kw) -> Costs:
 
 # -- engine ------------------------------------------------------------------------------------
 def test_engine_turn_then_prefix_hit():
-    e = Engine(costs(), 1000)
+    e = SimEngine(costs(), 1000)
     e.submit(0.0, "a", ctx=50, gen_tokens=10, kept=False)
     # 50 prompt tokens fit one 100-token chunk: 1 iteration, then 10 decode iterations of 10 ms.
     assert e.next_event_s() == pytest.approx(0.11)
@@ -41,7 +41,7 @@ def test_engine_turn_then_prefix_hit():
 
 
 def test_engine_batch_shares_iterations_and_chunked_prefill_queues():
-    e = Engine(costs(), 10_000)
+    e = SimEngine(costs(), 10_000)
     e.submit(0.0, "a", ctx=250, gen_tokens=10, kept=False)  # 3 chunks of prefill
     e.submit(0.0, "b", ctx=50, gen_tokens=1, kept=False)  # behind a's 250 tokens: starts at 300/100 = 3
     # b: decoding starts after iteration 3, one token -> done after 4 iterations.
@@ -52,7 +52,7 @@ def test_engine_batch_shares_iterations_and_chunked_prefill_queues():
 
 
 def test_engine_evicts_lru_ordinary_before_kept_and_partially():
-    e = Engine(costs(), 1000)
+    e = SimEngine(costs(), 1000)
     for task, ctx, kept in (("old", 300, False), ("kept", 300, True), ("new", 300, False)):
         e.submit(0.0, task, ctx=ctx - 1, gen_tokens=1, kept=kept)
         e.pop_finished(e.next_event_s())
@@ -66,7 +66,7 @@ def test_engine_evicts_lru_ordinary_before_kept_and_partially():
 
 
 def test_engine_preempts_the_newest_request_and_recomputes_it():
-    e = Engine(costs(), 100)
+    e = SimEngine(costs(), 100)
     e.submit(0.0, "first", ctx=40, gen_tokens=50, kept=False)
     e.submit(0.0, "second", ctx=40, gen_tokens=50, kept=False)
     # Both prefilled in one iteration; each then grows one token per iteration: 80 + 2 x 20 > 100.
@@ -77,7 +77,7 @@ def test_engine_preempts_the_newest_request_and_recomputes_it():
 
 
 def test_engine_flush_interrupts_and_stalls():
-    e = Engine(costs(), 1000)
+    e = SimEngine(costs(), 1000)
     e.submit(0.0, "a", ctx=50, gen_tokens=10, kept=False)
     e.pop_finished(0.11)
     e.submit(0.11, "b", ctx=50, gen_tokens=100, kept=False)

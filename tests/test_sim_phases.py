@@ -13,7 +13,7 @@ from sim_helpers import ROOT, WORKLOAD
 
 from tiderl.config import ConfigError
 from tiderl.config.schema import build
-from tiderl.sim.spec import Phase, WorkloadSpec, load_workload
+from tiderl.sim.spec import WorkloadPhase, WorkloadSpec, load_workload
 from tiderl.sim.workload import TaskSampler
 
 PHASE_CHANGE = ROOT / "jobs" / "sim" / "phase-change.workload.yaml"
@@ -61,9 +61,9 @@ def test_bad_phases_name_file_and_key(tmp_path, phases, key, words):
 
 def test_phase_built_in_python_is_checked_too():
     with pytest.raises(ValueError, match="env_latency_scale"):
-        Phase(from_step=3, env_latency_scale=0.0)
+        WorkloadPhase(from_step=3, env_latency_scale=0.0)
     with pytest.raises(ValueError, match="from_step"):
-        Phase(from_step=0)
+        WorkloadPhase(from_step=0)
 
 
 def test_keys_left_out_carry_over_from_the_phase_before():

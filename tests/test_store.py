@@ -16,10 +16,10 @@ from tiderl.store import (
     RankReport,
     Role,
     RunStore,
-    StepRecord,
     StoreError,
     TaskFailure,
     TaskKind,
+    VersionRecord,
 )
 from tiderl.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
 
@@ -100,23 +100,23 @@ def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path) -> None:
     finish(s, 0, s.claim_tasks(0, 2), [1.0, 0.0])
     got = s.claim_ready_groups(2, 5)
     ids = [t.id for t in got]
-    s.publish_version(StepRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=ids,
-                                 step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
+    s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=ids,
+                                    step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=2)
     (step,) = s.steps()
     assert step["consumed_tokens"] == 8 and step["goodput_tok_s"] == 4.0 and step["success_rate"] == 0.5
     assert step["max_staleness"] == 0
     with pytest.raises(ClaimLostError):
-        s.publish_version(StepRecord(version=2, path="weights/v2", checksum="y", trajectory_ids=ids,
-                                     step_started_at=0.0, duration_s=1.0), owner=2)
+        s.publish_version(VersionRecord(version=2, path="weights/v2", checksum="y", trajectory_ids=ids,
+                                        step_started_at=0.0, duration_s=1.0), owner=2)
     assert s.run_info()["version"] == 1
 
 
 def test_version_must_follow_the_last(tmp_path: Path) -> None:
     s = make_store(tmp_path)
     with pytest.raises(StoreError, match="version 3 published after 0"):
-        s.publish_version(StepRecord(version=3, path="p", checksum="c", trajectory_ids=[], step_started_at=0,
-                                     duration_s=1), owner=2)
+        s.publish_version(VersionRecord(version=3, path="p", checksum="c", trajectory_ids=[], step_started_at=0,
+                                        duration_s=1), owner=2)
 
 
 def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> None:
@@ -143,8 +143,8 @@ def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> N
     assert sorted(c.task_id for c in again) == sorted(c.task_id for c in mine)
     assert all(c.attempts == 2 for c in again)
     with pytest.raises(ClaimLostError):
-        s.publish_version(StepRecord(version=1, path="p", checksum="c", trajectory_ids=[t.id for t in held],
-                                     step_started_at=0, duration_s=1), owner=2)
+        s.publish_version(VersionRecord(version=1, path="p", checksum="c", trajectory_ids=[t.id for t in held],
+                                        step_started_at=0, duration_s=1), owner=2)
     assert len(s.claim_ready_groups(2, 5)) == 2
     kinds = [e for e in s.tx.read(lambda c: c.exec_driver_sql("select kind from events").all())]
     assert len(kinds) == 3

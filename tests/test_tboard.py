@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tiderl.config import load_job
 from tiderl.rundir import create_run
-from tiderl.store import (FinishedTrajectory, MetricPoint, NewGroup, RankReport, StepRecord, TaskKind)
+from tiderl.store import (FinishedTrajectory, MetricPoint, NewGroup, RankReport, TaskKind, VersionRecord)
 from tiderl.store.types import Role, RunState
 from tiderl.tboard import TensorBoardLog
 
@@ -24,9 +24,9 @@ def _step(s, version: int) -> None:
                            reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
         metrics=[MetricPoint("rwt_s", 1.5, version - 1, "rollout")]))
     got = s.claim_ready_groups(0, 4)
-    s.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum="c",
-                                 trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=2.0,
-                                 ras=1, tprm_s=0.5, ra2p_mode="colocated"), owner=0)
+    s.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="c",
+                                    trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=2.0,
+                                    ras=1, tprm_s=0.5, ra2p_mode="colocated"), owner=0)
     s.report(RankReport(rank=0, metrics=[MetricPoint("clip_frac", 0.25 * version, version - 1, "actor")]))
     s.plan_roles(version, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.local import LocalGroupJob, SyntheticSource, run_local_group
 from tiderl.trainer.modes import TrainerComm
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.rank import ActorRank
 from tiderl.trainer.synthetic import make_model_dir
 

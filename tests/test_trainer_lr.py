@@ -9,8 +9,8 @@ import pytest
 
 from tiderl.config.schema import ConfigError, build
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.modes import TrainerComm
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.local import SyntheticSource
 from tiderl.trainer.rank import ActorRank, lr_at
 from tiderl.trainer.synthetic import make_model_dir

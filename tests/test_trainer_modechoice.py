@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.modechoice import StageTimeTracker, choose_step_mode
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.step import StepStats
 
 ZERO = StepStats(**{f.name: 0 for f in dataclasses.fields(StepStats)})

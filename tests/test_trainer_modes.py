@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.modes import TrainerComm
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.rank import ActorRank, StepInput
 from tiderl.trainer.synthetic import make_model_dir, random_samples
 

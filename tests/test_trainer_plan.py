@@ -2,7 +2,8 @@
 
 import pytest
 
-from tiderl.trainer.plan import Ra2pMode, plan_step
+from tiderl.policy.ra2p import Ra2pMode
+from tiderl.trainer.plan import plan_step
 from tiderl.trainer.synthetic import random_samples
 
 SAMPLES = random_samples(5, 4, min_tokens=8, max_tokens=80, seed=7)

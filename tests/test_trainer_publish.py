@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.modes import TrainerComm
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.publish import CHECKSUM_FILE, ChecksumError, verify
-from tiderl.trainer.rank import ActorRank, StepInput, StepResult, find_resume_point
+from tiderl.trainer.rank import ActorRank, PublishedStep, StepInput, find_resume_point
 from tiderl.trainer.synthetic import make_model_dir, random_samples
 
 torch.set_num_threads(1)
@@ -31,9 +31,9 @@ class Source:
 
 class Sink:
     def __init__(self) -> None:
-        self.results: list[StepResult] = []
+        self.results: list[PublishedStep] = []
 
-    def publish(self, result: StepResult) -> None:
+    def publish(self, result: PublishedStep) -> None:
         # the version directory is complete before the version row is committed
         verify(result.published.path)
         self.results.append(result)

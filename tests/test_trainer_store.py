@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.store import FinishedTrajectory, NewGroup, RankReport, Role, RunStore, TaskKind
 from tiderl.trainer.modes import TrainerComm
-from tiderl.trainer.plan import Ra2pMode
 from tiderl.trainer.rank import ActorRank
 from tiderl.trainer.store_io import StoreStepSource, StoreVersionSink
 from tiderl.trainer.synthetic import make_model_dir

@@ -95,11 +95,13 @@ class Limits:
     heartbeat_timeout_s: float
     stall_after_s: float
     slow_task_s: float
-    rwt_window_s: float  # the window `RankView.rwt_recent_s` sums over
+    rwt_window_s: float  # the window `RankStatusView.rwt_recent_s` sums over
 
 
 @dataclass(frozen=True, slots=True)
-class RankView:
+class RankStatusView:
+    """A rank as `tiderl status` sees it in the store (CTB's view of a rank is `policy.ctb.RankView`)."""
+
     rank: int
     role: str
     state: str
@@ -169,7 +171,7 @@ class Snapshot:
     version: int
     since_progress_s: float  # since the last version was published (or the run started)
     limits: Limits
-    ranks: tuple[RankView, ...] = ()
+    ranks: tuple[RankStatusView, ...] = ()
     groups: tuple[GroupView, ...] = ()  # outstanding groups: open, ready, claimed
     fetch_groups: int | None = None  # groups the current step trains on (the plan), None: groups_ideal
     ra2p_mode: str | None = None
@@ -256,11 +258,11 @@ def _culprit(findings: list[Finding]) -> Finding | None:
 
 
 # ---- ranks -----------------------------------------------------------------------------------------
-def _is_live(r: RankView) -> bool:
+def _is_live(r: RankStatusView) -> bool:
     return r.state in LIVE_RANK_STATES
 
 
-def _missed(r: RankView, limits: Limits) -> int:
+def _missed(r: RankStatusView, limits: Limits) -> int:
     """Heartbeats a live rank missed (0 while it is within two heartbeat periods)."""
     age = r.heartbeat_age_s
     if age is None or not _is_live(r) or age <= 2 * limits.heartbeat_s:
@@ -268,7 +270,7 @@ def _missed(r: RankView, limits: Limits) -> int:
     return int(age // limits.heartbeat_s)
 
 
-def _is_healthy(r: RankView, limits: Limits) -> bool:
+def _is_healthy(r: RankStatusView, limits: Limits) -> bool:
     return _is_live(r) and _missed(r, limits) == 0
 
 

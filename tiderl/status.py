@@ -112,7 +112,7 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
             rwt[row["rank"]] = rwt.get(row["rank"], 0.0) + float(row["value"])
     claims = {c["rank"]: c for c in store.trainer_claims() if c["rank"] is not None}
     planned = {r["rank"]: r["planned_role"] for r in store.view("rank_roles")}
-    ranks = tuple(dg.RankView(
+    ranks = tuple(dg.RankStatusView(
         rank=r["rank"], role=r["role"], state=r["state"], version=r["version"],
         heartbeat_age_s=now - r["heartbeat_at"], planned_role=planned.get(r["rank"]),
         running_tasks=running.get(r["rank"], 0), rwt_recent_s=rwt.get(r["rank"], 0.0),

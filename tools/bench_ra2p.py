@@ -30,8 +30,9 @@ from pathlib import Path
 
 from tiderl.config.trainer import TrainerConfig
 from tiderl.policy import ra2p
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.local import LocalGroupJob, SyntheticSource, run_local_group
-from tiderl.trainer.plan import Ra2pMode, plan_step
+from tiderl.trainer.plan import plan_step
 from tiderl.trainer.synthetic import ModelSize, make_model_dir
 
 MODES = (Ra2pMode.DECOUPLED, Ra2pMode.COLOCATED, Ra2pMode.VANILLA_STREAM, Ra2pMode.VANILLA_STREAM_OFFLOAD)

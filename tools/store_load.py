@@ -24,9 +24,9 @@ from tiderl.store import (
     RankState,
     Role,
     RunStore,
-    StepRecord,
     StoreError,
     TaskKind,
+    VersionRecord,
 )
 
 
@@ -115,8 +115,8 @@ def claimer(spec: LoadSpec, rank: int, out: str) -> None:
         while True:  # two trainers race for the next version number; the loser retries with the next one
             version = s.run_info()["version"] + 1
             try:
-                s.publish_version(StepRecord(version=version, path=f"weights/v{version}", checksum="x",
-                                             trajectory_ids=ids, step_started_at=start, duration_s=0.01),
+                s.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="x",
+                                                trajectory_ids=ids, step_started_at=start, duration_s=0.01),
                                   owner=rank)
                 commits += 1
                 published.append(version)

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from tiderl.envs.base import StepResult
 from tiderl.envs.protocol import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
@@ -92,14 +93,6 @@ _IDEMPOTENT = frozenset({"/health", "/pause", "/resume", "/end"})
 class StartResult:
     session_id: str
     observation: str
-    done: bool
-    info: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    observation: str
-    reward: float
     done: bool
     info: dict[str, Any]
 

@@ -90,11 +90,28 @@ __all__ = [
 ]
 
 
-class Ra2pMode(enum.Enum):
+class Ra2pMode(str, enum.Enum):
+    """How a training step orders its ref and actor work. :func:`choose_mode` picks one of the two RA2P
+    modes; the vanilla ones are the baselines a job can fix (``trainer.ra2p_mode``). The values are the
+    names the config, the store and the metrics use."""
+
     DECOUPLED = "decoupled"
     """Ref on its own rank(s), streaming; the actor defers its loss to the backward pass."""
     COLOCATED = "colocated"
     """Ref and actor on the same ranks, ready-batch aggregation amortises the swaps."""
+    VANILLA_STREAM = "vanilla_stream"
+    """Baseline: ref and actor on the same ranks alternate per micro-batch, both resident."""
+    VANILLA_STREAM_OFFLOAD = "vanilla_stream_offload"
+    """Baseline: as ``VANILLA_STREAM``, and the idle model leaves the device at every switch."""
+
+    @classmethod
+    def parse(cls, name: str) -> Ra2pMode:
+        """The mode named ``name``; a ValueError naming it and the known modes otherwise."""
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown RA2P mode {name!r} (known: {known})") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ import random
 from typing import Any, Protocol
 
 from tiderl.envs import make_env
-from tiderl.envs.client import EndResult, StartResult, StepResult
+from tiderl.envs.base import StepResult
+from tiderl.envs.client import EndResult, StartResult
 from tiderl.envs.latency import parse_latency
 
 
@@ -71,8 +72,7 @@ class LocalEnvLink:
         if session_id in self.paused:
             raise RuntimeError(f"local env: step on paused session {session_id}")
         await self._delay()
-        result = instance.step(action)
-        return StepResult(result.observation, result.reward, result.done, result.info)
+        return instance.step(action)
 
     async def pause(self, session_id: str) -> str:
         self._session(session_id)

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tiderl.sim import report
     from tiderl.sim.spec import load_cluster, load_workload
-    from tiderl.sim.systems import UnknownSystemError, parse_system
+    from tiderl.sim.systems import SimSystemError, parse_system
 
     if args.steps < 1:
         print("tiderl sim: --steps must be >= 1", file=sys.stderr)
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         system = parse_system(args.system)
-    except UnknownSystemError as e:
+    except SimSystemError as e:
         print(f"tiderl sim: {e}", file=sys.stderr)
         return 2
     if not system.sweep and not system.synchronous and system.rollout_fraction is None:

@@ -56,7 +56,9 @@ class Request:
         return min(self.gen_left, max(0, int(v - self.v_gen)))
 
 
-class Engine:
+class SimEngine:
+    """The simulated rollout engine of one rank (the real one is `tiderl.rollout.engine.Engine`)."""
+
     def __init__(self, costs: Costs, capacity_tokens: int) -> None:
         self.costs = costs
         self.capacity = capacity_tokens

@@ -31,7 +31,7 @@ from tiderl.policy.ctb import (
     decide,
 )
 from tiderl.sim.costs import Costs
-from tiderl.sim.engine import Engine
+from tiderl.sim.engine import SimEngine
 from tiderl.sim.workload import TaskPlan
 
 Schedule = Callable[..., None]
@@ -116,7 +116,7 @@ class RolloutRank:
     __slots__ = ("index", "engine", "tasks", "paused", "used", "num_resident", "epoch", "next_t", "acct_t",
                  "acct_state")
 
-    def __init__(self, index: int, engine: Engine, t: float) -> None:
+    def __init__(self, index: int, engine: SimEngine, t: float) -> None:
         self.index = index
         self.engine = engine
         self.tasks: set[SimTask] = set()  # resident and paused-here tasks
@@ -167,7 +167,7 @@ class RolloutSide:
 
     # -- ranks -------------------------------------------------------------------------------
     def add_rank(self, t: float, index: int, stall_s: float) -> None:
-        engine = Engine(self.costs, self.costs.kv_capacity_tokens)
+        engine = SimEngine(self.costs, self.costs.kv_capacity_tokens)
         engine.speed = self._speed
         engine.busy_until = t + stall_s
         engine.t = t
@@ -193,7 +193,7 @@ class RolloutSide:
             self.orphans.append(task)
         del self.ranks[index]
 
-    def _retire(self, engine: Engine) -> None:
+    def _retire(self, engine: SimEngine) -> None:
         r = self.retired
         r["query"] += engine.query_tokens
         r["hit"] += engine.hit_tokens

@@ -36,7 +36,7 @@ from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
 from tiderl.sim.spec import ClusterSpec, WorkloadSpec
 from tiderl.sim.systems import System
-from tiderl.sim.trainer import StepStats, Trainer
+from tiderl.sim.trainer import SimStepStats, Trainer
 from tiderl.sim.workload import TaskSampler
 
 
@@ -151,7 +151,7 @@ class Simulation:
         # Results.
         self.records: list[StepRecord] = []
         self.timeline: list[dict] = []
-        self.step_stats: list[StepStats] = []
+        self.step_stats: list[SimStepStats] = []
         self.consumed_tasks: list[SimTask] = []
         self.eval_tasks_done: list[SimTask] = []
         self.staleness_seen: list[int] = []
@@ -312,7 +312,7 @@ class Simulation:
         c = self.costs
         return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd, t_swap_s=c.swap_s)
 
-    def _signals(self, t: float, stats: StepStats | None) -> ErsSignals:
+    def _signals(self, t: float, stats: SimStepStats | None) -> ErsSignals:
         """The snapshot the control plane would take now, through the same builder."""
         snapshot = ErsSnapshot(
             roles=tuple(self.roles),
@@ -329,7 +329,7 @@ class Simulation:
         )
         return build_signals(snapshot, self.history_steps)
 
-    def _observe_step(self, t: float, stats: StepStats, block: float) -> None:
+    def _observe_step(self, t: float, stats: SimStepStats, block: float) -> None:
         """The step that just ended, as ERS sees it (the control plane records the same)."""
         duration = t - self.last_publish_s
         seen = self.groups_seen
@@ -470,7 +470,7 @@ class Simulation:
                      "actor": self._num(Role.ACTOR), "ref": self._num(Role.REF), "mode": self.mode.value}
         self.timeline.append(entry)
 
-    def _record_step(self, t: float, stats: StepStats, block: float) -> None:
+    def _record_step(self, t: float, stats: SimStepStats, block: float) -> None:
         ready = stats.ready_rel_s
         prediction = None
         if ready:

@@ -75,7 +75,7 @@ class TaskType:
 
 
 @section
-class Phase:
+class WorkloadPhase:
     """A change of the workload from a training step on: groups that start at or after `from_step`
     (the version their tasks are released under) sample with these settings. A key left out keeps
     the value of the phase before (the task types' own values before the first phase)."""
@@ -140,7 +140,7 @@ class WorkloadSpec:
     max_context_tokens: int = option(ge=64, help="Context limit of one task; a task reaching it ends.")
     drift_steps: int = option(100, ge=1, help="Steps over which the drifting statistics move from start to end.")
     task_types: tuple[TaskType, ...] = option(help="Task families of the mix.")
-    phases: tuple[Phase, ...] = option(
+    phases: tuple[WorkloadPhase, ...] = option(
         (),
         help="Changes of the workload during the run (environment latency, task mix), each from a step "
         "on, in increasing `from_step` order. Empty: the workload is the same throughout (up to the drift).",

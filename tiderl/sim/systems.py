@@ -85,11 +85,11 @@ SYSTEMS: dict[str, System] = {
 def with_scheduler(system: System, scheduler: str) -> System:
     """`system` with the rollout scheduler of a job (`ctb` or `vanilla`)."""
     if scheduler not in ("ctb", "vanilla"):
-        raise UnknownSystemError(f"unknown rollout scheduler {scheduler!r} (known: ctb, vanilla)")
+        raise SimSystemError(f"unknown rollout scheduler {scheduler!r} (known: ctb, vanilla)")
     return replace(system, ctb=scheduler == "ctb")
 
 
-class UnknownSystemError(ValueError):
+class SimSystemError(ValueError):
     """`--system` names no system, or gives it a rollout fraction it cannot take."""
 
 
@@ -98,22 +98,22 @@ def parse_system(text: str) -> System:
     name, sep, frac = text.partition("@")
     frac, plus, refs = frac.partition("+ref")
     if name not in SYSTEMS:
-        raise UnknownSystemError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)}, all)")
+        raise SimSystemError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)}, all)")
     system = SYSTEMS[name]
     if not sep:
         return system
     try:
         value = float(frac)
     except ValueError as e:
-        raise UnknownSystemError(f"{text!r}: the rollout fraction after @ must be a number") from e
+        raise SimSystemError(f"{text!r}: the rollout fraction after @ must be a number") from e
     if not 0 < value < 1:
-        raise UnknownSystemError(f"{text!r}: the rollout fraction must lie in (0, 1)")
+        raise SimSystemError(f"{text!r}: the rollout fraction must lie in (0, 1)")
     if system.synchronous:
-        raise UnknownSystemError(f"{text!r}: `sync` has no rollout fraction (every GPU does both)")
+        raise SimSystemError(f"{text!r}: `sync` has no rollout fraction (every GPU does both)")
     if not plus:
         return replace(system, rollout_fraction=value)
     if not refs.isdigit() or int(refs) < 1:
-        raise UnknownSystemError(f"{text!r}: the ref ranks after +ref must be a whole number >= 1")
+        raise SimSystemError(f"{text!r}: the ref ranks after +ref must be a whole number >= 1")
     if not system.sweep or system.trainer is not TrainerKind.RA2P:
-        raise UnknownSystemError(f"{text!r}: dedicated ref ranks need a fixed-partition RA2P system")
+        raise SimSystemError(f"{text!r}: dedicated ref ranks need a fixed-partition RA2P system")
     return replace(system, rollout_fraction=value, fixed_refs=int(refs))

@@ -44,7 +44,9 @@ class TrainerKind(enum.Enum):
 
 
 @dataclass(slots=True)
-class StepStats:
+class SimStepStats:
+    """One simulated training step's bookkeeping (the real trainer's is `tiderl.trainer.step.StepStats`)."""
+
     start_s: float
     num_actors: int
     num_refs: int
@@ -85,14 +87,14 @@ class Trainer:
         self._burst_token = 0
         self._burst_work = self._burst_t = 0.0
         self._burst_speed = 1.0
-        self.stats: StepStats | None = None
+        self.stats: SimStepStats | None = None
         self.active = False
         self.busy = False
 
     def begin_step(self, t: float, num_actors: int, num_refs: int, mode: Ra2pMode, fetch_groups: int) -> None:
         if mode is Ra2pMode.DECOUPLED and (num_refs < 1 or self.kind is not TrainerKind.RA2P):
             raise ValueError("the decoupled mode needs RA2P and at least one ref rank")
-        self.stats = StepStats(t, num_actors, num_refs, mode, fetch_groups)
+        self.stats = SimStepStats(t, num_actors, num_refs, mode, fetch_groups)
         self.active = True
         self.claimed = 0
         self.pool: list[int] = []
@@ -264,7 +266,7 @@ class Trainer:
         self.host(0)
         self.on_compute_done(t)
 
-    def finish_step(self) -> StepStats:
+    def finish_step(self) -> SimStepStats:
         self.active = False
         return self.stats  # type: ignore[return-value]
 

@@ -16,17 +16,18 @@ from tiderl.store.types import (
     ReclaimResult,
     Role,
     RunState,
-    StepRecord,
+    StoreTaskState,
     TaskClaim,
     TaskFailure,
     TaskKind,
-    TaskState,
     TaskWhereabouts,
     TrajectoryState,
+    VersionRecord,
 )
 
 __all__ = [
     "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
-    "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StepRecord", "StoreBusyError",
-    "StoreError", "TaskClaim", "TaskFailure", "TaskKind", "TaskState", "TaskWhereabouts", "TrajectoryState",
+    "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StoreBusyError",
+    "StoreError", "StoreTaskState", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
+    "VersionRecord",
 ]

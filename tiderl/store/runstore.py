@@ -57,11 +57,11 @@ from tiderl.store.types import (
     ReclaimResult,
     Role,
     RunState,
-    StepRecord,
+    StoreTaskState,
     TaskClaim,
     TaskKind,
-    TaskState,
     TrajectoryState,
+    VersionRecord,
 )
 
 
@@ -280,7 +280,7 @@ class RunStore:
                     kind=g.kind.value, prompt_seed=g.prompt_seed, size=g.size, eval_version=g.eval_version,
                     state=GroupState.OPEN.value, created_at=now)).inserted_primary_key[0]
                 c.execute(insert(tasks), [dict(group_id=gid, index_in_group=i, kind=g.kind.value, seed=g.prompt_seed,
-                                               state=TaskState.PENDING.value, attempts=0, created_at=now,
+                                               state=StoreTaskState.PENDING.value, attempts=0, created_at=now,
                                                updated_at=now) for i in range(g.size)])
                 ids.append(gid)
             return ids
@@ -320,37 +320,37 @@ class RunStore:
             for f in report.failed:
                 row = c.execute(select(tasks.c.attempts, tasks.c.group_id).where(
                     tasks.c.id == f.task_id, tasks.c.owner_rank == report.rank,
-                    tasks.c.state == TaskState.RUNNING.value)).first()
+                    tasks.c.state == StoreTaskState.RUNNING.value)).first()
                 if row is None:
                     continue
                 final = row.attempts >= max_attempts
                 retry_at = now + retry_backoff_s * 2 ** max(0, row.attempts - 1) if retry_backoff_s > 0 else None
                 c.execute(update(tasks).where(tasks.c.id == f.task_id).values(
-                    state=(TaskState.FAILED if final else TaskState.PENDING).value, owner_rank=None,
+                    state=(StoreTaskState.FAILED if final else StoreTaskState.PENDING).value, owner_rank=None,
                     claim_token=None, last_error=f.reason[:2000], updated_at=now, retry_at=retry_at))
                 if final:
                     _fail_group(c, row.group_id)
             if report.released:
                 c.execute(update(tasks).where(tasks.c.id.in_(report.released), tasks.c.owner_rank == report.rank,
-                                              tasks.c.state == TaskState.RUNNING.value).values(
-                    state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=now,
+                                              tasks.c.state == StoreTaskState.RUNNING.value).values(
+                    state=StoreTaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=now,
                     attempts=tasks.c.attempts - 1, progress=None))
             if report.failed or report.released:  # a task of a group that failed meanwhile fails with it
                 touched = [f.task_id for f in report.failed] + list(report.released)
                 failed_groups = select(task_groups.c.id).where(task_groups.c.state == GroupState.FAILED.value)
-                c.execute(update(tasks).where(tasks.c.id.in_(touched), tasks.c.state == TaskState.PENDING.value,
+                c.execute(update(tasks).where(tasks.c.id.in_(touched), tasks.c.state == StoreTaskState.PENDING.value,
                                               tasks.c.group_id.in_(failed_groups)).values(
-                    state=TaskState.FAILED.value, last_error="another task of its group failed for good",
+                    state=StoreTaskState.FAILED.value, last_error="another task of its group failed for good",
                     progress=None))
             handed = [dict(tid=t, prog=json.dumps(p)) for t, p in report.handed_over.items()
                       if t in set(report.released)]
             if handed:  # just released by this rank above: pending, no owner
                 c.execute(update(tasks).where(tasks.c.id == bindparam("tid"), tasks.c.owner_rank.is_(None),
-                                              tasks.c.state == TaskState.PENDING.value).values(
+                                              tasks.c.state == StoreTaskState.PENDING.value).values(
                     progress=bindparam("prog")), handed)
             if report.whereabouts:
                 c.execute(update(tasks).where(tasks.c.id == bindparam("tid"), tasks.c.owner_rank == report.rank,
-                                              tasks.c.state == TaskState.RUNNING.value).values(
+                                              tasks.c.state == StoreTaskState.RUNNING.value).values(
                     turn=bindparam("t_turn"), phase=bindparam("t_phase"), phase_since=bindparam("t_since"),
                     env_server=bindparam("t_server")),
                     [dict(tid=w.task_id, t_turn=w.turn, t_phase=w.phase, t_since=w.phase_since,
@@ -415,7 +415,7 @@ class RunStore:
         """Give a trainer's claimed (unpublished) trajectories back to the pool."""
         return self.tx.write(lambda c: _return_trajectories(c, [owner]))
 
-    def publish_version(self, step: StepRecord, *, owner: int) -> None:
+    def publish_version(self, step: VersionRecord, *, owner: int) -> None:
         """Commit weights version `step.version` and consume its trajectories, atomically."""
         def write(c: Connection) -> None:
             ids = list(step.trajectory_ids)
@@ -477,9 +477,9 @@ class RunStore:
             not_rolling = select(ranks.c.rank).where(
                 ranks.c.state.in_([RankState.STOPPED.value, RankState.FAILED.value]) | (ranks.c.role != Role.ROLLOUT.value))
             orphans = c.execute(update(tasks).where(
-                tasks.c.state == TaskState.RUNNING.value, tasks.c.owner_rank.in_(not_rolling),
+                tasks.c.state == StoreTaskState.RUNNING.value, tasks.c.owner_rank.in_(not_rolling),
                 tasks.c.updated_at < t - timeout_s).values(
-                state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t, progress=None,
+                state=StoreTaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t, progress=None,
                 attempts=tasks.c.attempts - 1)).rowcount
             if orphans:
                 c.execute(insert(events).values(ts=t, rank=None, source="store", kind="orphaned_tasks",
@@ -519,11 +519,11 @@ class RunStore:
             old = select(task_groups.c.id).where(task_groups.c.kind == TaskKind.EVAL.value,
                                                  task_groups.c.eval_version < oldest_live_version)
             gids = sorted({g for (g,) in c.execute(select(tasks.c.group_id).where(
-                tasks.c.state == TaskState.PENDING.value, tasks.c.group_id.in_(old)))})
+                tasks.c.state == StoreTaskState.PENDING.value, tasks.c.group_id.in_(old)))})
             if not gids:
                 return 0
-            n = c.execute(update(tasks).where(tasks.c.group_id.in_(gids), tasks.c.state == TaskState.PENDING.value)
-                          .values(state=TaskState.FAILED.value, updated_at=time.time(),
+            n = c.execute(update(tasks).where(tasks.c.group_id.in_(gids), tasks.c.state == StoreTaskState.PENDING.value)
+                          .values(state=StoreTaskState.FAILED.value, updated_at=time.time(),
                                   last_error=f"evaluation expired: no rank holds its weights version any more "
                                              f"(oldest live version {oldest_live_version})")).rowcount
             for gid in gids:
@@ -617,7 +617,7 @@ class RunStore:
             for t in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.state, tasks.c.owner_rank,
                                       tasks.c.claimed_at, tasks.c.attempts, tasks.c.last_error, tasks.c.turn,
                                       tasks.c.phase, tasks.c.phase_since, tasks.c.env_server)
-                               .where(tasks.c.state.in_([TaskState.PENDING.value, TaskState.RUNNING.value]))
+                               .where(tasks.c.state.in_([StoreTaskState.PENDING.value, StoreTaskState.RUNNING.value]))
                                .order_by(tasks.c.id)).mappings():
                 if t["group_id"] in by_id:
                     by_id[t["group_id"]]["unfinished"].append(dict(t))
@@ -742,7 +742,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
         return 0, 0
     owned = {r.id: r for r in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.kind).where(
         tasks.c.id.in_([t.task_id for t in finished]), tasks.c.owner_rank == rank,
-        tasks.c.state == TaskState.RUNNING.value))}
+        tasks.c.state == StoreTaskState.RUNNING.value))}
     rows = []
     for t in finished:
         task = owned.pop(t.task_id, None)  # pop: a task reported twice in one tick counts once
@@ -759,7 +759,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
     if rows:
         c.execute(insert(trajectories), rows)
         c.execute(update(tasks).where(tasks.c.id.in_([r["task_id"] for r in rows])).values(
-            state=TaskState.DONE.value, updated_at=now))
+            state=StoreTaskState.DONE.value, updated_at=now))
         _complete_groups(c, {r["group_id"] for r in rows}, now)
     return len(rows), len(finished) - len(rows)
 
@@ -794,7 +794,7 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[
         return []
     token = uuid.uuid4().hex
     is_eval = tasks.c.kind == TaskKind.EVAL.value
-    where = [tasks.c.state == TaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds]),
+    where = [tasks.c.state == StoreTaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds]),
              or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= now)]
     if request.weights_version is not None:
         pinned = select(task_groups.c.id).where(task_groups.c.eval_version == request.weights_version)
@@ -803,8 +803,8 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[
                                    .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(request.limit))]
     if not ids:  # ids follow (group, index): whole groups first
         return []
-    c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == TaskState.PENDING.value).values(
-        state=TaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
+    c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == StoreTaskState.PENDING.value).values(
+        state=StoreTaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
         attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
     q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
          .where(tasks.c.claim_token == token).order_by(tasks.c.id))
@@ -819,8 +819,8 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[
 def _fail_group(c: Connection, gid: int) -> None:
     c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=GroupState.FAILED.value))
     c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
-    c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == TaskState.PENDING.value).values(
-        state=TaskState.FAILED.value, last_error="another task of its group failed for good"))
+    c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == StoreTaskState.PENDING.value).values(
+        state=StoreTaskState.FAILED.value, last_error="another task of its group failed for good"))
 
 
 def _declare_dead(c: Connection, dead: list[int], t: float, messages: dict[int, str]) -> tuple[int, int]:
@@ -828,8 +828,8 @@ def _declare_dead(c: Connection, dead: list[int], t: float, messages: dict[int, 
     trajectories to ready. Returns (tasks, trajectories) returned."""
     c.execute(update(ranks).where(ranks.c.rank.in_(dead)).values(state=RankState.DEAD.value))
     n_tasks = c.execute(update(tasks).where(tasks.c.owner_rank.in_(dead),
-                                            tasks.c.state == TaskState.RUNNING.value).values(
-        state=TaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t)).rowcount
+                                            tasks.c.state == StoreTaskState.RUNNING.value).values(
+        state=StoreTaskState.PENDING.value, owner_rank=None, claim_token=None, updated_at=t)).rowcount
     n_traj = _return_trajectories(c, dead)
     c.execute(insert(events), [dict(ts=t, rank=r, source="store", kind="rank_dead", message=messages[r])
                                for r in dead])

@@ -87,7 +87,7 @@ tasks = Table(
     Column("index_in_group", Integer, nullable=False),
     Column("kind", String, nullable=False),
     Column("seed", Integer, nullable=False),
-    Column("state", String, nullable=False),  # TaskState
+    Column("state", String, nullable=False),  # StoreTaskState
     Column("owner_rank", Integer),
     Column("claim_token", String),
     Column("claimed_at", Float),

@@ -33,7 +33,9 @@ class TaskKind(str, enum.Enum):
     EVAL = "eval"
 
 
-class TaskState(str, enum.Enum):
+class StoreTaskState(str, enum.Enum):
+    """A task's state in the run store (`tasks.state`); CTB's per-rank view is `policy.ctb.TaskState`."""
+
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
@@ -197,7 +199,7 @@ class ReadyTrajectory:
 
 
 @dataclass(frozen=True, slots=True)
-class StepRecord:
+class VersionRecord:
     """What a trainer publishes with weights version `version` (the result of step version-1 -> version)."""
 
     version: int

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.config.trainer import TrainerConfig
-from tiderl.trainer.plan import Ra2pMode
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.rank import StepInput
 from tiderl.trainer.synthetic import random_samples
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiderl.policy import ra2p
-from tiderl.trainer.plan import Ra2pMode
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.step import StepStats
 
 
@@ -53,5 +53,4 @@ def choose_step_mode(
     times = tracker.stage_times()
     if times is None or num_refs < 1:
         return Ra2pMode.COLOCATED
-    choice = ra2p.choose_mode(ready_times_s, times, num_actors, num_refs, max_aggregate)
-    return Ra2pMode.DECOUPLED if choice.mode is ra2p.Ra2pMode.DECOUPLED else Ra2pMode.COLOCATED
+    return ra2p.choose_mode(ready_times_s, times, num_actors, num_refs, max_aggregate).mode

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer import step as grpo_step
 from tiderl.trainer.backend import ActorBackend, RefBackend
-from tiderl.trainer.plan import Ra2pMode, StepPlan
+from tiderl.trainer.plan import StepPlan
 from tiderl.trainer.step import LossConfig, StepAccumulator, StepStats
 
 

@@ -22,28 +22,13 @@ unit the executors run; :class:`StepPlan` lists shares.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.policy import ra2p
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.batch import MicroBatch, TrainSample, collate
 from tiderl.trainer.microbatch import form_micro_batches
-
-
-class Ra2pMode(str, enum.Enum):
-    DECOUPLED = "decoupled"
-    COLOCATED = "colocated"
-    VANILLA_STREAM = "vanilla_stream"
-    VANILLA_STREAM_OFFLOAD = "vanilla_stream_offload"
-
-    @classmethod
-    def parse(cls, name: str) -> "Ra2pMode":
-        try:
-            return cls(name)
-        except ValueError:
-            known = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown RA2P mode {name!r} (known: {known})") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ A ref rank (decoupled mode) plans the same step and serves ref_logprobs.
 
 The source and the sink are the only contact with the rest of the run, so
 the run store plugs in with a few lines (claim ready groups -> StepInput;
-StepResult -> version row).
+PublishedStep -> version row).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Protocol
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
-from tiderl.trainer.plan import Ra2pMode, StepPlan, drop_flat_groups, plan_step
+from tiderl.trainer.plan import StepPlan, drop_flat_groups, plan_step
 from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify, versions_in
 from tiderl.trainer.step import LossConfig, StepStats
 
@@ -45,7 +46,9 @@ class StepSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class PublishedStep:
+    """What the leader returns for a step whose weights version it published (and hands to the sink)."""
+
     stats: StepStats
     published: PublishedVersion
     trajectory_ids: tuple[int | str, ...]
@@ -54,7 +57,7 @@ class StepResult:
 
 
 class VersionSink(Protocol):
-    def publish(self, result: StepResult) -> None:
+    def publish(self, result: PublishedStep) -> None:
         """Record a published version (e.g. commit its version row)."""
 
 
@@ -214,8 +217,8 @@ class ActorRank:
         self.version, self.exact = best  # type: ignore[misc]
         return True
 
-    def train_step(self, inp: StepInput, sink: VersionSink | None = None) -> StepResult | StepStats:
-        """Train one step; the leader publishes and returns a StepResult, the others their StepStats."""
+    def train_step(self, inp: StepInput, sink: VersionSink | None = None) -> PublishedStep | StepStats:
+        """Train one step; the leader publishes and returns a PublishedStep, the others their StepStats."""
         if inp.version != self.version:
             raise ValueError(f"step input trains version {inp.version}, this rank holds version {self.version}")
         started = time.perf_counter()
@@ -234,7 +237,7 @@ class ActorRank:
         ckpt = None
         if self.checkpointer.is_due(self.version):
             ckpt = self.checkpointer.save(self.actor, step=self.version, version=self.version)
-        result = StepResult(
+        result = PublishedStep(
             stats=stats,
             published=published,
             trajectory_ids=tuple(s.trajectory_id for s in inp.samples),
@@ -245,7 +248,7 @@ class ActorRank:
             sink.publish(result)
         return result
 
-    def run(self, source: StepSource, sink: VersionSink | None, num_steps: int) -> list[StepResult | StepStats]:
+    def run(self, source: StepSource, sink: VersionSink | None, num_steps: int) -> list[PublishedStep | StepStats]:
         out = []
         while self.steps_done < num_steps:
             inp = source.next_step(self.version)

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tiderl.store import ReadyTrajectory, RunStore, StepRecord
+from tiderl.policy.ra2p import Ra2pMode
+from tiderl.store import ReadyTrajectory, RunStore, VersionRecord
 from tiderl.trainer.batch import TrainSample
-from tiderl.trainer.plan import Ra2pMode
-from tiderl.trainer.rank import StepInput, StepResult, StepSource
+from tiderl.trainer.rank import PublishedStep, StepInput, StepSource
 
 
 def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
@@ -92,10 +92,10 @@ class StoreVersionSink:
         self.owner = owner
         self.ras = ras
 
-    def publish(self, result: StepResult) -> None:
+    def publish(self, result: PublishedStep) -> None:
         stats = result.stats
         self.store.publish_version(
-            StepRecord(
+            VersionRecord(
                 version=result.published.version,
                 path=str(result.published.path),
                 checksum=result.published.checksum,

@@ -1,0 +1,134 @@
+"""Rules of the package's shape, read from the source with `ast` (nothing is imported):
+one name per concept (no top-level class name defined in two modules) and no
+import cycle among the modules' module-level imports."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tiderl"
+
+
+def module_files(package: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of `package` (a package is its `__init__.py`)."""
+    modules = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def duplicated_class_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Top-level class names defined in more than one module -> those modules."""
+    defined: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(name)
+    return {cls: where for cls, where in sorted(defined.items()) if len(where) > 1}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Imports run when the module is imported: top level, in `if`/`try` blocks, not under `if TYPE_CHECKING:`."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                yield from _module_level_imports(node.body)
+            yield from _module_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from _module_level_imports(block)
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at module level. `from a.b import c` is the module
+    `a.b.c` when that is a module, else `a.b`; relative imports are resolved against the importer."""
+    root = next(iter(modules)).split(".")[0]
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path)).body):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                targets.add(sub if sub in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name and t.split(".")[0] == root}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None if it has none (depth-first search)."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        on_path.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in on_path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        on_path.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_no_class_name_is_defined_in_two_modules():
+    duplicates = duplicated_class_names(module_files())
+    assert not duplicates, "one name per concept; rename or merge: " + "; ".join(
+        f"{cls} in {', '.join(where)}" for cls, where in duplicates.items())
+
+
+def test_no_module_level_import_cycle():
+    cycle = find_cycle(import_graph(module_files()))
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "pkg"
+
+
+def test_the_checks_see_a_duplicate_and_a_cycle(tmp_path: Path):
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.sub import b\nclass Thing:\n    pass\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/b.py": "import typing\nfrom pkg.c import helper\nclass Thing:\n    pass\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                    "def helper():\n    from pkg import a\n",
+    })
+    modules = module_files(pkg)
+    assert duplicated_class_names(modules) == {"Thing": ["pkg.a", "pkg.sub.b"]}
+    # Imports under TYPE_CHECKING and inside functions do not count.
+    assert find_cycle(import_graph(modules)) is None
+    (pkg / "c.py").write_text("from .a import Thing\n")  # relative, resolved to pkg.a
+    assert find_cycle(import_graph(modules)) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
