@@ -99,6 +99,7 @@ class TextWorldEnv(Environment):
 
     def __init__(self) -> None:
         self.game: Any = None
+        self.state: Any = None
         self.max_turns = 30
         self.graded = False
         self.show_commands = False
@@ -134,6 +135,7 @@ class TextWorldEnv(Environment):
         self.max_score = max(1, int(state["max_score"] or 1))
         self.won = self.done = False
         self.walkthrough = list(state["policy_commands"] or [])
+        self.state = state
         text = f"{state['objective'].strip()}\n\n{clean_feedback(state['description'])}"
         return self._with_commands(text, state), self._info()
 
@@ -141,8 +143,18 @@ class TextWorldEnv(Environment):
         if self.game is None or self.done:
             raise EnvActionError("textworld: step before reset or after the episode is done")
         self.turn += 1
+        command = game_command(action)
+        if command.split(" ", 1)[0].lower() in META_VERBS:
+            # The interpreter's own commands write files where the server runs (save, script), reload or
+            # rewind the game (restore, undo, restart) or end it (quit): not moves of the game.
+            self.done = self.turn >= self.max_turns
+            info = self._info()
+            if self.done:
+                info.update(won=False, lost=False, out_of_turns=True)
+            return StepResult(self._with_commands(NOT_AVAILABLE, self.state), 0.0, self.done, info)
         with _lock:
-            state, score, game_over = self.game.step(action.strip().replace("\n", " "))
+            state, score, game_over = self.game.step(command)
+        self.state = state
         gained = max(0, int(score) - self.score)
         self.score = int(score)
         self.won = bool(state["won"])
@@ -176,3 +188,16 @@ class TextWorldEnv(Environment):
 
     def _info(self) -> dict[str, Any]:
         return {"turn": self.turn, "max_turns": self.max_turns, "score": self.score, "max_score": self.max_score}
+
+
+META_VERBS = frozenset({"save", "restore", "restart", "quit", "q", "script", "unscript", "noscript", "transcript",
+                        "notranscript", "recording", "replay", "playback", "undo", "verify", "version"})
+NOT_AVAILABLE = "That command is not available in this game."
+_NOT_COMMAND = re.compile(r"[^\x20-\x5b\x5d-\x7e]+")  # all but printable ASCII without the backslash
+
+
+def game_command(action: str) -> str:
+    """The action as the game's parser takes it: one line of printable ASCII, anything else as a space.
+    The interpreter reads a C string, and a backslash starts one of its own commands: a NUL byte in a
+    model's action crashed the whole env server, and `\\D` left it waiting on its console."""
+    return " ".join(_NOT_COMMAND.sub(" ", action).split())
