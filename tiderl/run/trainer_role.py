@@ -36,7 +36,8 @@ from typing import Any
 
 from tiderl.paths import atomic_write_text, when_room
 from tiderl.run.context import RankContext
-from tiderl.store.types import EventRecord, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role, StepRecord
+from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
+                                TaskKind, VersionRecord)
 
 log = logging.getLogger(__name__)
 TWT_REPORT_S = 2.0  # while the actor waits for data, its wait goes to the store this often
@@ -147,18 +148,26 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
 
 
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
+    """Groups the step trains: by the system's fetch policy; the run's last step also takes every training
+    group still open or ready, up to groups_ideal (the feeder sized the run's groups by full batches, so
+    after elastic steps some would otherwise be generated and never trained)."""
     t = ctx.config.trainer
     if ctx.system.fetch_policy == "min":
-        return t.groups_min
-    if ctx.system.fetch_policy == "ers":
-        return max(t.groups_min, min(t.groups_ideal, plan.fetch_groups))
-    return t.groups_ideal
+        need = t.groups_min
+    elif ctx.system.fetch_policy == "ers":
+        need = max(t.groups_min, min(t.groups_ideal, plan.fetch_groups))
+    else:
+        need = t.groups_ideal
+    if plan.version == t.num_steps - 1 and need < t.groups_ideal:
+        counts = ctx.store.groups_by_state(TaskKind.TRAIN)
+        need = max(need, min(t.groups_ideal, counts[GroupState.OPEN] + counts[GroupState.READY]))
+    return need
 
 
 async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Train version `plan.version` into version + 1; the leader (lowest actor rank) gathers the
     data, trains with the other actors (data parallel) and commits the version."""
-    from tiderl.trainer.plan import Ra2pMode
+    from tiderl.policy.ra2p import Ra2pMode
     from tiderl.trainer.rank import StepInput
     from tiderl.trainer.store_io import sample_from_ready
 
@@ -188,10 +197,10 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     else:
         result = actor.train_step(inp)
     stats = result.stats
-    record = StepRecord(version=plan.version + 1, path=str(result.published.path), checksum=result.published.checksum,
-                        trajectory_ids=[t.id for t in claimed], step_started_at=started,
-                        duration_s=time.time() - started, ras=ras, tprm_s=tprm, ra2p_mode=mode.value,
-                        loss=stats.loss)
+    record = VersionRecord(version=plan.version + 1, path=str(result.published.path),
+                           checksum=result.published.checksum, trajectory_ids=[t.id for t in claimed],
+                           step_started_at=started, duration_s=time.time() - started, ras=ras, tprm_s=tprm,
+                           ra2p_mode=mode.value, loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     v = plan.version
     metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
