@@ -118,7 +118,7 @@ def test_4_resume_before_admit():
     rank = RankView(4000, (task("r", W, 1000), task("p", P, 3500)))
     cand = [CandidateGroup("new", ("n0",), 500)]
     # The paused task does not fit the 3,000 free tokens yet: nothing new may take its room.
-    assert decide(rank, cand) == CtbDecision(resident_tokens=1000)
+    assert decide(rank, cand) == CtbDecision(resident_tokens=1000, budget_bound=True)
     # A paused task too big for the whole rank does not block admission forever.
     big = RankView(4000, (task("r", W, 1000), task("huge", P, 5000)))
     assert decide(big, cand).admit == ("n0",)
@@ -211,3 +211,26 @@ def test_10_pure_and_frozen():
         pass
     else:
         raise AssertionError("CtbTask must be frozen")
+
+
+def test_11_budget_bound_says_whether_the_budget_held_a_task_back():
+    # Invariant 11: budget_bound iff tasks were paused, or a resume or an admission stopped for room.
+    over = RankView(1000, (task("a", A, 800), task("b", W, 400)))
+    assert decide(over, []).budget_bound and decide(over, []).pause
+    room = RankView(4000, (task("r", W, 1000),))
+    assert not decide(room, [CandidateGroup("new", ("n0", "n1"), 500)]).budget_bound  # all admitted
+    assert decide(room, [CandidateGroup("new", ("n0", "n1"), 2000)]).budget_bound  # the second waits for room
+    capped = decide(room, [CandidateGroup("new", ("n0", "n1"), 500)], AdmissionLimits(max_resident_tasks=2))
+    assert capped.admit == ("n0",) and not capped.budget_bound  # the cap, not the budget, held n1 back
+    stale = decide(room, [CandidateGroup("new", ("n0",), 500)], AdmissionLimits(staleness_task_allowance=0))
+    assert not stale.admit and not stale.budget_bound
+    for rank, cands, limits, d in cases():
+        if d.pause:
+            assert d.budget_bound
+        if d.budget_bound and not d.pause:
+            # Something that was not admitted or resumed would have overflowed the budget.
+            used = d.resident_tokens
+            waiting = [t.footprint_tokens for t in rank.tasks if t.state is P and t.task_id not in d.resume
+                       and t.footprint_tokens <= rank.budget_tokens]
+            probes = [g.probed_footprint_tokens for g in cands if any(t not in d.admit for t in g.task_ids)]
+            assert any(used + fp > rank.budget_tokens for fp in waiting + probes)

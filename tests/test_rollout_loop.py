@@ -275,3 +275,35 @@ def test_ctb_a_probe_that_fails_before_its_first_turn_does_not_hold_its_group(fm
     worker.add_groups([make_group("g", "hilo", seed=2, group_size=4)])
     report = asyncio.run(asyncio.wait_for(worker.run(), 30))
     assert len(failed) == 1 and report.num_tasks == 3
+
+
+def test_the_worker_counts_the_turns_whose_context_the_cache_kept(fmt: ChatFormat) -> None:
+    def judged(capacity: int) -> tuple[int, int]:
+        engine = FakeEngine(guesser(fmt, seed=3), kv_capacity_tokens=capacity, block_size=16, delay_s=0.001)
+        groups = [make_group(f"g{i}", "hilo", seed=i, group_size=4) for i in range(8)]
+        _, report, _ = run_worker(fmt, engine, "vanilla", groups, env=LocalEnvLink(latency="fixed:0.002"),
+                                  max_resident_tasks=32)
+        return report.prefix_kept_turns, report.prefix_evicted_turns
+
+    kept, evicted = judged(1 << 16)
+    assert kept > 0 and evicted == 0  # a cache that holds everything evicts nothing
+    kept, evicted = judged(256)
+    assert evicted > 0  # 32 tasks on 16 blocks: contexts are evicted while their tasks wait on the env
+
+
+def test_an_adaptive_ctb_budget_grows_while_the_cache_keeps_what_it_held(fmt: ChatFormat) -> None:
+    from tiderl.policy.ctb_budget import BudgetLimits
+
+    def run(adaptive: bool):
+        engine = FakeEngine(guesser(fmt, seed=5), kv_capacity_tokens=1 << 16, delay_s=0.001)
+        groups = [make_group(f"g{i}", "hilo", seed=i, group_size=4) for i in range(10)]
+        limits = BudgetLimits(floor_tokens=1, window_turns=4) if adaptive else None
+        got, report, _ = run_worker(fmt, engine, "ctb", groups, env=LocalEnvLink(latency="fixed:0.003"),
+                                    budget_tokens=260, budget_limits=limits)
+        assert len(got) == 40
+        return report
+
+    fixed, adaptive = run(False), run(True)
+    assert fixed.max_budget_tokens == 260 and adaptive.prefix_evicted_turns == 0
+    assert 260 < adaptive.max_budget_tokens <= 4 * 260  # grown, within the ceiling (4 x the floor)
+    assert adaptive.max_resident_tasks > fixed.max_resident_tasks

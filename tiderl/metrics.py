@@ -47,12 +47,18 @@ COUNTERS = {
     "preemptions": ("tiderl_engine_preemptions", "Requests the rollout engine preempted for KV-cache space."),
     "ctb_pauses": ("tiderl_ctb_pauses", "Tasks CTB paused (KV budget or priority)."),
     "ctb_resumes": ("tiderl_ctb_resumes", "Paused tasks CTB resumed."),
+    "ctb_admitted": ("tiderl_ctb_admitted", "Tasks the rollout scheduler started on a rank."),
+    "ctb_prefix_kept": ("tiderl_ctb_prefix_kept_turns", "Turns of resident tasks whose context the prefix cache kept."),
+    "ctb_prefix_evicted": ("tiderl_ctb_prefix_evicted_turns", "Turns of resident tasks whose context the prefix "
+                           "cache had evicted (re-prefilled)."),
 }
 # Store metric (a level) -> (Prometheus gauge name, help, scale).
 LEVELS = {
     "kv_usage": ("tiderl_kv_cache_usage_ratio", "Share of the rollout engine's KV cache in use (0..1).", 1.0),
     "tasks_resident": ("tiderl_rank_resident_tasks", "Tasks resident on a rollout rank's engine (CTB).", 1.0),
     "tasks_paused": ("tiderl_rank_paused_tasks", "Tasks CTB holds paused on a rollout rank.", 1.0),
+    "ctb_budget_tokens": ("tiderl_ctb_budget_tokens", "CTB's KV token budget on a rollout rank (adaptive: as it "
+                          "moves).", 1.0),
 }
 
 

@@ -25,6 +25,16 @@ class RolloutConfig:
         ge=1,
         help="CTB token budget per rollout rank. null: the engine's reported KV capacity.",
     )
+    ctb_budget: Literal["fixed", "adaptive"] = option(
+        "adaptive",
+        help="CTB's token budget: `fixed` (`kv_budget_tokens`, or the engine's capacity) or `adaptive` "
+        "(from there up to `ctb_max_overcommit` times it, raised while the budget holds tasks back and the "
+        "engine's prefix cache keeps the contexts of tasks waiting on their environment, lowered when it "
+        "evicts them; tiderl.policy.ctb_budget).",
+    )
+    ctb_max_overcommit: float = option(
+        4.0, ge=1.0, help="Ceiling of the adaptive CTB budget, as a multiple of the fixed one."
+    )
     report_interval_s: float = option(
         0.25,
         gt=0,

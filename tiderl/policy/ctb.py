@@ -44,6 +44,9 @@ Invariants (each has a test in tests/test_policy_ctb.py)
 9. Disjoint: no task id appears in more than one output list, and each id
    names a task in the matching input state.
 10. Pure: equal inputs give equal outputs; inputs are frozen and unchanged.
+11. ``budget_bound`` is set iff the decision pauses tasks, or a resume or an admission stopped because
+    the next task would not fit the budget (not the cap, not the staleness allowance). The adaptive
+    budget (tiderl.policy.ctb_budget) grows only while it binds.
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ class CtbDecision:
     admit: tuple[Hashable, ...] = ()
     resident_tokens: int = 0
     """Resident footprint after the decision (admitted tasks at their probed footprint)."""
+    budget_bound: bool = False
+    """The budget held a task back: tasks were paused, or a resume or admission waited for room."""
 
 
 def priority(task: CtbTask, weights: PriorityWeights) -> float:
@@ -178,7 +183,7 @@ def decide(
                 break
             paused.append(resident[i].task_id)
             used -= resident[i].footprint_tokens
-        return CtbDecision(pause=tuple(paused), resident_tokens=used)
+        return CtbDecision(pause=tuple(paused), resident_tokens=used, budget_bound=True)
 
     cap = limits.max_resident_tasks
     num_resident = len(resident)
@@ -196,12 +201,13 @@ def decide(
             continue  # can never fit this rank; must not block it forever
         if (cap is not None and num_resident >= cap) or used + t.footprint_tokens > rank.budget_tokens:
             blocked = True
+            by_budget = used + t.footprint_tokens > rank.budget_tokens
             break
         resumed.append(t.task_id)
         used += t.footprint_tokens
         num_resident += 1
     if blocked:
-        return CtbDecision(resume=tuple(resumed), resident_tokens=used)
+        return CtbDecision(resume=tuple(resumed), resident_tokens=used, budget_bound=by_budget)
 
     # Admit: evaluation first, then the task type least resident here, then input order.
     resumed_ids = set(resumed)
@@ -217,6 +223,7 @@ def decide(
     )
     allowance = limits.staleness_task_allowance
     admitted: list[Hashable] = []
+    by_budget = False
     for i in ordered:
         group = candidates[i]
         stop = False
@@ -226,7 +233,7 @@ def decide(
             elif not group.is_eval and allowance is not None and allowance <= 0:
                 stop = True
             elif used + group.probed_footprint_tokens > rank.budget_tokens:
-                stop = True
+                stop = by_budget = True
             if stop:
                 break
             admitted.append(task_id)
@@ -236,4 +243,4 @@ def decide(
                 allowance -= 1
         if stop:
             break
-    return CtbDecision(resume=tuple(resumed), admit=tuple(admitted), resident_tokens=used)
+    return CtbDecision(resume=tuple(resumed), admit=tuple(admitted), resident_tokens=used, budget_bound=by_budget)

@@ -67,6 +67,10 @@ class TaskRun:
     checkpoint: tuple[int, int] | None = None
     trajectory: Trajectory | None = None
     handoff: bool = False  # set before cancelling: keep the env session (paused) instead of ending it
+    # The last generation: the context the previous one left in the engine's cache, and the prompt
+    # tokens the engine served from its prefix cache (None: not reported yet, or already read).
+    prefix_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 class TurnGate(Protocol):
@@ -91,6 +95,8 @@ async def run_task(
     assert session_id is not None
     temperature = limits.eval_temperature if spec.is_eval else limits.temperature
     finish = "done"
+    left_in_cache = 0  # the context the previous generation left in the engine's prefix cache
+    left_version = -1  # the weights it was computed with (a reload empties the cache)
     try:
         while True:
             room = min(limits.max_new_tokens, limits.max_context_tokens - len(trajectory.token_ids))
@@ -108,7 +114,11 @@ async def run_task(
                 seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
             )
             generation = await engine.generate(trajectory.token_ids, sampling)
+            same_weights = generation.weights_version == left_version
+            run.prefix_tokens, run.cached_tokens = left_in_cache if same_weights else 0, generation.num_cached_tokens
             trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
+            left_in_cache = len(trajectory.token_ids)  # prompt and generated tokens stay cached (full blocks)
+            left_version = generation.weights_version
             if not generation.token_ids or generation.token_ids[-1] != fmt.end_of_turn_id:
                 # Cut by the length limit: close the turn so the context stays well-formed;
                 # the closing id was not sampled, so it is not trained on.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tiderl.config.job import JobConfig
 from tiderl.policy.ctb import PriorityWeights
+from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.rollout.agent_loop import LoopLimits
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
@@ -51,6 +52,15 @@ def priority_weights(job: JobConfig) -> PriorityWeights:
     )
 
 
+def budget_limits(job: JobConfig) -> BudgetLimits | None:
+    """The adaptive CTB budget's limits (None: `rollout.ctb_budget: fixed`, or not the ctb scheduler).
+    The worker sets the floor to its fixed budget."""
+    r = job.rollout
+    if r.scheduler != "ctb" or r.ctb_budget != "adaptive":
+        return None
+    return BudgetLimits(floor_tokens=r.kv_budget_tokens or 1, max_factor=r.ctb_max_overcommit)
+
+
 def vllm_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:
     """The rank's vLLM engine. Spawns: call under `if __name__ == "__main__":` in scripts."""
     from tiderl.rollout.vllm_engine import VllmEngine
@@ -93,4 +103,5 @@ def rollout_worker(
         budget_tokens=job.rollout.kv_budget_tokens,
         max_resident_tasks=max_resident_tasks or job.rollout.max_concurrency,
         staleness_allowance=staleness_allowance,
+        budget_limits=budget_limits(job),
     )

@@ -10,6 +10,13 @@ task parks before its next generation, after telling the environment `/pause`
 CTB footprints come from the tasks' own token counts: context + the room of the
 next generation. A group's first task is its probe: the group's other tasks are
 admitted with the probe's measured first-turn footprint.
+
+With an adaptive budget (`budget_limits`), the worker judges every turn of a task
+that stayed resident since its previous generation: did the engine serve that
+context from its prefix cache (`Generation.num_cached_tokens`)? Once a window of
+turns is judged, `tiderl.policy.ctb_budget.adjust_budget` sets the next budget:
+it grows while the budget holds tasks back and the cache keeps what the resident
+tasks left in it, and shrinks when it evicts them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 from tiderl.policy.ctb import AdmissionLimits, CandidateGroup, CtbDecision, CtbTask, RankView, TaskState
+from tiderl.policy.ctb_budget import BudgetLimits, CacheFeedback, adjust_budget, prefix_kept
 from tiderl.rollout.agent_loop import LoopLimits, Phase, TaskRun, progress_of, run_task
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
@@ -36,12 +44,19 @@ OnFailure = Callable[[TaskSpec, BaseException], None]
 @dataclasses.dataclass(kw_only=True, slots=True)
 class WorkerReport:
     num_tasks: int = 0
+    num_admitted: int = 0
     num_pauses: int = 0
     num_resumes: int = 0
     num_generated_tokens: int = 0
     max_resident_tasks: int = 0
     reward_sum: float = 0.0
     wall_s: float = 0.0
+    prefix_kept_turns: int = 0
+    """Turns of resident tasks whose previous context came back from the prefix cache."""
+    prefix_evicted_turns: int = 0
+    """Turns of resident tasks whose previous context had been evicted."""
+    max_budget_tokens: int = 0
+    """The largest CTB budget in force (the adaptive budget's high-water mark)."""
 
     @property
     def reward_mean(self) -> float:
@@ -62,20 +77,29 @@ class RolloutWorker:
         max_resident_tasks: int | None = None,
         staleness_allowance: Callable[[], int | None] | None = None,
         on_failure: OnFailure | None = None,
+        budget_limits: BudgetLimits | None = None,
     ) -> None:
         """``budget_tokens``: CTB's KV budget (default: the engine's capacity).
         ``max_resident_tasks``: this rank's environment concurrency cap.
         ``staleness_allowance``: training tasks that may still start within the staleness
         bound (asked before every decision; None: unbounded).
         ``on_failure``: told of a task that failed, the others carry on (a long-lived rank);
-        None: the first failure stops the worker (`run` raises it)."""
+        None: the first failure stops the worker (`run` raises it).
+        ``budget_limits``: adapt CTB's budget from the engine's cache (its floor is the budget above);
+        None: the budget stays fixed."""
         self.engine, self.env, self.fmt, self.scheduler, self.limits = engine, env, fmt, scheduler, limits
         self.sink = sink
         self.budget_tokens = budget_tokens if budget_tokens is not None else engine.kv_capacity_tokens
+        self.budget_limits = budget_limits
+        if budget_limits is not None:
+            self.budget_limits = dataclasses.replace(budget_limits, floor_tokens=self.budget_tokens)
+        self._window = [0, 0]  # judged turns since the last adjustment: kept, evicted
+        self._budget_bound = False
+        self._resident_since_generation: set[str] = set()
         self.admission = AdmissionLimits(max_resident_tasks=max_resident_tasks)
         self.staleness_allowance = staleness_allowance
         self.on_failure = on_failure
-        self.report = WorkerReport()
+        self.report = WorkerReport(max_budget_tokens=self.budget_tokens)
         self._pending: OrderedDict[str, list[TaskSpec]] = OrderedDict()
         self._group_size: dict[str, int] = {}
         self._group_finished: dict[str, int] = {}
@@ -171,6 +195,7 @@ class RolloutWorker:
             self._runs.pop(task_id, None)
             self._tasks.pop(task_id, None)
             self._paused.pop(task_id, None)
+            self._resident_since_generation.discard(task_id)
         self._changed.set()
         return left
 
@@ -254,7 +279,38 @@ class RolloutWorker:
         limits = self.admission
         if self.staleness_allowance is not None:
             limits = dataclasses.replace(limits, staleness_task_allowance=self.staleness_allowance())
-        return self.scheduler.decide(self._rank_view(), self._candidates(), limits)
+        decision = self.scheduler.decide(self._rank_view(), self._candidates(), limits)
+        self._budget_bound = self._budget_bound or decision.budget_bound
+        return decision
+
+    def _judge_turn(self, run: TaskRun) -> None:
+        """Count the turn that just generated: did its context come back from the prefix cache? Only
+        turns of tasks that stayed resident since their previous generation count (a paused task is
+        expected to lose its cache). Adjusts an adaptive budget once a window is judged."""
+        cached, run.cached_tokens = run.cached_tokens, None
+        task_id = run.spec.task_id
+        resident = task_id in self._resident_since_generation
+        self._resident_since_generation.add(task_id)
+        if cached is None or not resident:
+            return
+        kept = prefix_kept(run.prefix_tokens, cached, self.engine.kv_block_tokens)
+        if kept is None:
+            return
+        self._window[0 if kept else 1] += 1
+        if kept:
+            self.report.prefix_kept_turns += 1
+        else:
+            self.report.prefix_evicted_turns += 1
+        limits = self.budget_limits
+        if limits is None or sum(self._window) < limits.window_turns:
+            return
+        feedback = CacheFeedback(kept_turns=self._window[0], evicted_turns=self._window[1],
+                                 budget_bound=self._budget_bound)
+        self.budget_tokens = adjust_budget(self.budget_tokens, feedback, limits)
+        self.report.max_budget_tokens = max(self.report.max_budget_tokens, self.budget_tokens)
+        self._window = [0, 0]
+        self._budget_bound = False
+        self._changed.set()
 
     def _act(self, decision: CtbDecision) -> None:
         for task_id in decision.pause:
@@ -276,6 +332,7 @@ class RolloutWorker:
         self.report.max_resident_tasks = max(self.report.max_resident_tasks, resident)
 
     def _start(self, spec: TaskSpec) -> None:
+        self.report.num_admitted += 1
         run = TaskRun(spec=spec)
         self._runs[spec.task_id] = run
         self._tasks[spec.task_id] = asyncio.create_task(self._play(spec, run), name=f"task {spec.task_id}")
@@ -304,6 +361,7 @@ class RolloutWorker:
             self._runs.pop(spec.task_id, None)
             self._tasks.pop(spec.task_id, None)
             self._paused.pop(spec.task_id, None)
+            self._resident_since_generation.discard(spec.task_id)
             if spec.group_id in self._probing and spec.group_id not in self._probe_tokens:
                 # A probe that ended (failed) before its first turn was measured: the group's next task
                 # probes instead; otherwise the group's other tasks would never be admitted.
@@ -319,6 +377,7 @@ class RolloutWorker:
             self._probing.discard(group_id)
             self._changed.set()
         while run.spec.task_id in self._paused:
+            self._resident_since_generation.discard(run.spec.task_id)
             event = self._paused[run.spec.task_id]
             run.phase = Phase.PAUSED
             run.num_pauses += 1
@@ -331,4 +390,6 @@ class RolloutWorker:
         self._changed.set()
 
     def after_turn(self, run: TaskRun) -> None:
+        if run.cached_tokens is not None:
+            self._judge_turn(run)
         self._changed.set()

@@ -61,7 +61,7 @@ class RolloutRole:
     """Store claims in, the worker in between, one `RankReport` per tick out."""
 
     def __init__(self, cfg: JobConfig, rank: int, engine: Engine, pool: EnvLink, fmt: ChatFormat) -> None:
-        from tiderl.rollout.from_config import loop_limits, priority_weights
+        from tiderl.rollout.from_config import budget_limits, loop_limits, priority_weights
         from tiderl.rollout.schedulers import make_scheduler
 
         self.cfg, self.rank = cfg, rank
@@ -71,7 +71,8 @@ class RolloutRole:
         self.worker = RankWorker(
             engine, pool, fmt, make_scheduler(cfg.rollout.scheduler, priority_weights(cfg)), loop_limits(cfg),
             sink=self._sink, budget_tokens=cfg.rollout.kv_budget_tokens,
-            max_resident_tasks=cfg.rollout.max_concurrency, on_failure=self._failed)
+            max_resident_tasks=cfg.rollout.max_concurrency, on_failure=self._failed,
+            budget_limits=budget_limits(cfg))
         self.runner: asyncio.Task[Any] | None = None
         self._batches = 0
 
@@ -304,7 +305,7 @@ class RolloutStats:
         self.rank = rank
         self.next_at = time.monotonic() + STATS_S
         self.engine_before: Any = None
-        self.pauses = self.resumes = 0
+        self.pauses = self.resumes = self.admitted = self.kept = self.evicted = 0
         self.phases: dict[str, tuple[Phase, float]] = {}  # task -> (phase, since when, Unix s)
 
     def due(self, now: float) -> bool:
@@ -338,8 +339,14 @@ class RolloutStats:
                   "prompt_tokens": delta.prompt_tokens, "generation_tokens": delta.generation_tokens,
                   "preemptions": delta.num_preemptions, "kv_usage": stats.kv_usage,
                   "ctb_pauses": w.report.num_pauses - self.pauses, "ctb_resumes": w.report.num_resumes - self.resumes,
-                  "tasks_resident": w.num_resident, "tasks_paused": w.num_paused}
+                  "tasks_resident": w.num_resident, "tasks_paused": w.num_paused,
+                  "ctb_admitted": w.report.num_admitted - self.admitted,
+                  "ctb_prefix_kept": w.report.prefix_kept_turns - self.kept,
+                  "ctb_prefix_evicted": w.report.prefix_evicted_turns - self.evicted,
+                  "ctb_budget_tokens": w.budget_tokens}
         self.pauses, self.resumes = w.report.num_pauses, w.report.num_resumes
+        self.admitted, self.kept, self.evicted = (w.report.num_admitted, w.report.prefix_kept_turns,
+                                                  w.report.prefix_evicted_turns)
         report.metrics += [MetricPoint(name, value, version, "rollout") for name, value in points.items()]
         report.whereabouts += self.whereabouts(role)
 
