@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max")
+ROLLOUT_SUMS = ("ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted",
+                "prefix_cache_queries", "prefix_cache_hits")
+ROLLOUT_LEVELS = ("kv_usage", "ctb_budget_tokens")
 
 
 def collect(store: Any) -> dict[str, Any]:
@@ -55,6 +58,9 @@ def collect(store: Any) -> dict[str, Any]:
     wait: dict[str, float] = {}
     for row in store.metric_sums(["rwt_s", "twt_s"]):
         wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
+    rollout = dict.fromkeys(ROLLOUT_SUMS, 0.0)
+    for row in store.metric_sums(ROLLOUT_SUMS):
+        rollout[row["name"]] += float(row["value"])
     return {
         "name": info["name"],
         "system": info["system"],
@@ -73,6 +79,8 @@ def collect(store: Any) -> dict[str, Any]:
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
         "eval": [e | {"eval": True} for e in store.view("eval_summary")],
         "trainer": store.latest_metrics(TRAINER_KEYS),
+        "rollout": ({k: int(v) for k, v in rollout.items()} | store.latest_metrics(ROLLOUT_LEVELS)
+                    if any(rollout.values()) else {}),
     }
 
 
@@ -227,6 +235,14 @@ def render(doc: dict[str, Any]) -> str:
                          f"{s['consumed_tokens']:>6}  {_f(s['duration_s'], 1):>6}  {_f(s['goodput_tok_s'], 0):>5}  "
                          f"{s['ras'] if s['ras'] is not None else '-':>5}  {_f(s['tprm_s'], 2):>6}  "
                          f"{s['ra2p_mode'] or '-'}")
+    r = doc.get("rollout") or {}
+    if r:
+        hits = f"{r['prefix_cache_hits'] / r['prefix_cache_queries']:.2f}" if r["prefix_cache_queries"] else "-"
+        lines.append(f"rollout (run so far): admitted {r['ctb_admitted']}, paused {r['ctb_pauses']}, resumed "
+                     f"{r['ctb_resumes']}; turns whose context the prefix cache kept {r['ctb_prefix_kept']}, evicted "
+                     f"{r['ctb_prefix_evicted']}; prefix-cache hit rate {hits}"
+                     + (f"; KV usage {r['kv_usage']:.2f}" if "kv_usage" in r else "")
+                     + (f"; CTB budget {r['ctb_budget_tokens']:.0f} tokens" if "ctb_budget_tokens" in r else ""))
     t = doc.get("trainer") or {}
     if t:
         lines.append("trainer (last step): " + ", ".join(f"{k} {_f(t[k], 3)}" for k in TRAINER_KEYS if k in t))
