@@ -14,10 +14,8 @@ from tiderl.envs.client import EnvClient, EnvFailedError, EnvProtocolError, EnvS
 
 
 @asynccontextmanager
-async def answering(status: int, body: bytes) -> AsyncIterator[str]:
-    async def handler(request: web.Request) -> web.Response:
-        return web.Response(status=status, body=body, content_type="application/json")
-
+async def serving(handler) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    """An HTTP server answering every path with `handler`; its URL."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app)
@@ -29,6 +27,15 @@ async def answering(status: int, body: bytes) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def answering(status: int, body: bytes) -> AsyncIterator[str]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    async with serving(handler) as url:
+        yield url
 
 
 def call(status: int, body: bytes, what: str) -> EnvServiceError:
@@ -93,17 +100,8 @@ async def flaky_server(garbled: dict[str, bool]) -> AsyncIterator[str]:
             return web.json_response({"session_id": "s-1", "done": False})  # no observation
         return web.json_response({"session_id": "s-1", "observation": "guess", "done": False, "info": {}})
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(handler) as url:
+        yield url
 
 
 def test_a_start_holds_while_the_only_server_answers_garbage_and_goes_on_when_it_recovers():
