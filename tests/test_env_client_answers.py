@@ -4,7 +4,7 @@ the endpoint and what was wrong, never a bare UnicodeDecodeError, KeyError or Va
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -14,7 +14,7 @@ from tiderl.envs.client import EnvClient, EnvFailedError, EnvProtocolError, EnvS
 
 
 @asynccontextmanager
-async def serving(handler) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+async def serving(handler: Callable[[web.Request], Awaitable[web.Response]]) -> AsyncIterator[str]:
     """An HTTP server answering every path with `handler`; its URL."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
