@@ -56,8 +56,12 @@ def test_1_the_general_invariants_hold(roles, sig, limits):
     p = plan(roles, sig, limits)
     assert len(p.roles) == len(roles)
     assert (p.mode is Ra2pMode.DECOUPLED) == (F in p.roles)
-    assert len(p.moves) <= limits.max_moves_per_step
-    assert {(m.from_role, m.to_role) for m in p.moves} <= {(R, F), (F, R), (R, A), (A, R)}
+    if p.reason is ErsReason.RATE_REPARTITION:  # the trainer's ranks divided anew: all at once, rollout kept
+        assert limits.elastic_actors and count(p.roles, R) == count(roles, R)
+        assert {(m.from_role, m.to_role) for m in p.moves} <= {(A, F), (F, A)}
+    else:
+        assert len(p.moves) <= limits.max_moves_per_step
+        assert {(m.from_role, m.to_role) for m in p.moves} <= {(R, F), (F, R), (R, A), (A, R)}
     assert [m.rank for m in p.moves] == [i for i, (a, b) in enumerate(zip(roles, p.roles)) if a is not b]
     assert count(p.roles, R) >= limits.min_rollout_ranks
     if not limits.elastic_actors:

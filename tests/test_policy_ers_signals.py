@@ -137,3 +137,6 @@ def test_the_control_plane_counts_tprm_in_global_micro_batches(tmp_path: Path) -
                                         step_started_at=0.0, duration_s=1.0, ras=4, tprm_s=0.5), owner=0)
     signals = ControlPlane(config, store).signals(1, roles)
     assert signals.tprm_s == pytest.approx(1.0)
+    # The step's RAS likewise: 4 shares ready at its start are 2 micro-batches of the 2 actors.
+    step = ControlPlane(config, store)._observations(1)[-1]
+    assert step.ras_microbatches == 2 and step.tprm_s == pytest.approx(1.0)

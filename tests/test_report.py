@@ -46,7 +46,10 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
                            token_versions=[-1, 0, 0], num_turns=1, reward=float(i % 2), success=bool(i % 2))
         for i, c in enumerate(claims)], metrics=[
         MetricPoint("rwt_s", 0.5, 0, "rollout"), MetricPoint("prefix_cache_queries", 100, 0, "rollout"),
-        MetricPoint("prefix_cache_hits", 40, 0, "rollout"), MetricPoint("kv_usage", 0.3, 0, "rollout")]))
+        MetricPoint("prefix_cache_hits", 40, 0, "rollout"), MetricPoint("kv_usage", 0.3, 0, "rollout"),
+        MetricPoint("kv_usage", 0.5, 0, "rollout"), MetricPoint("ctb_admitted", 3, 0, "rollout"),
+        MetricPoint("ctb_pauses", 1, 0, "rollout"), MetricPoint("ctb_resumes", 1, 0, "rollout"),
+        MetricPoint("ctb_prefix_kept", 2, 0, "rollout"), MetricPoint("ctb_budget_tokens", 512, 0, "rollout")]))
     got = s.claim_ready_groups(0, 1)
     s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                     step_started_at=0.0, duration_s=2.0, ras=0, tprm_s=0.5, ra2p_mode="colocated"),
@@ -63,6 +66,9 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "7 figures" in capsys.readouterr().out
     summary = assert_report(tmp_path / "out")
     assert "| goodput (whole run) |" in summary and "| 0 | 1 | " in summary  # eval of v0: one task
+    # CTB per weights version: increments summed, levels averaged (KV usage 0.3 and 0.5: 40%).
+    assert data.ctb[0]["ctb_admitted"] == 3 and data.ctb[0]["kv_usage"] == pytest.approx(0.4)
+    assert "| 0 | 3 | 1 | 1 | 2 | 0 | 0.400 | 40.0% | 512 |" in summary, summary
     assert not any(note in summary for note in EMPTY_NOTES)
 
 
@@ -119,6 +125,8 @@ def test_report_of_a_short_real_run(real_run: Path, tmp_path: Path) -> None:
     finally:
         store.close()
     assert len(data.versions) == 2 and data.staleness and data.cache and data.waits
+    assert sum(row.get("ctb_admitted", 0) for row in data.ctb.values()) > 0, data.ctb  # the rollout ranks' CTB figures
+    assert "## Rollout scheduling (CTB) per weights version" in summary
     assert {s.role for s in data.roles} >= {"actor", "rollout"}
     # The control plane served Prometheus metrics while the run went (monitor.metrics_port=0: a free port).
     assert (real_run / "metrics" / "control.url").read_text().startswith("http://127.0.0.1:")

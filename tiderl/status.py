@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tiderl import diagnose as dg
+from tiderl.report.data import CTB_LEVELS, CTB_SUMS
 
 STEP_KEYS = ("version", "success_rate", "reward_mean", "consumed_tokens", "duration_s", "goodput_tok_s",
              "ras", "tprm_s", "ra2p_mode", "max_staleness")
@@ -43,9 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max")
-ROLLOUT_SUMS = ("ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted",
-                "prefix_cache_queries", "prefix_cache_hits")
-ROLLOUT_LEVELS = ("kv_usage", "ctb_budget_tokens")
 
 
 def collect(store: Any) -> dict[str, Any]:
@@ -58,8 +56,8 @@ def collect(store: Any) -> dict[str, Any]:
     wait: dict[str, float] = {}
     for row in store.metric_sums(["rwt_s", "twt_s"]):
         wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
-    rollout = dict.fromkeys(ROLLOUT_SUMS, 0.0)
-    for row in store.metric_sums(ROLLOUT_SUMS):
+    rollout = dict.fromkeys(CTB_SUMS, 0.0)
+    for row in store.metric_sums(CTB_SUMS):
         rollout[row["name"]] += float(row["value"])
     return {
         "name": info["name"],
@@ -79,7 +77,7 @@ def collect(store: Any) -> dict[str, Any]:
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
         "eval": [e | {"eval": True} for e in store.view("eval_summary")],
         "trainer": store.latest_metrics(TRAINER_KEYS),
-        "rollout": ({k: int(v) for k, v in rollout.items()} | store.latest_metrics(ROLLOUT_LEVELS)
+        "rollout": ({k: int(v) for k, v in rollout.items()} | store.latest_metrics(CTB_LEVELS)
                     if any(rollout.values()) else {}),
     }
 

@@ -34,15 +34,17 @@ class ErsConfig:
         1,
         ge=0,
         help="Most ranks that change role at one sync boundary (preemptive maximum rollout at cold "
-        "start and evaluation is exempt: it only adds rollout capacity).",
+        "start and evaluation is exempt: it only adds rollout capacity; so is the rate planner's trainer "
+        "re-partition between actor and ref: it keeps the rollout side and regroups the actors once).",
     )
     min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks ERS keeps.")
     min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks ERS keeps.")
     elastic_actors: bool = option(
         False,
-        help="Let ERS also move data-parallel actor ranks to and from rollout (the actor group is rebuilt "
-        "at that boundary and a joining actor takes the weights and optimizer state of a current one); "
-        "false: only dedicated ref ranks move and the actor group is fixed.",
+        help="Let ERS also move data-parallel actor ranks to and from rollout, and (`policy: rate`) divide "
+        "the trainer's ranks anew between actor and ref where the RA2P cost model says so (the actor group "
+        "is rebuilt at that boundary and a joining actor takes the weights and optimizer state of a current "
+        "one); false: only dedicated ref ranks move and the actor group is fixed.",
     )
     max_ref_ranks: int | None = option(
         None, ge=0, help="Most dedicated ref ranks ERS provisions for the decoupled RA2P mode. null: no limit."

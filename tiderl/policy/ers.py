@@ -53,10 +53,13 @@ Invariants (each has a test in tests/test_policy_ers.py)
    the actor ranks keep their role; with it, actor ranks never drop below
    ``min_actor_ranks`` through a move.
 2. Moves are only ROLLOUT <-> REF, ROLLOUT <-> ACTOR (``elastic_actors``),
-   IDLE -> ROLLOUT, and ROLLOUT -> IDLE in a rate plan with a shared host
-   (``host``, tiderl.policy.ers_rate); ``moves`` lists exactly the ranks whose
-   role changed.
-3. At most ``max_moves_per_step`` moves, except a preemptive plan.
+   IDLE -> ROLLOUT, ROLLOUT -> IDLE in a rate plan with a shared host
+   (``host``, tiderl.policy.ers_rate), and ACTOR <-> REF in a rate plan's
+   trainer re-partition (``elastic_actors``); ``moves`` lists exactly the
+   ranks whose role changed.
+3. At most ``max_moves_per_step`` moves, except a preemptive plan and a
+   trainer re-partition (it leaves the rollout side as it is and costs one
+   regroup of the actors however many ranks it moves).
 4. Rollout ranks never drop below ``min_rollout_ranks`` through a move, and
    REF ranks never exceed ``max_ref_ranks``.
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
@@ -110,6 +113,8 @@ class ErsReason(enum.Enum):
     RATE_TO_ROLLOUT = "rate_to_rollout"
     RATE_TO_TRAINER = "rate_to_trainer"
     RATE_REBALANCE = "rate_rebalance"
+    RATE_REPARTITION = "rate_repartition"
+    """The trainer's ranks divided anew between actor and ref (the rollout side as it is)."""
     RATE_TO_IDLE = "rate_to_idle"
     """A rollout rank left idle: on a shared host it slowed the others more than it added."""
 
@@ -221,6 +226,8 @@ class StepObservation:
     """Seconds the actor group waited for ready data during the step."""
     tprm_s: float | None = None
     """TPRM the step observed (None: no post-start arrival)."""
+    ras_microbatches: int = 0
+    """Micro-batches (global: every actor rank's share) ready when the step started (its RAS)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,11 @@ Model (every rate from the signals' window of recent steps, as measured)
   ``IDLE`` (their engines kept, claiming nothing): a split may hold idle
   ranks only with a shared host.
 
+Trainer re-partition (``elastic_actors``): when no split is worth a move,
+the trainer's ranks may still be divided anew between actor and ref, the
+rollout side as it is, by the RA2P cost model on the window's measured
+readiness (:mod:`tiderl.policy.ers_trainer`, with its reasons and invariants).
+
 Decision: the best split over every split the limits allow (rollout ranks
 >= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
 up to the count that keeps up with the actors, and within max_ref_ranks,
@@ -84,6 +89,8 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 6. The fetch size is always groups_ideal.
 7. Without a shared host no rank is moved to IDLE; idle ranks only return
    to rollout. Host speed factors are 1 without a shared host.
+8. The trainer re-partition's invariants hold (tiderl.policy.ers_trainer), and it is tried only where
+   no split move is planned.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
+from tiderl.policy.ers_trainer import refs_needed, repartition
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 
@@ -323,16 +331,6 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     return supply, demand, min(supply, demand)
 
 
-def refs_needed(actors: int, times: StageTimes | None) -> int:
-    """Ref ranks beyond which a further one idles: the smallest R with M t_ref / R <= t_act_f + t_act_b."""
-    if times is None or actors < 1:
-        return 0
-    work = times.t_act_f_s + times.t_act_b_s
-    if work <= 0:
-        return actors
-    return max(1, math.ceil(actors * times.t_ref_s / work))
-
-
 def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> list[Split]:
     """Every split the limits allow from `current` (same number of movable ranks)."""
     movable = current.rollout + current.refs + current.idle + (current.actors if limits.elastic_actors else 0)
@@ -379,7 +377,14 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     if trial is not None:
         best = trial
     elif best == now or best_g <= now_g * (1 + limits.rate_margin):
-        return finish_plan(current, current, fetch, ErsReason.STEADY)
+        refs = repartition(now, signals, limits)
+        if refs is None:
+            return finish_plan(current, current, fetch, ErsReason.STEADY)
+        if refs > now.refs:
+            new = move_roles(current, Role.ACTOR, Role.REF, refs - now.refs)
+        else:
+            new = move_roles(current, Role.REF, Role.ACTOR, now.refs - refs)
+        return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
     new = current
     split = now
     for _ in range(limits.max_moves_per_step):

@@ -9,6 +9,10 @@ from typing import Any
 # Metrics the figures read (names as the ranks record them).
 WAIT_METRICS = ("rwt_s", "twt_s")
 CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
+# What CTB decided and what the prefix cache kept, per weights version (increments summed; levels averaged).
+CTB_SUMS = ("ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted",
+            "prefix_cache_queries", "prefix_cache_hits")
+CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 
 
 @dataclass
@@ -30,6 +34,9 @@ class ReportData:
     cache: list[dict[str, Any]]  # prefix-cache and KV-usage points with `t_s`
     staleness: list[dict[str, Any]]
     roles: list[RoleSpan] = field(default_factory=list)
+    ctb: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Per weights version the rollout ranks held: the sum of each CTB_SUMS metric over the ranks and the
+    mean of each CTB_LEVELS metric over its points (a name absent: never recorded at that version)."""
 
     @property
     def consumed_tokens(self) -> int:
@@ -42,16 +49,35 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
     end = float(info["finished_at"] or (now if now is not None else time.time()))
     versions = [v | {"t_s": v["created_at"] - t0} for v in store.version_rows() if v["version"] > 0]
     publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
-    points = [p | {"t_s": p["ts"] - t0} for p in store.metric_rows(WAIT_METRICS + CACHE_METRICS)]
+    points = [p | {"t_s": p["ts"] - t0}
+              for p in store.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS)))]
     dead = [e | {"t_s": e["ts"] - t0} for e in store.recent_events(10_000, kinds=["rank_dead"])]
     evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.eval_rows()]
     return ReportData(
         info=info, t0=t0, end_s=end - t0, versions=versions, evals=evals,
         waits=[p for p in points if p["name"] in WAIT_METRICS],
         cache=[p for p in points if p["name"] in CACHE_METRICS],
-        staleness=store.staleness_counts(),
+        staleness=store.staleness_counts(), ctb=ctb_by_version(points),
         roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
                          restarted_s={r["rank"]: r["started_at"] - t0 for r in store.ranks()}))
+
+
+def ctb_by_version(points: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """The CTB figures of each weights version (see ReportData.ctb), ascending by version."""
+    sums: dict[int, dict[str, float]] = {}
+    levels: dict[tuple[int, str], list[float]] = {}
+    for p in points:
+        if p["version"] is None:
+            continue
+        v = int(p["version"])
+        if p["name"] in CTB_SUMS:
+            row = sums.setdefault(v, {})
+            row[p["name"]] = row.get(p["name"], 0.0) + float(p["value"])
+        elif p["name"] in CTB_LEVELS:
+            levels.setdefault((v, p["name"]), []).append(float(p["value"]))
+    for (v, name), values in levels.items():
+        sums.setdefault(v, {})[name] = sum(values) / len(values)
+    return dict(sorted(sums.items()))
 
 
 def role_spans(control: list[dict[str, Any]], publish_s: dict[int, float], dead_events: list[dict[str, Any]],

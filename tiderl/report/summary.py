@@ -47,6 +47,21 @@ def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: di
                          f"{_f(v['reward_mean'], 3)} | {_f(v['success_rate'], 3)} | {v['ras'] if v['ras'] is not None else '-'} | "
                          f"{_f(v['tprm_s'], 2)} | {v['max_staleness'] if v['max_staleness'] is not None else '-'} | "
                          f"{v['ra2p_mode'] or '-'} |")
+    if any("ctb_admitted" in row or "prefix_cache_queries" in row for row in data.ctb.values()):
+        lines += ["", "## Rollout scheduling (CTB) per weights version", "",
+                  "Tasks the scheduler admitted, paused and resumed on the ranks that held the version; turns whose "
+                  "context the prefix cache kept or evicted; the prompt tokens found in the prefix cache; mean "
+                  "KV-cache usage and CTB budget (tokens) over the ranks' reports.", "",
+                  "| version | admitted | paused | resumed | prefix kept | prefix evicted | hit rate | KV usage | "
+                  "CTB budget |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for version, row in data.ctb.items():
+            queries = row.get("prefix_cache_queries", 0.0)
+            hit = row.get("prefix_cache_hits", 0.0) / queries if queries > 0 else None
+            usage = row.get("kv_usage")
+            lines.append(f"| {version} | " + " | ".join(str(int(row.get(k, 0))) for k in (
+                "ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted"))
+                + f" | {_f(hit, 3)} | {_f(usage * 100 if usage is not None else None, 1)}"
+                + ("%" if usage is not None else "") + f" | {_f(row.get('ctb_budget_tokens'), 0)} |")
     lines += ["", "## Figures", ""]
     for name, (path, caption) in figures.items():
         lines += [f"**{name}**: {caption}", "", f"![{name}]({path.name})", ""]

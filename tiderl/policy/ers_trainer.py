@@ -1,0 +1,117 @@
+"""The trainer's side of ERS: how many ref ranks keep up with the actors, and
+the rate planner's trainer re-partition (``ers.policy: rate`` with
+``ers.elastic_actors``).
+
+Pure: no torch, no database, no HTTP, no processes.
+
+Why a re-partition. The rate model (:mod:`tiderl.policy.ers_rate`) charges
+every candidate split the window's measured ``overhead_s`` (the trainer's busy
+time beyond an all-ready step), which holds the colocated aggregation loop's
+swap pairs while data trickles in; so it cannot tell the RA2P modes apart
+where readiness decides: a large actor group fed a micro-batch every few
+seconds, where the colocated loop's final burst also holds the backlog of the
+previous one. The RA2P cost model can. When the rate planner finds no split
+worth a move, :func:`repartition` divides the trainer's ranks (actors + refs)
+anew between actor and ref, the rollout side as it is: each window step's
+micro-batches, regrouped for M actors (:func:`readiness`: the same tokens
+ready at the start, the rest arriving at the same token rate), cost
+:func:`step_compute_s` with M actors and R refs; the R with the smallest sum
+over the window wins if it beats the current one by more than
+``rate_margin``. All its moves are made at once: a path of one rank per step
+passes through splits whose few refs cannot feed many actors, far slower than
+either end, and the actors regroup once either way.
+
+Invariants (tests/test_policy_ers_trainer.py)
+1. No re-partition without ``elastic_actors``, stage times and a window.
+2. It keeps the trainer's rank count; actors stay at or above
+   ``min_actor_ranks``; refs stay within ``max_ref_ranks`` and at most
+   :func:`refs_needed` for the new actor count (a further ref would idle).
+3. Only for a predicted compute saving above ``rate_margin`` over the
+   current partition (ties go to the fewest moves).
+4. :func:`readiness` keeps a step's tokens and token rate: with M' actors the
+   step has ceil(tokens / (M' x share)) micro-batches, the RAS tokens (up to
+   that count) ready at the start, and TPRM scaled by M' / M.
+5. :func:`step_compute_s` is the RA2P cost model's colocated cost with no
+   ref rank; decoupled it never ends before the last arrival plus the fill
+   and actor work of one micro-batch, nor before one period per micro-batch.
+6. Pure: equal inputs give equal answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ra2p import StageTimes, colocated_cost_s
+
+if TYPE_CHECKING:
+    from tiderl.policy.ers_rate import Split
+
+__all__ = ["readiness", "refs_needed", "repartition", "step_compute_s"]
+
+
+def refs_needed(actors: int, times: StageTimes | None) -> int:
+    """Ref ranks beyond which a further one idles: the smallest R with M t_ref / R <= t_act_f + t_act_b."""
+    if times is None or actors < 1:
+        return 0
+    work = times.t_act_f_s + times.t_act_b_s
+    if work <= 0:
+        return actors
+    return max(1, math.ceil(actors * times.t_ref_s / work))
+
+
+def readiness(step: StepObservation, actors: int, per_actor_mb: float) -> list[float]:
+    """The ready times of `step`'s micro-batches had `actors` actor ranks consumed it: its tokens in
+    micro-batches of `actors` shares, as many ready at the start as the tokens of its measured RAS fill,
+    the rest arriving at the rate its TPRM measured (the same tokens per second)."""
+    per_mb = per_actor_mb * actors
+    n = max(1, math.ceil(step.consumed_tokens / per_mb))
+    measured_mb = per_actor_mb * max(1, step.actor_ranks)
+    if step.tprm_s is None:
+        return [0.0] * n
+    ras = min(n, int(step.ras_microbatches * measured_mb // per_mb))
+    gap = step.tprm_s * per_mb / measured_mb
+    return [0.0] * ras + [gap * (i + 1) for i in range(n - ras)]
+
+
+def step_compute_s(ready: Sequence[float], actors: int, refs: int, times: StageTimes) -> float:
+    """The trainer's compute for micro-batches ready at `ready` (seconds from the step's start): colocated
+    (no ref rank), the RA2P cost model's aggregation loop; decoupled, a pipeline whose micro-batch i ends
+    a period after the previous one, and no sooner than its own ref shares (ceil(M / R) per ref rank)
+    and actor work after its arrival (the same fill and tail as the rate model's)."""
+    if refs < 1:
+        return colocated_cost_s(ready, times)
+    work = times.t_act_f_s + times.t_act_b_s
+    period = max(work, actors * times.t_ref_s / refs)
+    latency = math.ceil(actors / refs) * times.t_ref_s + work
+    end = 0.0
+    for a in sorted(ready):
+        end = max(end + period, max(a, 0.0) + latency)
+    return end
+
+
+def repartition(now: Split, signals: ErsSignals, limits: ErsLimits) -> int | None:
+    """With ``elastic_actors``, the ref ranks the trainer's ranks (actors + refs, the rollout side as it
+    is) should hold: the split of them whose compute, over the window's steps with their readiness as
+    measured (:func:`readiness`), is the shortest, if it beats the current one by more than
+    ``rate_margin``; None: keep it."""
+    times = signals.stage_times
+    if not limits.elastic_actors or times is None or signals.micro_batch_tokens < 1 or not signals.window:
+        return None
+    total = now.actors + now.refs
+    mb = float(signals.micro_batch_tokens)
+
+    def cost(refs: int) -> float:
+        actors = total - refs
+        return sum(step_compute_s(readiness(s, actors, mb), actors, refs, times) for s in signals.window)
+
+    top = total - limits.min_actor_ranks
+    if limits.max_ref_ranks is not None:
+        top = min(top, limits.max_ref_ranks)
+    options = [r for r in range(0, top + 1) if r <= refs_needed(total - r, times) or r == now.refs]
+    best = min(options, key=lambda r: (cost(r), abs(r - now.refs)))
+    if best == now.refs or cost(best) * (1 + limits.rate_margin) >= cost(now.refs):
+        return None
+    return best
