@@ -73,6 +73,44 @@ def logs_of(run_dir: Path) -> str:
 
 
 @pytest.mark.slurm
+def test_submit_refuses_what_the_partition_can_never_give(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
+    """More CPUs a node than any node of the dev cluster has: refused before sbatch, naming the fields,
+    nothing created."""
+    most = max(n.cpus for n in slurm_cluster.partition_nodes(slurm_cluster.partitions()[0].name))
+    out = submit(run_dir, 2, f"slurm.cpus_per_task={most + 1}")
+    assert out.returncode == 2, out.stderr
+    assert "slurm.cpus_per_task" in out.stderr and "nothing submitted" in out.stderr, out.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_wait_stops_on_a_pending_reason_that_waiting_cannot_resolve(slurm_cluster: SlurmCluster,
+                                                                    run_dir: Path) -> None:
+    """A job that asks for more nodes than the partition has (submitted past the check) pends for good
+    (PartitionConfig on the dev cluster, PartitionNodeLimit on others): following it stops with a
+    non-zero exit and leaves the job as it is."""
+    import io
+
+    from tiderl.config import load_job
+    from tiderl.rundir import create_run
+    from tiderl.slurm.cli import EXIT_NOT_FINISHED, follow, submit_run
+    from tiderl.slurm.submit import run_parameters
+
+    nodes = len(slurm_cluster.node_names()) + 1
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", SHORT + [f"slurm.nodes={nodes}",
+                                                                 f"launch.num_ranks={2 * nodes}"])
+    _, store = create_run(config, run_dir)
+    store.close()
+    job_id, _ = submit_run(run_dir, run_parameters(config, run_dir))
+    out = io.StringIO()
+    assert follow(run_dir, job_id, out=out, poll_s=0.5) == EXIT_NOT_FINISHED
+    said = out.getvalue()
+    assert "cannot start" in said and ("PartitionConfig" in said or "PartitionNodeLimit" in said), said
+    assert slurm_cluster.queue([job_id]) == {job_id: JobState.PENDING}  # left as it is (the fixture cancels it)
+
+
+@pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)

@@ -4,7 +4,9 @@ A run as one Slurm job. The config is validated and laid out on the `slurm:`
 resources before anything is written (exit 2 on a bad one); resources that
 look CPU-sized for a GPU job are warned about on stderr
 (`sbatch.resource_warnings`). `--dry-run` prints the sbatch script and the
-ranks' srun step, and stops there. Otherwise the run directory and store are
+ranks' srun step, and stops there. Otherwise the request is checked against
+what its partition can ever give (`tiderl.slurm.fit`; exit 2 naming the field
+to change, nothing created), then the run directory and store are
 created here (so the job only ever resumes what exists), submitit submits
 `tiderl.slurm.job.SlurmRun`, and the job id goes into `RUN_DIR/slurm/jobs.json`.
 
@@ -21,9 +23,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from tiderl.config.cli import add_override_argument
+
+if TYPE_CHECKING:
+    from tiderl.config import JobConfig
+    from tiderl.slurm.cluster import SlurmCluster
 
 WAIT_POLL_S = 5.0
 EXIT_FINISHED, EXIT_NOT_FINISHED, EXIT_BAD_INPUT = 0, 1, 2
@@ -78,6 +84,17 @@ def run(args: argparse.Namespace) -> int:
               "in the default place)", file=sys.stderr)
         return EXIT_NOT_FINISHED
     try:
+        findings = fit_findings(cluster, config)
+    except SlurmError as e:
+        print(f"tiderl submit: warning: could not read the partition's limits ({e}); submitting unchecked",
+              file=sys.stderr)
+        findings = []
+    if findings:
+        for finding in findings:
+            print(f"tiderl submit: {args.job}: {finding}", file=sys.stderr)
+        print("tiderl submit: nothing submitted: the partition could never start this job", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         paths, store = create_run(config, run_dir)
     except RunDirError as e:
         print(f"tiderl submit: {e}", file=sys.stderr)
@@ -106,6 +123,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ntiderl submit: stopped following; job {job_id} goes on (tiderl cancel {run_dir} ends it)",
               file=sys.stderr)
         return 130
+
+
+def fit_findings(cluster: "SlurmCluster", config: "JobConfig") -> list[str]:
+    """What of the job's request its partition (`slurm.partition`, else the cluster's default) can never
+    give, each naming the field to change (tiderl.slurm.fit); empty when it fits or no partition applies."""
+    from tiderl.slurm.fit import SlurmRequest, misfits
+    from tiderl.slurm.sbatch import ranks_per_node
+
+    slurm = config.slurm
+    partitions = cluster.partitions()
+    if slurm.partition is not None:
+        named = [p for p in partitions if p.name == slurm.partition]
+        if not named:
+            known = ", ".join(p.name for p in partitions) or "none"
+            return [f"slurm.partition={slurm.partition}: the cluster has no such partition (known: {known})"]
+        partition = named[0]
+    else:
+        defaults = [p for p in partitions if p.default]
+        if not defaults:
+            return []  # sbatch itself says that a partition must be named
+        partition = defaults[0]
+    request = SlurmRequest(nodes=slurm.nodes, tasks_per_node=ranks_per_node(slurm, config.launch.num_ranks),
+                           cpus_per_task=slurm.cpus_per_task, mem_gb=slurm.mem_gb,
+                           gpus_per_node=slurm.gpus_per_node, time_min=slurm.time_min, partition=partition.name)
+    return misfits(request, partition, cluster.partition_nodes(partition.name))
 
 
 def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tuple[str, str | None]:
@@ -140,9 +182,11 @@ def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tupl
 
 
 def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float = WAIT_POLL_S) -> int:
-    """Print progress until the job has ended; 0 if the run finished."""
+    """Print progress until the job has ended, or stop (exit 1, the job left as it is) once it pends for a
+    reason that waiting cannot resolve (tiderl.slurm.fit.cannot_start); 0 if the run finished."""
     from tiderl.run.launcher import progress_line, summary
     from tiderl.rundir import open_run
+    from tiderl.slurm.fit import cannot_start
     from tiderl.slurm.runjobs import slurm_jobs_of_run
     from tiderl.slurm.states import JobState
     from tiderl.status import collect
@@ -162,6 +206,13 @@ def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float =
                 last = line
             if _job_ended(job["state"], JobState):
                 break
+            if job["state"] == JobState.PENDING.value and cannot_start(job["reason"]):
+                print(f"job {job_id} cannot start: it is pending for {job['reason']}, which waiting does not "
+                      "resolve (the request exceeds what its partition, account or QOS can ever give, or names "
+                      f"something that does not exist). The job is left as it is: `tiderl cancel {run_dir}` "
+                      "removes it; change the job's `slurm:` fields and submit again.", file=out, flush=True)
+                return EXIT_NOT_FINISHED
+            time.sleep(poll_s)
             time.sleep(poll_s)
         state = RunState(store.run_info()["state"])
         print(summary(store), file=out, flush=True)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from tiderl.slurm.fit import NODE_FORMAT, NodeInfo, PartitionInfo, parse_nodes, parse_partitions
 from tiderl.slurm.states import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
@@ -92,6 +93,15 @@ class SlurmCluster:
     def node_names(self) -> list[str]:
         """The cluster's nodes, in sinfo's order."""
         return parse_sinfo_nodes(self._run(["sinfo", "--noheader", "--Node", "--format=%N"]))
+
+    def partitions(self) -> list[PartitionInfo]:
+        """Every partition with its limits (`scontrol show partition --oneliner`)."""
+        return parse_partitions(self._run(["scontrol", "show", "partition", "--oneliner"]))
+
+    def partition_nodes(self, partition: str) -> list[NodeInfo]:
+        """The nodes of a partition with their CPUs, memory and GPUs."""
+        return parse_nodes(self._run(["sinfo", "--noheader", "--Node", f"--partition={partition}",
+                                      f"--format={NODE_FORMAT}"]))
 
     def submit(self, script: Path) -> str:
         """`sbatch` a script file; the job id."""
