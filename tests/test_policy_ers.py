@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import random
 
 from tiderl.policy.ers import ErsLimits, ErsReason, ErsSignals, Role, RoleMove, plan
@@ -120,6 +122,39 @@ def test_6_preemptive_max_rollout_at_cold_start_and_evaluation():
     for _, signals, limits, p in cases():
         if limits.preemptive_rollout and (not signals.step_history_s or signals.is_eval_next):
             assert F not in p.roles and I not in p.roles and p.mode is Ra2pMode.COLOCATED
+
+
+def test_13_the_evaluations_end_puts_its_ref_and_idle_ranks_back():
+    before = (R, F, F, I, A, A)  # the planner's split before the evaluation
+    during = (R, R, R, R, A, A)  # the evaluation's preemptive maximum rollout
+    over = ErsSignals(ras_microbatches=0, ready_groups=8, hol_latency_s=0.0, tprm_s=None, step_history_s=HISTORY,
+                      pre_evaluation_roles=before)
+    p = plan(during, over, LIMITS)  # LIMITS: one move a step; the return is exempt like the preemptive move
+    assert p.reason is ErsReason.EVALUATION_END and p.roles == before and p.mode is Ra2pMode.DECOUPLED
+    # Only rollout ranks move back: an actor or a rank that another rule moved meanwhile keeps its role.
+    moved = plan((R, R, F, R, A, R), over, LIMITS)
+    assert moved.roles == (R, F, F, I, A, R) and {(m.from_role, m.to_role) for m in moved.moves} <= {(R, F), (R, I)}
+    # Nothing to put back, no preemptive rule, or still evaluating: the other rules plan as before.
+    assert plan(before, over, LIMITS).reason is not ErsReason.EVALUATION_END
+    assert plan(during, over, replace(LIMITS, preemptive_rollout=False)).reason is not ErsReason.EVALUATION_END
+    assert plan(during, replace(over, is_eval_next=True), LIMITS).reason is ErsReason.EVALUATION
+
+
+def test_the_evaluation_memory_keeps_the_map_the_first_evaluation_plan_replaced():
+    from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
+
+    memory = EvaluationMemory()
+    memory.note((R, F, A), ErsReason.STEADY)
+    assert memory.roles is None
+    memory.note((R, F, A), ErsReason.EVALUATION)
+    memory.note((R, R, A), ErsReason.EVALUATION)  # a second evaluation step: the first map stays
+    assert memory.roles == (R, F, A)
+    snapshot = ErsSnapshot(roles=(R, R, A), micro_batch_tokens=64, ready_tokens=0, ready_groups=0,
+                           oldest_ready_age_s=None, pre_evaluation_roles=memory.roles)
+    assert build_signals(snapshot, 5).pre_evaluation_roles == (R, F, A)
+    assert build_signals(replace(snapshot, is_eval_open=True), 5).pre_evaluation_roles is None  # not over yet
+    memory.note((R, R, A), ErsReason.EVALUATION_END)
+    assert memory.roles is None
 
 
 def test_7_consumption_deficit_never_shrinks_the_trainer():

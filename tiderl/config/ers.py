@@ -50,7 +50,8 @@ class ErsConfig:
         None, ge=0, help="Most dedicated ref ranks ERS provisions for the decoupled RA2P mode. null: no limit."
     )
     preemptive_rollout: bool = option(
-        True, help="At cold start and before evaluation steps, move every ref rank to rollout at once."
+        True, help="At cold start and before evaluation steps, move every ref (and idle) rank to rollout at "
+        "once; when the evaluation is over, put those ranks back to the roles they held before it, at once."
     )
     adaptive_retention: bool = option(
         True,

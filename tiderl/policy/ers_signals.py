@@ -41,13 +41,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ers import ErsLimits, ErsReason, ErsSignals, StepObservation
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
 HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
 
-__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "StepObservation", "build_signals",
+__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "EvaluationMemory", "StepObservation", "build_signals",
            "gen_latency_by_rollout", "rate_window"]
 
 
@@ -79,6 +79,25 @@ class ErsSnapshot:
     fill_steps: int = 0
     """The first steps of the run, while the pipeline fills ((staleness + 1) batches released at once):
     their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
+    pre_evaluation_roles: tuple[Role, ...] | None = None
+    """The role map the running evaluation's preemptive plan replaced (:class:`EvaluationMemory`)."""
+
+
+@dataclass(slots=True)
+class EvaluationMemory:
+    """The role map an evaluation's preemptive plan replaced, kept until the evaluation is over, so that
+    its end can put the ranks back (the one piece of planning state a mechanism carries between
+    boundaries; the control plane and the simulator each keep one and hand it over in the snapshot)."""
+
+    roles: tuple[Role, ...] | None = None
+
+    def note(self, before: tuple[Role, ...], reason: ErsReason) -> None:
+        """After each plan: keep the map an evaluation plan replaced, forget it after any other plan."""
+        if reason is ErsReason.EVALUATION:
+            if self.roles is None:
+                self.roles = before
+        else:
+            self.roles = None
 
 
 def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
@@ -118,6 +137,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         group_env_s=sum(s.group_env_sum_s for s in window) / groups if groups else None,
         gen_latency_by_rollout=gen_latency_by_rollout(known),
         micro_batch_tokens=mb,
+        pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
     )
 
 

@@ -22,7 +22,7 @@ from tiderl.metrics import MetricsServer
 from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
-from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, build_signals
+from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import StageTimes
 from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
@@ -52,6 +52,9 @@ class ControlPlane:
                                                 group_size=config.rollout.group_size)
         self._watched_at = float("-inf")
         self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it
+        # The roles an evaluation's preemptive plan replaced (in memory: a resumed run plans on from its
+        # current roles, as the rate planner would).
+        self._evaluation_memory = EvaluationMemory()
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -139,6 +142,7 @@ class ControlPlane:
             signals = self.signals(version, current)
             before = [current[r] for r in ranks]
             decision = ers.plan(before, signals, self.limits)
+            self._evaluation_memory.note(tuple(before), decision.reason)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
             mode = decision.mode.value if cfg.trainer.ra2p_mode == "auto" else cfg.trainer.ra2p_mode
@@ -174,7 +178,8 @@ class ControlPlane:
             # preemptive rollout for an evaluation that starts now or is still running
             is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
-            stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1)
+            stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
+            pre_evaluation_roles=self._evaluation_memory.roles)
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from tiderl.policy import ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_signals
+from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
@@ -135,6 +135,7 @@ class Simulation:
                                                         group_size=workload.group_size),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
+        self.evaluation_memory = EvaluationMemory()
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
         self.fetch = self.b_min if system.fetch_min else self.b_ideal
         self.last_rollout_change = 0
@@ -326,6 +327,7 @@ class Simulation:
             last_rollout_change=self.last_rollout_change,
             stage_times=self._stage_times() if self.consumed_tasks else None,
             fill_steps=self.staleness + 1,
+            pre_evaluation_roles=self.evaluation_memory.roles,
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -362,6 +364,7 @@ class Simulation:
         return self.rwt_since_publish
 
     def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
+        self.evaluation_memory.note(tuple(self.roles), plan.reason)
         before = self._num(Role.ROLLOUT)
         for move in plan.moves:
             if move.from_role is Role.ROLLOUT:
