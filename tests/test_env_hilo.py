@@ -37,6 +37,17 @@ def test_secret_is_deterministic_in_seed_and_covers_range() -> None:
     assert secrets == set(range(1, 17))
 
 
+def test_consecutive_seeds_play_distinct_secrets() -> None:
+    # Evaluations use consecutive seeds: up to the range's size, every one must be a different game.
+    env = HiloEnv()
+    for low, high, first in ((1, 16, 0), (1, 64, 1_000_000_000), (5, 54, 123)):
+        secrets = []
+        for seed in range(first, first + high - low + 1):
+            env.reset(seed, {"low": low, "high": high})
+            secrets.append(env.secret)
+        assert sorted(secrets) == list(range(low, high + 1))
+
+
 @pytest.mark.parametrize("action", ["eight", "8.", "I guess 8", "", "  ", "8 9", "1e3"])
 def test_bad_action_gets_clear_observation_and_costs_a_turn(action: str) -> None:
     env = make_env("hilo")

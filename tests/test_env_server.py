@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 
 from tiderl.envs import Environment, StepResult, register_env
 from tiderl.envs.client import EnvClient, EnvConflictError, EnvConnectionError, EnvNotFoundError, EnvPool
+from tiderl.envs.hilo import HiloEnv
 from tiderl.envs.server import RunningServer, ServerOptions, start_server
 
 
@@ -167,7 +167,9 @@ def test_concurrent_step_on_one_session_is_409_busy_but_pause_is_allowed() -> No
             assert (await first).info["turn"] == 1
 
             # Pausing while a step runs is allowed: the step completes, the session stays paused.
-            secret = random.Random(2).randint(1, 16)
+            game = HiloEnv()
+            game.reset(2, {})
+            secret = game.secret
             first = asyncio.create_task(client.step(sid, "16" if secret != 16 else "15"))
             await asyncio.sleep(0.1)
             assert await client.pause(sid) == "paused"

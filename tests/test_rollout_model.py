@@ -20,7 +20,7 @@ SEEDS = range(10**7, 10**7 + 48)
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    # The quickstart's cache: built once (minutes on 2 cores), then found at once.
+    # The default tiny model (`tiderl init-model --env hilo`): built once (minutes on 2 cores), then found at once.
     return init_model(default_model_dir("hilo"))
 
 

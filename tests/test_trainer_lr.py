@@ -31,6 +31,16 @@ def test_constant_linear_and_cosine_by_hand() -> None:
     assert lr_at(cosine, 2) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.2)))
 
 
+def test_warmup_rises_linearly_then_follows_the_schedule() -> None:
+    const = TrainerConfig(lr=1e-3, num_steps=10, lr_warmup_steps=4)
+    assert [lr_at(const, v) for v in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    linear = TrainerConfig(lr=1e-3, num_steps=10, lr_schedule="linear", lr_warmup_steps=2)
+    assert lr_at(linear, 0) == pytest.approx(5e-4)
+    assert lr_at(linear, 5) == pytest.approx(5e-4)
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):
+        build(TrainerConfig, {"lr_warmup_steps": -1}, "job.yaml")
+
+
 def test_bad_schedule_names_the_key() -> None:
     with pytest.raises(ConfigError, match="lr_schedule"):
         build(TrainerConfig, {"lr_schedule": "step"}, "job.yaml")

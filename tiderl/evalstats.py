@@ -7,7 +7,8 @@
 
 Both treat the tasks as independent draws. Greedy evaluation of a prompt drawn twice is the same
 trajectory, so where an environment has fewer distinct prompts than the evaluation has tasks, the
-intervals are narrower than the truth; `rollout.eval_groups` should not exceed the distinct prompts.
+intervals are narrower than the truth; `rollout.eval_groups` should not exceed the distinct prompts
+(hilo: its consecutive evaluation seeds are distinct games up to `high - low + 1`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ class ModelConfig:
         "and transformers. null: the tiny model `tiderl init-model` builds for `init_env`, cached.",
     )
     init_env: str = option("hilo", help="Environment whose demonstrations warm-start the tiny model when `path` is null.")
+    init_train_steps: int = option(
+        250,
+        ge=1,
+        help="Supervised warm-start steps of the tiny model when `path` is null. Fewer: a weaker start that "
+        "leaves RL more to learn. Its demonstrations use `env.options` when `init_env` is `env.name`.",
+    )
     max_context_tokens: int = option(
         1024, ge=64, help="Longest context (prompt + all turns) a task may reach, in tokens."
     )

@@ -32,6 +32,13 @@ class TrainerConfig:
     lr_final_ratio: float = option(
         0.0, ge=0, le=1, help="A decaying `lr_schedule` reaches `lr` times this at `num_steps`."
     )
+    lr_warmup_steps: int = option(
+        0,
+        ge=0,
+        help="Steps over which the learning rate rises linearly to its schedule's value (step k of a warm-up "
+        "of W trains at (k + 1) / W of it). AdamW's first updates move every weight by about `lr` whatever "
+        "the gradient's size: a warm-up keeps a noisy first policy gradient from wrecking a small model.",
+    )
     grad_clip: float = option(1.0, gt=0, help="Gradient-norm clip.")
     clip_eps: float = option(0.2, gt=0, help="PPO-style clip of the importance ratio (1 +/- eps).")
     dual_clip: float | None = option(

@@ -21,14 +21,20 @@ always >= 0.5) and a miss still scores 0.
 
 Info: `turn` (actions taken), `max_turns`; when done also `found`, `secret`.
 
-The secret is `random.Random(seed).randint(low, high)`. `expert_action()` gives the
+The secret is `low + (seed * stride) % n` with n = high - low + 1 and `stride` the integer nearest
+to n / golden ratio that is coprime with n (:func:`secret_stride`): any n consecutive seeds play
+every secret once, and a few consecutive seeds spread over the range (a training step's groups are
+not all low or all high secrets). An evaluation of N consecutive seeds with N <= n is then N
+distinct games (greedy play of one game twice is the same trajectory, which would make a success
+rate look surer than it is). `expert_action()` gives the
 binary-search guess (midpoint of the interval the feedback so far allows), which
 finds any secret in 1-16 within 5 turns: use it for demonstrations.
 """
 
 from __future__ import annotations
 
-import random
+import itertools
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +44,15 @@ from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepRe
 _INTEGER = re.compile(r"[+-]?\d{1,12}")
 
 DEFAULTS: dict[str, Any] = {"low": 1, "high": 16, "max_turns": 6, "shaped": False}
+
+
+def secret_stride(n: int) -> int:
+    """The integer nearest to n / golden ratio that is coprime with n: coprime makes seed -> secret
+    one-to-one on n consecutive seeds, the golden ratio spreads consecutive seeds' secrets apart."""
+    nearest = max(1, round(n * (math.sqrt(5) - 1) / 2))
+    # Outwards from the nearest: ends within a few steps (coprimes are dense), at worst at 1.
+    return next(k for distance in itertools.count() for k in (nearest - distance, nearest + distance)
+                if 1 <= k <= n and math.gcd(k, n) == 1)
 
 
 class HiloEnv(Environment):
@@ -65,7 +80,8 @@ class HiloEnv(Environment):
             raise EnvOptionError(f"hilo: max_turns must be >= 1, got {opts['max_turns']}")
         self.low, self.high = opts["low"], opts["high"]
         self.max_turns, self.shaped = opts["max_turns"], opts["shaped"]
-        self.secret = random.Random(seed).randint(self.low, self.high)
+        n = self.high - self.low + 1
+        self.secret = self.low + (seed * secret_stride(n)) % n
         self.turn = 0
         self.found = False
         self.done = False

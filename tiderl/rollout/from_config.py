@@ -17,12 +17,15 @@ from tiderl.rollout.worker import RolloutWorker, Sink
 
 
 def model_dir(job: JobConfig) -> Path:
-    """`model.path`, or the cached tiny model for `model.init_env` (built on first use)."""
+    """`model.path`, or the cached tiny model the `model:` section describes (built on first use)."""
     if job.model.path is not None:
         return Path(job.model.path)
-    from tiderl.rollout.tiny_model import TinyModelSpec, default_model_dir, init_model
+    from tiderl.rollout.tiny_model import TinyModelSpec, init_model, spec_model_dir
 
-    return init_model(default_model_dir(job.model.init_env), TinyModelSpec(env=job.model.init_env, seed=0))
+    m = job.model
+    spec = TinyModelSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name else {},
+                         train_steps=m.init_train_steps)
+    return init_model(spec_model_dir(spec), spec)
 
 
 def chat_format(model_path: str | Path) -> ChatFormat:

@@ -36,6 +36,8 @@ class TinyModelSpec:
     """Everything that determines the model directory (its hash is the cache key)."""
 
     env: str = "hilo"
+    env_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Options of the demonstration episodes (e.g. hilo's range): the warm start plays the task RL trains on."""
     seed: int = 0
     vocab_size: int = 384
     hidden_size: int = 128
@@ -74,9 +76,18 @@ def spec_hash(spec: TinyModelSpec) -> str:
 
 
 def default_model_dir(env: str) -> Path:
-    """Where `model.path: null` finds the tiny model: $TIDERL_CACHE or ~/.cache/tiderl."""
+    """Where `tiderl init-model` puts the tiny model of ``env``: $TIDERL_CACHE or ~/.cache/tiderl."""
     root = Path(os.environ.get("TIDERL_CACHE", Path.home() / ".cache" / "tiderl"))
     return root / "models" / f"tiny-{env}"
+
+
+def spec_model_dir(spec: TinyModelSpec) -> Path:
+    """The cache directory of ``spec``: the default one for the default spec of its environment, one
+    named by the spec's hash otherwise, so that jobs with different warm starts keep a model each
+    instead of rebuilding one directory in turn."""
+    if spec == TinyModelSpec(env=spec.env):
+        return default_model_dir(spec.env)
+    return default_model_dir(spec.env).with_name(f"tiny-{spec.env}-{spec_hash(spec)}")
 
 
 def cached_hash(out_dir: Path) -> str | None:
@@ -208,7 +219,7 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
     try:
         progress.step(f"playing {spec.num_demos} demonstrations")
         for seed in seeds:
-            messages, reward = demos.play_demonstration(spec.env, seed, spec.demo_noise)
+            messages, reward = demos.play_demonstration(spec.env, seed, spec.demo_noise, spec.env_options)
             conversations.append(messages)
             rewards.append(reward)
         progress.step("training the tokenizer")
@@ -251,7 +262,8 @@ def _save(out_dir: Path, model: Any, tokenizer: Any, spec: TinyModelSpec, digest
     return out_dir
 
 
-def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_new_tokens: int = 8) -> float:
+def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_new_tokens: int = 8,
+                        options: dict[str, Any] | None = None) -> float:
     """Mean final reward of greedy play with transformers (a check of the warm start that
     does not need vLLM). Observations are appended as id pieces, as in the agent loop."""
     import torch
@@ -265,7 +277,7 @@ def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_
     total = 0.0
     for seed in seeds:
         env = make_env(env_name)
-        observation, _ = env.reset(seed=seed, options={})
+        observation, _ = env.reset(seed=seed, options=options or {})
         ids = fmt.prompt_ids(observation)
         done = False
         while not done:

@@ -76,14 +76,6 @@ def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume
     return Launch(config, paths, store, resumed=False)
 
 
-def model_dir(config: JobConfig) -> Path:
-    if config.model.path is not None:
-        return Path(config.model.path)
-    from tiderl.rollout.tiny_model import TinyModelSpec, default_model_dir, init_model
-
-    return init_model(default_model_dir(config.model.init_env), TinyModelSpec(env=config.model.init_env))
-
-
 def _checksum(directory: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(directory.glob("*.safetensors")):
@@ -198,6 +190,8 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
     children: list[procs.Child] = []
     state, message = RunState.FAILED, ""
     try:
+        from tiderl.rollout.from_config import model_dir  # torch and transformers: only once a run starts
+
         model = model_dir(cfg)
         if not launch.resumed:
             if not _has_initial_version(store):  # a first launch killed right after this line left it

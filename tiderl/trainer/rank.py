@@ -98,15 +98,17 @@ def loss_config(config: TrainerConfig) -> LossConfig:
 
 
 def lr_at(config: TrainerConfig, version: int) -> float:
-    """The learning rate of the step that trains ``version`` under ``config.lr_schedule``."""
+    """The learning rate of the step that trains ``version`` under ``config.lr_schedule``, scaled by
+    the warm-up (``config.lr_warmup_steps``)."""
+    warmup = min(1.0, (version + 1) / config.lr_warmup_steps) if config.lr_warmup_steps else 1.0
     if config.lr_schedule == "constant":
-        return config.lr
+        return config.lr * warmup
     progress = min(max(version / config.num_steps, 0.0), 1.0)
     if config.lr_schedule == "linear":
         shape = 1.0 - progress
     else:  # cosine
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.lr * (config.lr_final_ratio + (1.0 - config.lr_final_ratio) * shape)
+    return config.lr * warmup * (config.lr_final_ratio + (1.0 - config.lr_final_ratio) * shape)
 
 
 def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id: int = 0) -> StepPlan:
