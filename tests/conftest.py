@@ -9,6 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+pytest_plugins = ["pg_fixtures"]  # pg_server (a real PostgreSQL for the store tests), store_url
+
 
 @pytest.fixture(scope="session")
 def juicefs_dir(tmp_path_factory: pytest.TempPathFactory):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from tiderl.config.store import StoreConfig
+from sqlalchemy import select
+
 from tiderl.store import (
+    ClaimRequest,
     RankDeclaredDeadError,
     ClaimLostError,
     FinishedTrajectory,
@@ -22,6 +26,7 @@ from tiderl.store import (
     VersionRecord,
 )
 from tiderl.store.codec import pack_floats, pack_ints, unpack_floats, unpack_ints
+from tiderl.store.schema import trajectories
 
 
 def make_store(d: Path, **kw: object) -> RunStore:
@@ -83,8 +88,8 @@ def test_claims_are_exclusive_and_group_becomes_ready_with_advantages(store_dir:
     s.close()
 
 
-def test_group_waits_for_all_tasks(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_group_waits_for_all_tasks(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 3)])
     c = s.claim_tasks(0, 3)
     finish(s, 0, c[:2], [1.0, 0.0])
@@ -94,8 +99,8 @@ def test_group_waits_for_all_tasks(tmp_path: Path) -> None:
     assert len(s.claim_ready_groups(2, 5)) == 3
 
 
-def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     finish(s, 0, s.claim_tasks(0, 2), [1.0, 0.0])
     got = s.claim_ready_groups(2, 5)
@@ -112,15 +117,15 @@ def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path) -> None:
     assert s.run_info()["version"] == 1
 
 
-def test_version_must_follow_the_last(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_version_must_follow_the_last(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     with pytest.raises(StoreError, match="version 3 published after 0"):
         s.publish_version(VersionRecord(version=3, path="p", checksum="c", trajectory_ids=[], step_started_at=0,
                                         duration_s=1), owner=2)
 
 
-def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
     mine = s.claim_tasks(0, 2)
     finish(s, 1, s.claim_tasks(1, 2), [1.0, 0.0])
@@ -150,8 +155,8 @@ def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path) -> N
     assert len(kinds) == 3
 
 
-def test_failed_task_retries_then_fails_its_group(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_failed_task_retries_then_fails_its_group(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     for attempt in range(1, 4):
         (c, *_rest) = s.claim_tasks(0, 1)
@@ -162,12 +167,13 @@ def test_failed_task_retries_then_fails_its_group(tmp_path: Path) -> None:
     assert buf["tasks_failed"] == 2 and buf["tasks_pending"] == 0
 
 
-def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Path, store_url: str | None,
+                                                                    monkeypatch) -> None:
     import tiderl.store.runstore as rs
 
     clock = [1000.0]
     monkeypatch.setattr(rs.time, "time", lambda: clock[0])
-    s = make_store(tmp_path)
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 1)])
     waits = []
     for _ in range(3):
@@ -181,8 +187,8 @@ def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Pa
     assert waits == [2.0, 4.0, 8.0]
 
 
-def test_tasks_of_a_failed_group_never_go_back_to_pending(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_tasks_of_a_failed_group_never_go_back_to_pending(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 3)])
     a, b, c = s.claim_tasks(0, 3)
     s.report(RankReport(rank=0, failed=[TaskFailure(a.task_id, "boom")]), max_attempts=1)  # the group fails
@@ -192,8 +198,8 @@ def test_tasks_of_a_failed_group_never_go_back_to_pending(tmp_path: Path) -> Non
     assert s.claim_tasks(1, 3) == []
 
 
-def test_released_tasks_go_back_without_counting_an_attempt(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_released_tasks_go_back_without_counting_an_attempt(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     c = s.claim_tasks(0, 2)
     s.report(RankReport(rank=0, released=[x.task_id for x in c]))
@@ -201,8 +207,8 @@ def test_released_tasks_go_back_without_counting_an_attempt(tmp_path: Path) -> N
     assert [x.attempts for x in again] == [1, 1]
 
 
-def test_eval_groups_are_recorded_never_trained(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_eval_groups_are_recorded_never_trained(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.EVAL, 5, 2, eval_version=0)])
     finish(s, 0, s.claim_tasks(0, 2), [1.0, 0.0])
     assert s.claim_ready_groups(2, 5) == []
@@ -210,8 +216,8 @@ def test_eval_groups_are_recorded_never_trained(tmp_path: Path) -> None:
     assert ev["eval_version"] == 0 and ev["success_rate"] == 0.5
 
 
-def test_roles_at_uses_latest_record_per_rank(tmp_path: Path) -> None:
-    s = make_store(tmp_path)
+def test_roles_at_uses_latest_record_per_rank(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
     s.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ACTOR})
     s.plan_roles(3, {1: Role.REF}, ra2p_mode="decoupled", reason="consumption deficit")
     assert s.roles_at(2) == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ACTOR}
@@ -220,13 +226,39 @@ def test_roles_at_uses_latest_record_per_rank(tmp_path: Path) -> None:
     assert roles == {0: "rollout", 1: "ref", 2: "actor"}
 
 
+def test_a_retry_after_a_cut_off_commit_claims_and_publishes_nothing_twice(tmp_path: Path, store_url: str | None,
+                                                                           monkeypatch) -> None:
+    """A COMMIT whose answer was lost (the server went away) is retried not knowing it went through: every
+    write runs twice here, and nothing is claimed, accepted or published twice."""
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
+    write = s.tx.write
+    monkeypatch.setattr(s.tx, "write", lambda fn: (write(fn), write(fn))[1])
+    a = s.claim_tasks(0, 2)
+    assert [c.task_id for c in a] == [1, 2] and [c.attempts for c in a] == [1, 1]
+    out = s.report(RankReport(rank=0, finished=[traj(c.task_id, r) for c, r in zip(a, [1.0, 0.0])],
+                              claim=ClaimRequest(limit=2)))
+    assert (out["accepted"], out["dropped"]) == (2, 0) and [c.task_id for c in out["claims"]] == [3, 4]
+    got = s.claim_ready_groups(2, 5)
+    assert sorted(t.task_id for t in s.tx.read(lambda c: c.execute(
+        select(trajectories.c.task_id).where(trajectories.c.claim_owner == 2)).all())) == [1, 2]
+    record = VersionRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=[t.id for t in got],
+                           step_started_at=0.0, duration_s=1.0)
+    s.publish_version(record, owner=2)
+    assert s.run_info()["version"] == 1 and len(s.version_rows()) == 2
+    buf = s.buffer_state()
+    assert buf["traj_consumed"] == 2 and buf["tasks_running"] == 2 and buf["tasks_pending"] == 0
+    s.close()
+
+
 def test_trajectory_lengths_must_agree() -> None:
     with pytest.raises(ValueError, match="task 7: logprobs has 1 entries, token_ids has 2"):
         FinishedTrajectory(task_id=7, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0], token_versions=[0, 0],
                            num_turns=1, reward=0.0, success=False)
 
 
-def test_non_busy_errors_name_the_database(tmp_path: Path) -> None:
-    s = RunStore.for_run_dir(tmp_path)
-    with pytest.raises(StoreError, match=str(tmp_path)):
+def test_non_busy_errors_name_the_database(tmp_path: Path, store_url: str | None) -> None:
+    s = RunStore.for_run_dir(tmp_path, StoreConfig(url=store_url))  # no schema created
+    where = str(tmp_path) if store_url is None else f"{store_url.split('?')[0]}, schema run_"
+    with pytest.raises(StoreError, match=re.escape(where)):
         s.run_info()

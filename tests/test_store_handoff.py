@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tiderl.config.store import StoreConfig
 from tiderl.rundir import open_run
 from tiderl.store import RunStore
 from tiderl.store.types import NewGroup, RankReport, Role, TaskKind
 
 
-def new_store(run_dir: Path) -> RunStore:
-    store = RunStore.for_run_dir(run_dir)
+def new_store(run_dir: Path, url: str | None = None) -> RunStore:
+    store = RunStore.for_run_dir(run_dir, StoreConfig(url=url))
     store.create_schema()
     store.init_run(name="t", system="tiderl", config_yaml="")
     return store
 
 
-def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
-    store = new_store(tmp_path)
+def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path, store_url: str | None) -> None:
+    store = new_store(tmp_path, store_url)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     for r in (0, 1, 2):
         store.register_rank(r, Role.ROLLOUT)
@@ -38,8 +39,8 @@ def test_progress_goes_to_exactly_the_next_claim(tmp_path: Path) -> None:
     assert all(c.progress is None for c in third)
 
 
-def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> None:
-    store = new_store(tmp_path)
+def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path, store_url: str | None) -> None:
+    store = new_store(tmp_path, store_url)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     store.register_rank(0, Role.ROLLOUT)
     store.claim_tasks(0, 2)
@@ -52,8 +53,8 @@ def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path) -> Non
     assert [c.attempts for c in store.claim_tasks(0, 2)] == [1, 1]
 
 
-def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -> None:
-    store = new_store(tmp_path)
+def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path, store_url: str | None) -> None:
+    store = new_store(tmp_path, store_url)
     store.tx.write(lambda c: c.exec_driver_sql("alter table tasks drop column progress"))
     store.tx.write(lambda c: c.exec_driver_sql("alter table control drop column fetch_groups"))
     store.close()
@@ -67,10 +68,10 @@ def test_a_store_from_an_earlier_version_gains_the_new_columns(tmp_path: Path) -
     assert reopened.claim_tasks(1, 1)[0].progress is None
 
 
-def test_whereabouts_of_running_tasks_reach_the_diagnosis(tmp_path: Path) -> None:
+def test_whereabouts_of_running_tasks_reach_the_diagnosis(tmp_path: Path, store_url: str | None) -> None:
     from tiderl.store.types import TaskWhereabouts
 
-    store = new_store(tmp_path)
+    store = new_store(tmp_path, store_url)
     store.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
     store.register_rank(3, Role.ROLLOUT)
     a, b = store.claim_tasks(3, 2)

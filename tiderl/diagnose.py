@@ -71,6 +71,7 @@ class Kind(str, enum.Enum):
     GROUPS_FAILED = "groups_failed"
     STALE_DROPPED = "stale_dropped"  # the trainer dropped groups as too stale
     ENV_SERVER_DOWN = "env_server_down"
+    STORE_UNREACHABLE = "store_unreachable"  # a process waited out a store outage (a database server restart)
     SLURM_JOB = "slurm_job"  # a Slurm job of the run is not running
 
 
@@ -349,6 +350,12 @@ def _infrastructure_findings(snap: Snapshot) -> list[Finding]:
                                f"Slurm job {j.job_id} is {j.state}" + (f" ({j.reason})" if j.reason else "")
                                + (": the run waits for its allocation" if waiting else ""),
                                data={"job_id": j.job_id, "state": j.state, "reason": j.reason}))
+    outages = [e for e in snap.events if e.kind == "store_unreachable"]  # newest first; one per process
+    if outages:
+        out.append(Finding(Kind.STORE_UNREACHABLE, Severity.INFO if snap.state in TERMINAL_STATES else Severity.WARNING,
+                           f"the run store was unreachable ({_plural(len(outages), 'report')} by the processes "
+                           f"that waited), latest {_dur(outages[0].age_s)} ago: {outages[0].message}",
+                           data={"reports": len(outages)}))
     return out
 
 

@@ -9,6 +9,7 @@ from tiderl.config import JobConfig, dump_job
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.store import RunStore, StoreError
 from tiderl.store.engine import StoreCorruptError
+from tiderl.store.location import POINTER_FILE
 
 
 class RunDirError(RuntimeError):
@@ -38,8 +39,8 @@ def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunSt
     """Open an existing run directory's store: read/write, or `read_only` for the commands that only
     look (status, report, logs), which then also work on a run directory one may only read."""
     paths = RunPaths(Path(run_dir))
-    if not paths.db.exists():
-        raise RunDirError(f"{paths.root}: no run store (expected {paths.db})")
+    if not paths.db.exists() and not (paths.root / POINTER_FILE).is_file():
+        raise RunDirError(f"{paths.root}: no run store (expected {paths.db}, or {POINTER_FILE} naming a database)")
     store = RunStore.for_run_dir(paths.root, read_only=read_only)
     try:
         if not read_only:
@@ -47,7 +48,8 @@ def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunSt
         store.run_info()
     except StoreCorruptError as e:
         store.close()
-        raise RunDirError(f"{paths.db} is corrupt: {e.__cause__ or e}") from e
+        raise RunDirError(f"{store.label if store.sqlite_path is None else paths.db} is corrupt: "
+                          f"{e.__cause__ or e}") from e
     except StoreError as e:
         store.close()
         raise RunDirError(f"{paths.root}: {e}") from e

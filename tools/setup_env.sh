@@ -32,6 +32,25 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
+# PostgreSQL's server binaries: the run store's PostgreSQL tests start a throw-away server (tools/pg_server.py).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing postgresql (for the PostgreSQL run-store tests)"
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      postgresql >/dev/null; } || step "apt-get could not install postgresql: the PostgreSQL store tests will be skipped"
+    # Debian's package starts a cluster of its own on port 5432; the tests need only the binaries.
+    if command -v pg_ctlcluster >/dev/null 2>&1; then
+      for conf in /etc/postgresql/*/main; do
+        [ -d "$conf" ] || continue
+        version=$(basename "$(dirname "$conf")")
+        pg_ctlcluster "$version" main stop >/dev/null 2>&1 || true
+      done
+    fi
+  else
+    step "PostgreSQL (initdb) is missing and cannot be installed here: the PostgreSQL store tests will be skipped"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating $VENV"
   "$PYTHON" -m venv "$VENV"
@@ -62,7 +81,7 @@ fi
 step "checking imports"
 "$VENV/bin/python" - <<'PY'
 import importlib
-for name in ("torch", "transformers", "vllm", "sqlalchemy", "submitit", "aiohttp", "tiderl"):
+for name in ("torch", "transformers", "vllm", "sqlalchemy", "psycopg", "submitit", "aiohttp", "tiderl"):
     importlib.import_module(name)
 import torch
 print(f"[setup] torch {torch.__version__} ok")

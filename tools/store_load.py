@@ -43,10 +43,11 @@ class LoadSpec:
     crash_writer: bool = False  # writer 0 claims tasks and dies without reporting (os._exit)
     heartbeat_timeout_s: float = 2.0
     deadline_s: float = 300.0
+    store_url: str | None = None  # store.url of the run (None: RUN_DIR/run.db); the workers find it in RUN_DIR
 
 
 def prepare(spec: LoadSpec) -> None:
-    s = RunStore.for_run_dir(Path(spec.run_dir))
+    s = RunStore.for_run_dir(Path(spec.run_dir), StoreConfig(url=spec.store_url))
     s.create_schema()
     s.init_run(name="load", system="tiderl", config_yaml="system: tiderl\n")
     s.register_initial_version("weights/v0", "0")

@@ -1,6 +1,7 @@
-"""The run store: one SQLAlchemy schema (SQLite by default) through which every process coordinates."""
+"""The run store: one SQLAlchemy schema (SQLite in the run directory by default, PostgreSQL for large runs) through which every process coordinates."""
 
-from tiderl.store.engine import StoreBusyError, StoreError
+from tiderl.store.engine import StoreBusyError, StoreError, StoreUnreachableError
+from tiderl.store.location import StoreURLError
 from tiderl.store.runstore import ClaimLostError, RankDeclaredDeadError, RunStore
 from tiderl.store.types import (
     ClaimRequest,
@@ -28,6 +29,6 @@ from tiderl.store.types import (
 __all__ = [
     "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StoreBusyError",
-    "StoreError", "StoreTaskState", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
+    "StoreError", "StoreTaskState", "StoreURLError", "StoreUnreachableError", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
     "VersionRecord",
 ]

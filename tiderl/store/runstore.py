@@ -10,11 +10,26 @@ Exactly-once rules (each enforced inside one write transaction):
 - a dead rank (heartbeat older than the timeout) loses its claims:
   `reclaim_expired` returns its running tasks to pending and its claimed
   trajectories to ready, in the same transaction that marks it dead.
+
+On PostgreSQL the same rules hold the same way: a run's write transactions take
+turns there too (an advisory lock, PostgreSQL's `BEGIN IMMEDIATE`; see
+`engine.py`), so the code below has one path for both backends.
+
+Across a store outage (PostgreSQL: the server restarted), a transaction whose
+COMMIT was cut off is retried not knowing whether it committed. The claims and
+publishing are idempotent across that retry: a claim's token is drawn once per
+call, so a retry finds the tasks or groups the first attempt claimed; a
+publish finds its version already recorded with its checksum. (A retried
+report's metric and event rows may then be recorded twice: numbers shown,
+not claims.) After an outage, the control plane declares no rank dead until
+the heartbeat timeout has passed with the store answering: the ranks could
+not beat while it was gone.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -24,14 +39,17 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, case, func, insert, inspect, or_, select, text, update
+from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, insert, inspect, or_, select, text, update
+from sqlalchemy.engine import make_url
 
 from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
 from tiderl.store import codec
-from tiderl.store.engine import StoreError, Transactor, choose_journal_mode, make_engine
+from tiderl.store.engine import OUTAGE_RETRY_LAG_S, StoreError, Transactor, choose_journal_mode, make_engine
+from tiderl.store.location import POINTER_FILE, describe, is_postgres, parse_store_url, schema_of, store_url
 from tiderl.store.schema import (
     VIEWS,
+    view_sql,
     control,
     events,
     metadata,
@@ -65,6 +83,9 @@ from tiderl.store.types import (
 )
 
 
+log = logging.getLogger("tiderl.store")
+
+
 class ClaimLostError(StoreError):
     """A trainer tried to publish trajectories it no longer holds (its claim expired)."""
 
@@ -75,29 +96,44 @@ class RankDeclaredDeadError(StoreError):
 
 
 class RunStore:
-    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+    def __init__(self, url: str, config: StoreConfig | None = None, *, run_dir: Path | None = None) -> None:
+        """`url`: SQLite or PostgreSQL (StoreURLError otherwise). `run_dir`: the run directory, where
+        `create_schema` records a store that lives elsewhere (RUN_DIR/store.url)."""
         config = config or StoreConfig()
-        self.url = url
+        parsed = parse_store_url(url)
+        # PostgreSQL URLs take their one driver (psycopg 3); SQLite URLs stay as given (URI filenames).
+        self.url = url if url.startswith("sqlite") else parsed.render_as_string(hide_password=False)
         self.config = config
-        self.engine = make_engine(url, busy_timeout_s=config.busy_timeout_s)
-        self.tx = Transactor(self.engine, max_retries=config.max_retries, label=url,
-                             full_wait_s=config.disk_full_wait_s)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.label = describe(self.url)  # in messages: no password, the schema named plainly
+        self.engine = make_engine(self.url, busy_timeout_s=config.busy_timeout_s,
+                                  pg_schema=schema_of(self.url) if is_postgres(self.url) else None)
+        self.tx = Transactor(self.engine, max_retries=config.max_retries, label=self.label,
+                             full_wait_s=config.disk_full_wait_s, outage_wait_s=config.outage_wait_s,
+                             on_outage_end=self._record_outage)
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
     def for_run_dir(cls, run_dir: Path, config: StoreConfig | None = None, *, read_only: bool = False) -> "RunStore":
-        """The run's store. `read_only` (SQLite): opened so that nothing can be written, which also
-        works on a run directory one may only read (another user's run, an archive)."""
+        """The run's store: the one recorded in RUN_DIR/store.url, else `config.url` (PostgreSQL: in the run's
+        own schema), else RUN_DIR/run.db. `read_only`: opened so that nothing can be written (PostgreSQL:
+        read-only transactions), which on SQLite also works on a run directory one may only read (another
+        user's run, an archive)."""
         config = config or StoreConfig()
-        if config.url:
-            return cls(config.url, config)
-        if not read_only:
-            return cls(f"sqlite:///{Path(run_dir) / 'run.db'}", config)
+        url = store_url(Path(run_dir), config.url, read_only=read_only)
+        if not read_only or url != f"sqlite:///{Path(run_dir) / 'run.db'}":
+            store = cls(url, config, run_dir=run_dir)
+            if not read_only and (Path(run_dir) / POINTER_FILE).is_file():
+                # A process of a run whose store exists (a rank, the control plane, a resume) waits out an
+                # outage even before its first transaction: a rank restarted mid-outage must not fail for it.
+                # The commands that only look fail at once instead.
+                store.tx.has_reached_store = True
+            return store
         path = (Path(run_dir) / "run.db").resolve()
         # immutable=1 where the directory is not writable: SQLite could create neither a journal
         # nor WAL's shared-memory file there, and nobody can be writing through it either.
         flags = "mode=ro" if os.access(path.parent, os.W_OK) else "mode=ro&immutable=1"
-        return cls(f"sqlite:///file:{urllib.parse.quote(str(path))}?{flags}&uri=true", config)
+        return cls(f"sqlite:///file:{urllib.parse.quote(str(path))}?{flags}&uri=true", config, run_dir=run_dir)
 
     @property
     def sqlite_path(self) -> Path | None:
@@ -108,8 +144,14 @@ class RunStore:
             return Path(urllib.parse.unquote(rest.removeprefix("file:").partition("?")[0]))
         return Path(rest)
 
+    @property
+    def dialect(self) -> str:
+        """"sqlite" or "postgresql"."""
+        return self.engine.dialect.name
+
     def create_schema(self) -> str:
-        """Create tables and views (idempotent). Returns the journal mode in force."""
+        """Create tables and views (idempotent); on PostgreSQL first the run's own schema. A store that
+        is not RUN_DIR/run.db is recorded in RUN_DIR/store.url. Returns the journal mode in force."""
         mode = "n/a"
         path = self.sqlite_path
         if path is not None:
@@ -126,14 +168,33 @@ class RunStore:
             # Pooled connections chose their `synchronous` level under the old journal mode.
             self.engine.dispose()
 
+        schema = schema_of(self.url) if self.dialect == "postgresql" else None
+
         def create(conn: Connection) -> None:
+            if schema is not None:  # the run's namespace on a shared server; search_path already names it
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
             metadata.create_all(conn)
-            for name, sql in VIEWS.items():
+            for name in VIEWS:
                 conn.execute(text(f"DROP VIEW IF EXISTS {name}"))
-                conn.execute(text(f"CREATE VIEW {name} AS {sql}"))
+                conn.execute(text(f"CREATE VIEW {name} AS {view_sql(name, self.dialect)}"))
 
         self.tx.write(create)
+        self._record_location()
         return str(mode)
+
+    def _record_location(self) -> None:
+        """Write RUN_DIR/store.url for a store outside the run directory, so that every later opening of the
+        run (a rank, `tiderl status`, a resume with another config) finds this store."""
+        if self.run_dir is None or self.url == f"sqlite:///{self.run_dir / 'run.db'}":
+            return
+        pointer = self.run_dir / POINTER_FILE
+        if pointer.is_file() and pointer.read_text().strip() == self.url:
+            return
+        tmp = pointer.with_name(pointer.name + ".tmp")
+        tmp.write_text(self.url + "\n")
+        if make_url(self.url).password:  # a password in the URL: for the owner's eyes only
+            tmp.chmod(0o600)
+        os.replace(tmp, pointer)
 
     def upgrade_schema(self) -> list[str]:
         """Add the nullable columns a store made by an earlier TideRL lacks (nothing else changes
@@ -153,7 +214,7 @@ class RunStore:
             return []
         for table, col in todo:
             if not col.nullable:
-                raise StoreError(f"run store {self.url}: table {table} lacks column {col.name}, which cannot be "
+                raise StoreError(f"run store {self.label}: table {table} lacks column {col.name}, which cannot be "
                                  "added to an existing store")
 
         def add(c: Connection) -> None:
@@ -167,6 +228,17 @@ class RunStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _record_outage(self, started_at: float, seconds: float, error: str) -> None:
+        """An event for `tiderl status`: this process could not reach the store for `seconds` and waited."""
+        try:
+            self.record_event("store", "store_unreachable",
+                              f"the run store was unreachable for {seconds:.0f} s (pid {os.getpid()} on "
+                              f"{socket.gethostname()} waited and carried on): {error[:300]}",
+                              data={"started_at": started_at, "seconds": round(seconds, 3), "pid": os.getpid(),
+                                    "host": socket.gethostname()})
+        except StoreError as e:  # gone again: the next outage's end is reported instead
+            log.warning("could not record the store outage of %.0f s: %s", seconds, e)
 
     # ---- run -----------------------------------------------------------------------------
     def init_run(self, *, name: str, system: str, config_yaml: str) -> None:
@@ -187,7 +259,7 @@ class RunStore:
     def run_info(self) -> dict[str, Any]:
         row = self.tx.read(lambda c: c.execute(select(runs).where(runs.c.id == 1)).mappings().first())
         if row is None:
-            raise StoreError(f"run store {self.url}: no run recorded")
+            raise StoreError(f"run store {self.label}: no run recorded")
         return dict(row)
 
     # ---- ranks and roles -----------------------------------------------------------------
@@ -262,7 +334,7 @@ class RunStore:
         """(run state, last published version), in one read."""
         row = self.tx.read(lambda c: c.execute(select(runs.c.state, runs.c.version).where(runs.c.id == 1)).first())
         if row is None:
-            raise StoreError(f"run store {self.url}: no run recorded")
+            raise StoreError(f"run store {self.label}: no run recorded")
         return RunState(row.state), int(row.version)
 
     def ranks(self) -> list[dict[str, Any]]:
@@ -297,11 +369,12 @@ class RunStore:
         if limit <= 0:
             return []
         request = ClaimRequest(limit=limit, kinds=tuple(kinds), weights_version=weights_version)
+        token = uuid.uuid4().hex  # once per call: a retry finds what a cut-off commit claimed
 
         def write(c: Connection) -> list[TaskClaim]:
             now = time.time()
             _heartbeat(c, rank, now)
-            return _claim(c, rank, request, now)
+            return _claim(c, rank, request, now, token)
 
         return self.tx.write(write)
 
@@ -313,6 +386,8 @@ class RunStore:
         A failed task goes back to pending, claimable from `retry_backoff_s` x 2^(attempts - 1) on,
         until its `max_attempts`-th failure fails it and its group; a task of a failed group never
         goes back to pending (released or failed, it fails too)."""
+        token = uuid.uuid4().hex  # of the claim; once per call: a retry finds what a cut-off commit claimed
+
         def write(c: Connection) -> dict[str, Any]:
             now = time.time()
             _heartbeat(c, report.rank, now, role=report.role, version=report.version)
@@ -362,7 +437,7 @@ class RunStore:
                 c.execute(insert(events), [dict(ts=now, rank=report.rank, source="rank", kind=e.kind,
                                                 message=e.message, data=json.dumps(e.data) if e.data else None)
                                            for e in report.events])
-            claims = _claim(c, report.rank, report.claim, now) if report.claim is not None else []
+            claims = _claim(c, report.rank, report.claim, now, token) if report.claim is not None else []
             return {"accepted": accepted, "dropped": dropped, "claims": claims}
 
         return self.tx.write(write)
@@ -375,6 +450,10 @@ class RunStore:
         def write(c: Connection) -> list[ReadyTrajectory]:
             now = time.time()
             _heartbeat(c, owner, now, tell_dead=False)
+            mine = select(trajectories).where(trajectories.c.claim_token == token).order_by(
+                trajectories.c.group_id, trajectories.c.id)
+            if c.execute(select(trajectories.c.id).where(trajectories.c.claim_token == token).limit(1)).first():
+                return [_ready(r) for r in c.execute(mine).mappings()]  # an earlier attempt of this call committed
             gids = [g for (g,) in c.execute(select(task_groups.c.id).where(
                 task_groups.c.state == GroupState.READY.value).order_by(task_groups.c.completed_at,
                                                                         task_groups.c.id).limit(max_groups))]
@@ -384,9 +463,7 @@ class RunStore:
             c.execute(update(trajectories).where(trajectories.c.group_id.in_(gids),
                                                  trajectories.c.state == TrajectoryState.READY.value).values(
                 state=TrajectoryState.CLAIMED.value, claim_owner=owner, claim_token=token, claimed_at=now))
-            rows = c.execute(select(trajectories).where(trajectories.c.claim_token == token)
-                             .order_by(trajectories.c.group_id, trajectories.c.id)).mappings()
-            return [_ready(r) for r in rows]
+            return [_ready(r) for r in c.execute(mine).mappings()]
 
         return self.tx.write(write)
 
@@ -419,6 +496,8 @@ class RunStore:
         """Commit weights version `step.version` and consume its trajectories, atomically."""
         def write(c: Connection) -> None:
             ids = list(step.trajectory_ids)
+            if _already_published(c, step):
+                return  # an earlier attempt of this call committed before its connection was cut
             rows = c.execute(select(trajectories.c.id, trajectories.c.num_generated, trajectories.c.num_tokens,
                                     trajectories.c.reward, trajectories.c.success,
                                     trajectories.c.min_version).where(
@@ -426,12 +505,13 @@ class RunStore:
                 trajectories.c.claim_owner == owner)).all()
             if len(rows) != len(set(ids)):
                 lost = sorted(set(ids) - {r.id for r in rows})
-                raise ClaimLostError(f"run store {self.url}: trainer rank {owner} no longer holds trajectories "
+                raise ClaimLostError(f"run store {self.label}: trainer rank {owner} no longer holds trajectories "
                                      f"{lost[:10]}{'...' if len(lost) > 10 else ''}; version {step.version} "
                                      "not published")
             current = c.execute(select(runs.c.version).where(runs.c.id == 1)).scalar_one()
             if step.version != current + 1:
-                raise StoreError(f"run store {self.url}: version {step.version} published after {current}")
+                raise StoreError(f"run store {self.label}: version {step.version} published after {current}")
+            c.execute(update(runs).where(runs.c.id == 1).values(version=step.version, updated_at=time.time()))
             n = len(rows)
             c.execute(insert(versions).values(
                 version=step.version, path=step.path, checksum=step.checksum, created_at=time.time(),
@@ -445,7 +525,6 @@ class RunStore:
                 state=TrajectoryState.CONSUMED.value, consumed_version=step.version))
             gids = select(trajectories.c.group_id).where(trajectories.c.id.in_(ids)).distinct()
             c.execute(update(task_groups).where(task_groups.c.id.in_(gids)).values(state=GroupState.CONSUMED.value))
-            c.execute(update(runs).where(runs.c.id == 1).values(version=step.version, updated_at=time.time()))
 
         self.tx.write(write)
 
@@ -485,6 +564,10 @@ class RunStore:
                 c.execute(insert(events).values(ts=t, rank=None, source="store", kind="orphaned_tasks",
                                                 message=f"{orphans} running tasks held by ranks that stopped or "
                                                         "left rollout returned to the pool"))
+            gone_at = self.tx.unreachable_at  # set while an outage lasts, so this very retry sees it
+            if gone_at is not None and t - gone_at < timeout_s + OUTAGE_RETRY_LAG_S:
+                # The ranks could not beat while the store was gone: silence is counted from its return.
+                return ReclaimResult([], orphans, 0)
             dead = [r for (r,) in c.execute(select(ranks.c.rank).where(
                 ranks.c.state.in_([RankState.RUNNING.value, RankState.STARTING.value]),
                 ranks.c.heartbeat_at < t - timeout_s))]
@@ -706,7 +789,7 @@ class RunStore:
         return self.tx.read(lambda c: [dict(r) for r in c.execute(
             select(task_groups.c.eval_version, func.count().label("num_tasks"),
                    func.avg(trajectories.c.reward).label("reward_mean"),
-                   func.avg(trajectories.c.success).label("success_rate"),
+                   func.avg(cast(trajectories.c.success, Float)).label("success_rate"),
                    func.max(trajectories.c.finished_at).label("finished_at"))
             .join(task_groups, task_groups.c.id == trajectories.c.group_id)
             .where(task_groups.c.kind == TaskKind.EVAL.value)
@@ -761,7 +844,12 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
         c.execute(update(tasks).where(tasks.c.id.in_([r["task_id"] for r in rows])).values(
             state=StoreTaskState.DONE.value, updated_at=now))
         _complete_groups(c, {r["group_id"] for r in rows}, now)
-    return len(rows), len(finished) - len(rows)
+    # Not owned any more, yet recorded from this rank: this call's earlier attempt committed (a retry).
+    redone = {t for (t,) in c.execute(select(trajectories.c.task_id).where(
+        trajectories.c.task_id.in_([t.task_id for t in finished if t.task_id not in {r["task_id"] for r in rows}]),
+        trajectories.c.rank == rank))} if len(rows) < len(finished) else set()
+    accepted = len(rows) + len(redone)
+    return accepted, len({t.task_id for t in finished}) - accepted
 
 
 def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
@@ -789,10 +877,11 @@ def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
             advantage=bindparam("adv"), state=TrajectoryState.READY.value, ready_at=now), ready_rows)
 
 
-def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[TaskClaim]:
+def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: str) -> list[TaskClaim]:
     if request.limit <= 0:
         return []
-    token = uuid.uuid4().hex
+    if c.execute(select(tasks.c.id).where(tasks.c.claim_token == token).limit(1)).first() is not None:
+        return _claimed(c, token)  # this call's earlier attempt committed before its connection was cut
     is_eval = tasks.c.kind == TaskKind.EVAL.value
     where = [tasks.c.state == StoreTaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds]),
              or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= now)]
@@ -806,14 +895,30 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float) -> list[
     c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == StoreTaskState.PENDING.value).values(
         state=StoreTaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
         attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
-    q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
-         .where(tasks.c.claim_token == token).order_by(tasks.c.id))
-    out = [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group, kind=TaskKind(r.kind),
-                     seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
-                     progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
+    out = _claimed(c, token)
     # Progress is carried on once: if this claimer dies, the session may have moved past it.
     c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None)).values(progress=None))
     return out
+
+
+def _claimed(c: Connection, token: str) -> list[TaskClaim]:
+    """The tasks claimed with `token` that their claimer still holds."""
+    q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
+         .where(tasks.c.claim_token == token, tasks.c.state == StoreTaskState.RUNNING.value).order_by(tasks.c.id))
+    return [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group, kind=TaskKind(r.kind),
+                      seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
+                      progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
+
+
+def _already_published(c: Connection, step: VersionRecord) -> bool:
+    """`step` is recorded already, with its weights and its trajectories (a retry after a cut-off commit)."""
+    row = c.execute(select(versions.c.path, versions.c.checksum).where(versions.c.version == step.version)).first()
+    if row is None or (row.path, row.checksum) != (step.path, step.checksum):
+        return False
+    ids = list(step.trajectory_ids)
+    consumed = c.execute(select(func.count()).where(trajectories.c.id.in_(ids),
+                                                   trajectories.c.consumed_version == step.version)).scalar_one()
+    return consumed == len(set(ids))
 
 
 def _fail_group(c: Connection, gid: int) -> None:

@@ -1,26 +1,43 @@
-"""The run store's tables and the SQL views people query with the sqlite3 shell.
+"""The run store's tables and the SQL views people query with the sqlite3 shell (or psql).
 
-Times are Unix seconds (REAL). Token arrays are little-endian packed BLOBs
-(see `codec.py`); their lengths are kept in plain columns so SQL can sum them.
+Times are Unix seconds (REAL; double precision on PostgreSQL). Token arrays are
+little-endian packed BLOBs (bytea on PostgreSQL; see `codec.py`); their lengths
+are kept in plain columns so SQL can sum them. Only dialect-neutral types are
+used, so one schema serves SQLite and PostgreSQL; the views differ in one
+expression, the current time (`VIEW_NOW_S`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
-    BLOB,
     Column,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
-    Text,
     UniqueConstraint,
 )
+from sqlalchemy import Text
+from sqlalchemy.types import TypeDecorator
 
 metadata = MetaData()
+
+
+class SafeText(TypeDecorator[str]):
+    """TEXT whose NUL characters are escaped on the way in: PostgreSQL refuses NUL in text, and error
+    messages and reasons (a model's output, an environment's answer) may carry one."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return value.replace("\x00", "\\x00") if isinstance(value, str) else value
 
 runs = Table(
     "runs",
@@ -33,8 +50,8 @@ runs = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     Column("finished_at", Float),
-    Column("message", Text),
-    Column("config_yaml", Text, nullable=False),
+    Column("message", SafeText),
+    Column("config_yaml", SafeText, nullable=False),
     Column("control_seen_at", Float),  # the control plane's last tick (its heartbeat)
 )
 
@@ -60,7 +77,7 @@ control = Table(
     Column("role", String, nullable=False),
     Column("ra2p_mode", String),
     Column("fetch_groups", Integer),  # groups step `version` trains on (ERS adaptive data retention)
-    Column("reason", Text),
+    Column("reason", SafeText),
     Column("created_at", Float, nullable=False),
     UniqueConstraint("version", "rank", name="uq_control_version_rank"),
 )
@@ -94,11 +111,11 @@ tasks = Table(
     Column("attempts", Integer, nullable=False, default=0),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
-    Column("last_error", Text),
+    Column("last_error", SafeText),
     Column("retry_at", Float),  # a task that failed an attempt is claimable again from then (backoff)
     # A task released at a turn boundary with its env session kept (JSON of rollout's
     # TaskProgress): the next claimer carries it on; the claim takes it out.
-    Column("progress", Text),
+    Column("progress", SafeText),
     # Where a running task is in its episode, as its rank last reported (every few seconds).
     Column("turn", Integer),
     Column("phase", String),  # generate | env (waiting for the environment) | paused | starting
@@ -118,10 +135,10 @@ trajectories = Table(
     Column("kind", String, nullable=False),
     Column("rank", Integer, nullable=False),  # rollout rank that produced it
     Column("state", String, nullable=False),  # TrajectoryState
-    Column("token_ids", BLOB, nullable=False),
-    Column("loss_mask", BLOB, nullable=False),
-    Column("logprobs", BLOB, nullable=False),
-    Column("token_versions", BLOB, nullable=False),
+    Column("token_ids", LargeBinary, nullable=False),
+    Column("loss_mask", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary, nullable=False),
+    Column("token_versions", LargeBinary, nullable=False),
     Column("num_tokens", Integer, nullable=False),
     Column("num_generated", Integer, nullable=False),
     Column("num_turns", Integer, nullable=False),
@@ -148,7 +165,7 @@ microbatches = Table(
     Column("id", Integer, primary_key=True),
     Column("version", Integer, nullable=False),  # the version this step produced
     Column("trainer_rank", Integer, nullable=False),
-    Column("trajectory_ids", Text, nullable=False),  # JSON list
+    Column("trajectory_ids", SafeText, nullable=False),  # JSON list
     Column("num_tokens", Integer, nullable=False),
     Column("ready_at", Float, nullable=False),
     Column("started_at", Float),
@@ -159,7 +176,7 @@ versions = Table(
     "versions",
     metadata,
     Column("version", Integer, primary_key=True),
-    Column("path", Text, nullable=False),
+    Column("path", SafeText, nullable=False),
     Column("checksum", String, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("step_started_at", Float),
@@ -184,8 +201,8 @@ events = Table(
     Column("rank", Integer),
     Column("source", String, nullable=False),  # control, rank, trainer, store, ...
     Column("kind", String, nullable=False),
-    Column("message", Text, nullable=False),
-    Column("data", Text),  # JSON
+    Column("message", SafeText, nullable=False),
+    Column("data", SafeText),  # JSON
     Index("ix_events_ts", "ts"),
 )
 
@@ -202,7 +219,15 @@ metrics = Table(
     Index("ix_metrics_name", "name", "ts"),
 )
 
+# The current time in Unix seconds, per dialect: the one expression the views cannot share.
+VIEW_NOW_S = {
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+    "postgresql": "CAST(extract(epoch FROM clock_timestamp()) AS DOUBLE PRECISION)",
+}
+
 # SQL views: `sqlite3 RUN_DIR/run.db 'select * from step_summary'`. Documented in docs/run-store.md.
+# `{now_s}` stands for VIEW_NOW_S of the store's dialect. Averages of integer columns are taken over
+# DOUBLE PRECISION (REAL affinity on SQLite): PostgreSQL's avg(integer) is an exact numeric.
 VIEWS: dict[str, str] = {
     "step_summary": """
         SELECT v.version, v.duration_s, v.num_trajectories, v.consumed_tokens,
@@ -211,7 +236,7 @@ VIEWS: dict[str, str] = {
         FROM versions v WHERE v.version > 0 ORDER BY v.version""",
     "rank_roles": """
         SELECT r.rank, r.role, r.state, r.version, r.host, r.pid,
-               ((julianday('now') - 2440587.5) * 86400.0) - r.heartbeat_at AS heartbeat_age_s,
+               {now_s} - r.heartbeat_at AS heartbeat_age_s,
                (SELECT c.role FROM control c WHERE c.rank = r.rank ORDER BY c.version DESC LIMIT 1)
                    AS planned_role,
                (SELECT c.version FROM control c WHERE c.rank = r.rank ORDER BY c.version DESC LIMIT 1)
@@ -231,7 +256,12 @@ VIEWS: dict[str, str] = {
           (SELECT count(*) FROM task_groups WHERE state = 'ready') AS groups_ready""",
     "eval_summary": """
         SELECT g.eval_version, count(*) AS num_tasks, avg(t.reward) AS reward_mean,
-               avg(t.success) AS success_rate
+               avg(CAST(t.success AS DOUBLE PRECISION)) AS success_rate
         FROM trajectories t JOIN task_groups g ON g.id = t.group_id
         WHERE g.kind = 'eval' GROUP BY g.eval_version ORDER BY g.eval_version""",
 }
+
+
+def view_sql(name: str, dialect: str) -> str:
+    """The SELECT of view `name` for a dialect ("sqlite" or "postgresql")."""
+    return VIEWS[name].format(now_s=VIEW_NOW_S[dialect])
