@@ -102,16 +102,13 @@ def repartition(now: Split, signals: ErsSignals, limits: ErsLimits) -> int | Non
         return None
     total = now.actors + now.refs
     mb = float(signals.micro_batch_tokens)
-
-    def cost(refs: int) -> float:
-        actors = total - refs
-        return sum(step_compute_s(readiness(s, actors, mb), actors, refs, times) for s in signals.window)
-
     top = total - limits.min_actor_ranks
     if limits.max_ref_ranks is not None:
         top = min(top, limits.max_ref_ranks)
-    options = [r for r in range(0, top + 1) if r <= refs_needed(total - r, times) or r == now.refs]
-    best = min(options, key=lambda r: (cost(r), abs(r - now.refs)))
-    if best == now.refs or cost(best) * (1 + limits.rate_margin) >= cost(now.refs):
+    options = {r for r in range(0, top + 1) if r <= refs_needed(total - r, times)} | {now.refs}
+    cost = {refs: sum(step_compute_s(readiness(s, total - refs, mb), total - refs, refs, times)
+                      for s in signals.window) for refs in sorted(options)}  # each partition priced once
+    best = min(cost, key=lambda r: (cost[r], abs(r - now.refs)))
+    if best == now.refs or cost[best] * (1 + limits.rate_margin) >= cost[now.refs]:
         return None
     return best
