@@ -109,3 +109,15 @@ def test_the_planner_re_partitions_all_at_once_and_keeps_the_rollout_ranks():
     assert p.roles == (R, R, A, A, A, F) and [(m.from_role, m.to_role) for m in p.moves] == [(A, F)]
     assert plan(roles, sig, replace(ELASTIC, elastic_actors=False)).reason is not ErsReason.RATE_REPARTITION
     assert plan(roles, sig, ELASTIC) == plan(list(roles), sig, ELASTIC)  # pure (invariant 6)
+
+
+def test_the_split_planner_prices_a_step_as_the_re_partition_does():
+    from tiderl.policy.ers_rate import _compute_s
+    # 2,000 tokens on 6 actors of 100-token shares: 4 micro-batches, all ready at the start.
+    for actors, refs in ((6, 1), (6, 2), (3, 1), (4, 0)):
+        n = -(-2000 // (SHARE * actors))
+        assert _compute_s(2000, actors, refs, TIMES, SHARE) == step_compute_s([0.0] * n, actors, refs, TIMES)
+    # Ref-bound (6 x 0.5 / 1 = 3 s a period against 1.5 s of actor work): the fill of 6 ref shares and
+    # one micro-batch's actor work, then a period for each of the other 3 (the last actor work is not
+    # paid a period for).
+    assert _compute_s(2000, 6, 1, TIMES, SHARE) == pytest.approx(6 * 0.5 + 1.5 + 3 * 3.0)

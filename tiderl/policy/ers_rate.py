@@ -100,9 +100,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
-from tiderl.policy.ers_trainer import refs_needed, repartition
+from tiderl.policy.ers_trainer import refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
-from tiderl.policy.ra2p import StageTimes, colocated_cost_s
+from tiderl.policy.ra2p import StageTimes
 
 __all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
            "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "split_of"]
@@ -253,18 +253,17 @@ def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
 
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
-    """The compute time of a step of `tokens`, every micro-batch ready at the start: colocated, the RA2P
-    cost model's aggregation loop; decoupled, the pipeline's fill as a latency (the last actor waits for
-    ceil(M / R) reference shares) plus a period per micro-batch, max(t_act_f + t_act_b, M t_ref / R).
+    """The compute time of a step of `tokens`, every micro-batch ready at the start: the trainer
+    re-partition's step model (:func:`tiderl.policy.ers_trainer.step_compute_s`), so that the split
+    planner and the re-partition price a partition alike. Colocated, the RA2P cost model's aggregation
+    loop; decoupled, the pipeline's fill (the last actor waits for ceil(M / R) reference shares, then
+    its own work) plus a period per further micro-batch, max(t_act_f + t_act_b, M t_ref / R).
     (Appendix A's fill term sums the M actors' waits, rank-seconds growing with M squared: right for
     comparing the modes' costs, too slow as the step time of a large actor group.)"""
     if tokens <= 0 or actors < 1:
         return 0.0
     n = max(1, math.ceil(tokens / (per_actor_mb * actors)))
-    if refs >= 1:
-        period = max(times.t_act_f_s + times.t_act_b_s, actors * times.t_ref_s / refs)
-        return math.ceil(actors / refs) * times.t_ref_s + n * period
-    return colocated_cost_s([0.0] * n, times)
+    return step_compute_s([0.0] * n, actors, refs, times)
 
 
 def host_factor(split: Split, model: RateModel) -> float:
