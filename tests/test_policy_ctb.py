@@ -234,3 +234,29 @@ def test_11_budget_bound_says_whether_the_budget_held_a_task_back():
                        and t.footprint_tokens <= rank.budget_tokens]
             probes = [g.probed_footprint_tokens for g in cands if any(t not in d.admit for t in g.task_ids)]
             assert any(used + fp > rank.budget_tokens for fp in waiting + probes)
+
+
+def test_12_claims_spread_over_the_ranks():
+    from tiderl.policy.ctb import claim_limit
+    # 1,000 tasks released to 4 idle ranks with 1,024 free slots each: 250 each, not all to the first.
+    assert claim_limit(1024, 0, 1000, 4) == 250
+    # A rank at or past its share claims nothing; the free slots still bound the claim.
+    assert claim_limit(1024, 300, 1000, 4) == 0
+    assert claim_limit(10, 0, 1000, 4) == 10
+    # Without a rank count (none registered yet) the free slots decide.
+    assert claim_limit(64, 0, 1000, 0) == 64 and claim_limit(-3, 0, 10, 2) == 0
+    # Ranks claiming in turn up to their limits claim every task in flight, and none holds more than its share.
+    import random
+    rng = random.Random(5)
+    for _ in range(300):
+        ranks = rng.randint(1, 9)
+        held = [rng.randint(0, 20) for _ in range(ranks)]
+        queued = rng.randint(0, 200)
+        in_flight = sum(held) + queued
+        share = -(-in_flight // ranks)
+        for i in range(ranks):
+            take = min(queued, claim_limit(1024, held[i], in_flight, ranks))
+            assert held[i] + take <= max(share, held[i])
+            held[i] += take
+            queued -= take
+        assert queued == 0

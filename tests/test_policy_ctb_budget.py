@@ -74,3 +74,26 @@ def test_bad_limits_are_refused_by_name(bad):
     args = dict(floor_tokens=1024) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
         BudgetLimits(**args)
+
+
+def test_6_the_tracker_adjusts_once_a_window_with_that_window_only():
+    from tiderl.policy.ctb_budget import BudgetTracker
+    tracker = BudgetTracker(1024, LIMITS)
+    tracker.held_back(True)
+    for _ in range(15):
+        assert tracker.judge(prefix_tokens=640, cached_tokens=640, block_tokens=16) is True
+    assert tracker.budget_tokens == 1024  # a window not yet full
+    tracker.judge(640, 640, 16)  # the 16th kept turn, the budget held a task back: it grows
+    assert tracker.budget_tokens == 1024 + 128 and tracker.window == [0, 0] and not tracker.bound
+    for _ in range(16):  # a new window of kept turns, the budget never binding: unchanged
+        tracker.judge(640, 640, 16)
+    assert tracker.budget_tokens == 1152
+    for _ in range(16):  # evicted turns: back toward the floor
+        assert tracker.judge(640, 0, 16) is False
+    assert tracker.budget_tokens == 1024 + 64
+    assert tracker.judge(16, 0, 16) is None and tracker.window == [0, 0]  # too short to judge: not counted
+    fixed = BudgetTracker(1024)  # no limits: judged, never adjusted
+    for _ in range(40):
+        fixed.held_back(True)
+        fixed.judge(640, 640, 16)
+    assert fixed.budget_tokens == 1024

@@ -8,7 +8,7 @@ import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
-                                    latency_s, predict_tok_s, regime)
+                                    latency_s, predict_tok_s, regime, split_of)
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
@@ -60,8 +60,14 @@ def test_1_the_general_invariants_hold(roles, sig, limits):
         assert limits.elastic_actors and count(p.roles, R) == count(roles, R)
         assert {(m.from_role, m.to_role) for m in p.moves} <= {(A, F), (F, A)}
     else:
-        assert len(p.moves) <= limits.max_moves_per_step
-        assert {(m.from_role, m.to_role) for m in p.moves} <= {(R, F), (F, R), (R, A), (A, R)}
+        model = estimate(sig, limits)
+        allowed = {(R, F), (F, R), (R, A), (A, R)}
+        if p.moves and (len(p.moves) > limits.max_moves_per_step or count(p.roles, R) == count(roles, R)):
+            # Invariant 9: beyond the limit only to leave a valley, where a rank may pass through rollout
+            # between ref and actor.
+            assert predict_tok_s(split_of(p.roles), model)[2] >= predict_tok_s(split_of(roles), model)[2]
+            allowed |= {(A, F), (F, A)} if limits.elastic_actors else set()
+        assert {(m.from_role, m.to_role) for m in p.moves} <= allowed
     assert [m.rank for m in p.moves] == [i for i, (a, b) in enumerate(zip(roles, p.roles)) if a is not b]
     assert count(p.roles, R) >= limits.min_rollout_ranks
     if not limits.elastic_actors:
@@ -219,3 +225,24 @@ def test_7_no_idle_trial_that_would_leave_the_groups_in_flight_without_task_slot
     assert plan((R, R, A), IDLING, tight).reason is not ErsReason.RATE_TO_IDLE
     with pytest.raises(ValueError, match="rank_tasks"):
         replace(SHARED, rank_tasks=0)
+
+
+def test_9_no_plan_lands_in_a_valley():
+    # Two ref ranks feed eight actors; the best split has none (the refs' ranks roll out). One move takes
+    # one ref away and leaves the other feeding all eight (ref-bound, slower than now): the plan moves on.
+    times = StageTimes(t_ref_s=0.235, t_act_f_s=0.34, t_act_b_s=0.69, t_swap_s=0.06)
+    sig = signals(obs(1, 8, 2, latency_s=7.8, env_s=2.1), obs(1, 8, 2, latency_s=7.8, env_s=2.1), times=times)
+    roles = (R, F, F) + (A,) * 8
+    model = estimate(sig, ELASTIC)
+    assert predict_tok_s(Split(2, 8, 1), model)[2] < predict_tok_s(Split(1, 8, 2), model)[2]  # the valley
+    p = plan(roles, sig, ELASTIC)
+    assert split_of(p.roles) == Split(3, 8, 0) and len(p.moves) == 2 > ELASTIC.max_moves_per_step
+    assert p.mode is Ra2pMode.COLOCATED
+    # Every rate move, anywhere: the split it lands on is predicted no slower than the current one.
+    for s in ALL:
+        for r in MAPS:
+            for limits in (LIMITS, ELASTIC):
+                q = plan(r, s, limits)
+                if q.reason in (ErsReason.RATE_TO_ROLLOUT, ErsReason.RATE_TO_TRAINER, ErsReason.RATE_REBALANCE):
+                    m = estimate(s, limits)
+                    assert predict_tok_s(split_of(q.roles), m)[2] >= predict_tok_s(split_of(r), m)[2]

@@ -146,3 +146,75 @@ def test_on_a_shared_host_ers_leaves_the_spare_rank_idle():
     dedicated = dataclasses.replace(cluster, measured=dataclasses.replace(cluster.measured, host_compute_slots=None))
     first = Simulation(workload, dedicated, parse_system("tiderl"), steps=6, seed=0).run()["roles_timeline"][0]
     assert (first["rollout"], first["ref"]) == (2, 0)
+
+
+def test_ctb_claims_spread_over_the_rollout_ranks(monkeypatch):
+    # A rank claims at most its share of the tasks in flight (tiderl.policy.ctb.claim_limit, as the run's
+    # ranks claim from the store): with 1,024 slots per rank the first rank would otherwise take them all.
+    from tiderl.sim import rollout as sr
+    over = []
+    place = sr.RolloutSide._place
+
+    def checked(self, t, task, rank):
+        new = task.stage is sr.Stage.QUEUED
+        in_flight = sum(r.num_resident + len(r.paused) for r in self.ranks.values()) + self.queued_tasks()
+        place(self, t, task, rank)
+        share = -(-in_flight // len(self.ranks))
+        if new and rank.num_resident + len(rank.paused) > share:
+            over.append((t, rank.index, rank.num_resident, share))
+    monkeypatch.setattr(sr.RolloutSide, "_place", checked)
+    r = run("tiderl-noers@0.5", num_gpus=8)
+    assert r["steps"] == STEPS and not over
+
+
+def test_ctb_adaptive_budget_in_the_simulator_as_in_the_run(monkeypatch):
+    # The simulator's ranks keep CTB's adaptive budget with the run's bookkeeping (BudgetTracker): under KV
+    # pressure it moves, CTB decides again on each change, and no paused task is left behind.
+    import tiderl.policy.ctb_budget as cb
+    changes = []
+    adjust = cb.adjust_budget
+
+    def recorded(budget, feedback, limits):
+        new = adjust(budget, feedback, limits)
+        changes.append((budget, new))
+        return new
+    monkeypatch.setattr(cb, "adjust_budget", recorded)
+    r = run("tiderl-noers@0.5", num_gpus=8, kv_capacity_tokens=6000, ctb_budget="adaptive")
+    assert r["steps"] == STEPS
+    assert any(new != old for old, new in changes)
+    changes.clear()
+    run("tiderl-noers@0.5", num_gpus=8, kv_capacity_tokens=6000, ctb_budget="fixed")
+    assert not changes  # fixed: never adjusted
+
+
+def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
+    # Paused tasks are already the rank's (claimed): the claim share limits new tasks only. A rank holding
+    # all the paused tasks of the run resumes them when room comes, even with no share left to claim.
+    import heapq
+
+    from tiderl.policy.ctb import PriorityWeights
+    from test_sim_mechanics import costs
+
+    from tiderl.sim import rollout as sr
+    from tiderl.sim.workload import TaskPlan
+
+    events: list = []
+    side = sr.RolloutSide(costs(kv_capacity_tokens=10_000, max_num_seqs=64),
+                          lambda t, fn, *a: heapq.heappush(events, (t, len(events), fn, a)),
+                          lambda t, g: None, ctb=True, env_concurrency=64, weights=PriorityWeights())
+    side.add_rank(0.0, 0, 0.0)
+    side.add_rank(0.0, 1, 0.0)
+    plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
+    tasks = [sr.SimTask(i, plan, False, 10) for i in range(6)]
+    group = sr.SimGroup(0, tasks, False, "t", 0)
+    for task in tasks:
+        task.group = group
+        side.tasks[task.id] = task
+    rank = side.ranks[0]
+    for task in tasks:  # all six on rank 0, paused there (its share of six on two ranks is three)
+        side._place(0.0, task, rank)
+        task.stage = sr.Stage.ACTIVE
+        side._pause(0.0, task)
+    assert rank.num_resident == 0 and len(rank.paused) == 6
+    side._ctb_pass(0.0, rank)
+    assert rank.num_resident == 6 and not rank.paused

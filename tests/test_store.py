@@ -262,3 +262,18 @@ def test_non_busy_errors_name_the_database(tmp_path: Path, store_url: str | None
     where = str(tmp_path) if store_url is None else f"{store_url.split('?')[0]}, schema run_"
     with pytest.raises(StoreError, match=re.escape(where)):
         s.run_info()
+
+
+def test_a_spread_claim_takes_the_ranks_share_of_the_tasks_in_flight(tmp_path: Path) -> None:
+    s = make_store(tmp_path)  # two rollout ranks, one actor
+    s.add_groups([NewGroup(TaskKind.TRAIN, g, 4) for g in range(5)])  # 20 tasks
+    spread = ClaimRequest(limit=64, spread=True)
+    first = s.report(RankReport(rank=0, role=Role.ROLLOUT, claim=spread))["claims"]
+    assert len(first) == 10  # half of the 20 in flight, not all 20
+    assert s.report(RankReport(rank=0, role=Role.ROLLOUT, claim=spread))["claims"] == []  # at its share
+    assert len(s.report(RankReport(rank=1, role=Role.ROLLOUT, claim=spread))["claims"]) == 10
+    s.add_groups([NewGroup(TaskKind.TRAIN, 9, 2)])  # 22 in flight: 11 each
+    assert len(s.report(RankReport(rank=0, role=Role.ROLLOUT, claim=spread))["claims"]) == 1
+    # Without spread, the free slots alone (the default for callers that are not rollout ranks' ticks).
+    assert len(s.claim_tasks(1, 64)) == 1
+    s.close()

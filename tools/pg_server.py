@@ -113,9 +113,11 @@ def _pg_ctl(server: PgServer, *args: str, check: bool) -> None:
 
 
 @contextmanager
-def postgres_server(*, port: int | None = None) -> Iterator[PgServer]:
+def postgres_server(*, port: int | None = None, max_connections: int = 200,
+                    settings: dict[str, str] | None = None) -> Iterator[PgServer]:
     """A running PostgreSQL server with an empty database `tiderl` (superuser `tiderl`, trust auth); stopped
-    and its data directory removed on exit."""
+    and its data directory removed on exit. `settings` override postgresql.conf's test settings (e.g.
+    `{"fsync": "on", "synchronous_commit": "on"}` for a benchmark that should pay for durable commits)."""
     bindir = pg_bindir()
     user = _server_user()
     # Under /tmp, not pytest's tmp_path: that one is private to root (mode 700), the server's user could
@@ -135,10 +137,11 @@ def postgres_server(*, port: int | None = None) -> Iterator[PgServer]:
         if run.returncode != 0:
             raise PostgresUnavailable(f"initdb failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
         # Test settings: a small server, fast commits (fsync off: the tests kill no machine), a socket in its dir.
+        conf = {"listen_addresses": "'127.0.0.1'", "port": str(port), "unix_socket_directories": f"'{base}'",
+                "max_connections": str(max_connections), "shared_buffers": "64MB", "fsync": "off",
+                "synchronous_commit": "off", "full_page_writes": "off"} | (settings or {})
         with open(data / "postgresql.conf", "a") as f:
-            f.write(f"\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{base}'\n"
-                    "max_connections = 200\nshared_buffers = 64MB\nfsync = off\nsynchronous_commit = off\n"
-                    "full_page_writes = off\n")
+            f.write("\n" + "".join(f"{k} = {v}\n" for k, v in conf.items()))
         run = subprocess.run(_as(user, [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60",
                                         "start"]), capture_output=True, text=True)
         tail = log.read_text()[-2000:] if log.exists() else ""

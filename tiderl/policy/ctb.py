@@ -47,6 +47,15 @@ Invariants (each has a test in tests/test_policy_ctb.py)
 11. ``budget_bound`` is set iff the decision pauses tasks, or a resume or an admission stopped because
     the next task would not fit the budget (not the cap, not the staleness allowance). The adaptive
     budget (tiderl.policy.ctb_budget) grows only while it binds.
+12. Spread (:func:`claim_limit`): a rank never claims beyond its free slots, nor past its share
+    ceil(in_flight / ranks) of the tasks in flight; ranks that claim up to their limits in turn
+    claim every task in flight (the shares add up to at least ``in_flight``).
+
+Claims. Which rank holds which task is decided before CTB's pass, when a rank claims tasks
+(from the run store, or the simulator's pool): :func:`claim_limit`. Without it the first rank to
+claim after a release takes every task its free slots allow (hundreds where ``max_concurrency``
+is the paper's 1024) while the others idle; the per-rank budget then never binds and the tasks
+queue on one engine.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ __all__ = [
     "PriorityWeights",
     "RankView",
     "TaskState",
+    "claim_limit",
     "decide",
     "priority",
 ]
@@ -244,3 +254,13 @@ def decide(
         if stop:
             break
     return CtbDecision(resume=tuple(resumed), admit=tuple(admitted), resident_tokens=used, budget_bound=by_budget)
+
+
+def claim_limit(free_slots: int, held: int, in_flight: int, ranks: int) -> int:
+    """Tasks a rollout rank may claim now: up to its `free_slots`, and up to its share of the tasks in
+    flight, ceil(`in_flight` / `ranks`) less the `held` tasks it has (in flight: held by any rollout rank
+    or waiting to be claimed; `ranks`: the rollout ranks alive). Without a rank count, the free slots."""
+    if ranks < 1:
+        return max(0, free_slots)
+    share = -(-max(0, in_flight) // ranks)
+    return max(0, min(free_slots, share - held))

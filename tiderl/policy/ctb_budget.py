@@ -30,14 +30,16 @@ Invariants (each has a test in tests/test_policy_ctb_budget.py)
 3. An evicted share above the tolerance never raises the budget, and lowers it when above the floor.
 4. The budget rises only when it held a task back and the evicted share was within the tolerance.
 5. Pure: equal inputs give equal outputs.
+6. :class:`BudgetTracker` (the bookkeeping the rollout worker and the simulator share) adjusts
+   exactly once per ``window_turns`` judged turns, with the feedback of those turns only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["BudgetLimits", "CacheFeedback", "adjust_budget", "prefix_kept"]
+__all__ = ["BudgetLimits", "BudgetTracker", "CacheFeedback", "adjust_budget", "prefix_kept"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +114,37 @@ def adjust_budget(budget_tokens: int, feedback: CacheFeedback, limits: BudgetLim
     if feedback.budget_bound:
         return min(ceiling, budget + max(1, math.floor(limits.grow_share * floor)))
     return budget
+
+
+@dataclass(slots=True)
+class BudgetTracker:
+    """One rank's adaptive-budget bookkeeping, kept the same way by the rollout worker and the simulator
+    (so that the simulator hands CTB the budget the run would): turns are judged as they start
+    (:meth:`judge`), decisions say whether the budget held a task back (:meth:`held_back`), and once
+    ``window_turns`` turns are judged the budget is adjusted (:func:`adjust_budget`). No state beyond
+    these counters; without limits the budget stays fixed (turns are still judged, for the metrics)."""
+
+    budget_tokens: int
+    limits: BudgetLimits | None = None
+    window: list[int] = field(default_factory=lambda: [0, 0])
+    """Judged turns since the last adjustment: kept, evicted."""
+    bound: bool = False
+    """The budget held a task back since the last adjustment."""
+
+    def held_back(self, bound: bool) -> None:
+        self.bound = self.bound or bound
+
+    def judge(self, prefix_tokens: int, cached_tokens: int, block_tokens: int) -> bool | None:
+        """Judge a turn of a task that stayed resident since its previous generation (with the same
+        weights): `prefix_tokens` its previous generation left in the cache, `cached_tokens` the engine
+        served from it. Returns whether the context was kept (None: too short to judge)."""
+        kept = prefix_kept(prefix_tokens, cached_tokens, block_tokens)
+        if kept is None:
+            return None
+        self.window[0 if kept else 1] += 1
+        if self.limits is not None and sum(self.window) >= self.limits.window_turns:
+            feedback = CacheFeedback(kept_turns=self.window[0], evicted_turns=self.window[1], budget_bound=self.bound)
+            self.budget_tokens = adjust_budget(self.budget_tokens, feedback, self.limits)
+            self.window = [0, 0]
+            self.bound = False
+        return kept

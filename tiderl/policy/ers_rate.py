@@ -91,6 +91,12 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    to rollout. Host speed factors are 1 without a shared host.
 8. The trainer re-partition's invariants hold (tiderl.policy.ers_trainer), and it is tried only where
    no split move is planned.
+9. No valley: a plan never lands on a split predicted slower than the current one. Where the first
+   ``max_moves_per_step`` moves toward the best split would (a path through a valley, such as a first
+   ref rank feeding many actors in the decoupled mode), it moves on toward the best split until the
+   prediction is back at the current one's or better (at most all the way); where no move gets it
+   there, it stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
+   pass through rollout on its way between ref and actor: its plan shows ACTOR <-> REF.
 """
 
 from __future__ import annotations
@@ -386,11 +392,19 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
     new = current
     split = now
-    for _ in range(limits.max_moves_per_step):
+    moves = 0
+    while split != best:
+        # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
+        # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
+        if moves >= limits.max_moves_per_step and predict_tok_s(split, model)[2] >= now_g:
+            break
         step = _one_move(new, split, best, limits, model.stage_times)
         if step is None:
             break
         new, split = step
+        moves += 1
+    if trial is None and predict_tok_s(split, model)[2] < now_g:
+        return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
     if split.idle > now.idle:
         reason = ErsReason.RATE_TO_IDLE
     elif split.rollout > now.rollout:

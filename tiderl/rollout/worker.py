@@ -16,7 +16,9 @@ that stayed resident since its previous generation: did the engine serve that
 context from its prefix cache (`Generation.num_cached_tokens`)? Once a window of
 turns is judged, `tiderl.policy.ctb_budget.adjust_budget` sets the next budget:
 it grows while the budget holds tasks back and the cache keeps what the resident
-tasks left in it, and shrinks when it evicts them.
+tasks left in it, and shrinks when it evicts them. The bookkeeping is
+`tiderl.policy.ctb_budget.BudgetTracker`, which the simulator's rollout ranks
+keep the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 from tiderl.policy.ctb import AdmissionLimits, CandidateGroup, CtbDecision, CtbTask, RankView, TaskState
-from tiderl.policy.ctb_budget import BudgetLimits, CacheFeedback, adjust_budget, prefix_kept
+from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker
 from tiderl.rollout.agent_loop import LoopLimits, Phase, TaskRun, progress_of, run_task
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
@@ -89,12 +91,10 @@ class RolloutWorker:
         None: the budget stays fixed."""
         self.engine, self.env, self.fmt, self.scheduler, self.limits = engine, env, fmt, scheduler, limits
         self.sink = sink
-        self.budget_tokens = budget_tokens if budget_tokens is not None else engine.kv_capacity_tokens
-        self.budget_limits = budget_limits
+        floor = budget_tokens if budget_tokens is not None else engine.kv_capacity_tokens
         if budget_limits is not None:
-            self.budget_limits = dataclasses.replace(budget_limits, floor_tokens=self.budget_tokens)
-        self._window = [0, 0]  # judged turns since the last adjustment: kept, evicted
-        self._budget_bound = False
+            budget_limits = dataclasses.replace(budget_limits, floor_tokens=floor)
+        self.budget = BudgetTracker(floor, budget_limits)
         self._resident_since_generation: set[str] = set()
         self.admission = AdmissionLimits(max_resident_tasks=max_resident_tasks)
         self.staleness_allowance = staleness_allowance
@@ -241,6 +241,11 @@ class RolloutWorker:
             )
         return RankView(budget_tokens=self.budget_tokens, tasks=tuple(tasks))
 
+    @property
+    def budget_tokens(self) -> int:
+        """CTB's KV token budget now (adaptive: as last adjusted)."""
+        return self.budget.budget_tokens
+
     def _blocks(self, tokens: int) -> int:
         """Tokens rounded up to whole KV blocks (what a context really occupies), at most the
         whole budget: a task bigger than the rank still runs, alone, instead of never resuming."""
@@ -280,7 +285,7 @@ class RolloutWorker:
         if self.staleness_allowance is not None:
             limits = dataclasses.replace(limits, staleness_task_allowance=self.staleness_allowance())
         decision = self.scheduler.decide(self._rank_view(), self._candidates(), limits)
-        self._budget_bound = self._budget_bound or decision.budget_bound
+        self.budget.held_back(decision.budget_bound)
         return decision
 
     def _judge_turn(self, run: TaskRun) -> None:
@@ -293,24 +298,17 @@ class RolloutWorker:
         self._resident_since_generation.add(task_id)
         if cached is None or not resident:
             return
-        kept = prefix_kept(run.prefix_tokens, cached, self.engine.kv_block_tokens)
+        before = self.budget.budget_tokens
+        kept = self.budget.judge(run.prefix_tokens, cached, self.engine.kv_block_tokens)
         if kept is None:
             return
-        self._window[0 if kept else 1] += 1
         if kept:
             self.report.prefix_kept_turns += 1
         else:
             self.report.prefix_evicted_turns += 1
-        limits = self.budget_limits
-        if limits is None or sum(self._window) < limits.window_turns:
-            return
-        feedback = CacheFeedback(kept_turns=self._window[0], evicted_turns=self._window[1],
-                                 budget_bound=self._budget_bound)
-        self.budget_tokens = adjust_budget(self.budget_tokens, feedback, limits)
-        self.report.max_budget_tokens = max(self.report.max_budget_tokens, self.budget_tokens)
-        self._window = [0, 0]
-        self._budget_bound = False
-        self._changed.set()
+        if self.budget.budget_tokens != before:
+            self.report.max_budget_tokens = max(self.report.max_budget_tokens, self.budget.budget_tokens)
+            self._changed.set()
 
     def _act(self, decision: CtbDecision) -> None:
         for task_id in decision.pause:

@@ -274,7 +274,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             free = cfg.rollout.max_concurrency - role.worker.num_unfinished
             if free > 0:  # claimed in the tick's one transaction, after its releases
                 kinds = (TaskKind.EVAL,) if version < planned and planned not in rejected else tuple(TaskKind)
-                report.claim = ClaimRequest(limit=free, kinds=kinds, weights_version=version)
+                report.claim = ClaimRequest(limit=free, kinds=kinds, weights_version=version, spread=True)
             if stats.due(now):
                 await stats.add_to(report, role, engine, version)
             claims = _send(ctx, report, version, Role.ROLLOUT)

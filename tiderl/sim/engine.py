@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 from tiderl.sim.costs import Costs
@@ -85,6 +86,7 @@ class SimEngine:
         self.decode_tokens = 0.0
         self.preemptions = 0
         self.evicted_tokens = 0.0
+        self.on_admit: Callable[[Any, float], None] | None = None  # told (task, prefix-cache hit tokens)
 
     # -- state -------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -300,6 +302,8 @@ class SimEngine:
             if over > _EPS:
                 self._evict(over)
             hit = min(entry, req.ctx - 1)
+            if self.on_admit is not None:
+                self.on_admit(req.task, hit)
             new = req.ctx - hit
             self.query_tokens += req.ctx
             self.hit_tokens += hit

@@ -28,8 +28,10 @@ from tiderl.policy.ctb import (
     PriorityWeights,
     RankView,
     TaskState,
+    claim_limit,
     decide,
 )
+from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker
 from tiderl.sim.costs import Costs
 from tiderl.sim.engine import SimEngine
 from tiderl.sim.workload import TaskPlan
@@ -85,7 +87,7 @@ class SimGroup:
 class SimTask:
     __slots__ = (
         "id", "group", "plan", "is_eval", "turn", "ctx", "gen_left", "stage", "rank", "env_pending",
-        "footprint", "reserve", "version_start", "view", "view_key", "env_started",
+        "footprint", "reserve", "version_start", "view", "view_key", "env_started", "prefix",
     )
 
     def __hash__(self) -> int:
@@ -110,13 +112,14 @@ class SimTask:
         self.version_start = -1
         self.view: CtbTask | None = None
         self.view_key: tuple = ()
+        self.prefix = 0  # context its previous generation left in the cache, resident since (0: none to judge)
 
 
 class RolloutRank:
     __slots__ = ("index", "engine", "tasks", "paused", "used", "num_resident", "epoch", "next_t", "acct_t",
-                 "acct_state")
+                 "acct_state", "budget")
 
-    def __init__(self, index: int, engine: SimEngine, t: float) -> None:
+    def __init__(self, index: int, engine: SimEngine, t: float, budget: BudgetTracker) -> None:
         self.index = index
         self.engine = engine
         self.tasks: set[SimTask] = set()  # resident and paused-here tasks
@@ -127,6 +130,7 @@ class RolloutRank:
         self.next_t = float("inf")
         self.acct_t = t
         self.acct_state = "idle"
+        self.budget = budget  # CTB's KV budget, kept as the run's rollout worker keeps it
 
 
 class RolloutSide:
@@ -142,13 +146,19 @@ class RolloutSide:
         ctb: bool,
         env_concurrency: int,
         weights: PriorityWeights,
+        budget_limits: BudgetLimits | None = None,
+        block_tokens: int = 16,
     ) -> None:
+        """``budget_limits``: CTB's adaptive budget (None: fixed at the engine's KV capacity), its floor
+        the capacity; ``block_tokens``: the engine's KV block size (turns are judged in whole blocks)."""
         self.costs = costs
         self.schedule = schedule
         self.on_group_done = on_group_done
         self.ctb = ctb
         self.env_concurrency = env_concurrency
         self.weights = weights
+        self.budget_limits = budget_limits
+        self.block_tokens = block_tokens
         self.ranks: dict[int, RolloutRank] = {}
         self.candidates: deque[SimGroup] = deque()
         self.orphans: list[SimTask] = []
@@ -171,7 +181,9 @@ class RolloutSide:
         engine.speed = self._speed
         engine.busy_until = t + stall_s
         engine.t = t
-        rank = RolloutRank(index, engine, t)
+        rank = RolloutRank(index, engine, t, BudgetTracker(self.costs.kv_capacity_tokens, self.budget_limits))
+        if self.ctb:
+            engine.on_admit = lambda task, hit: self._judge(rank, task, hit)
         self.ranks[index] = rank
         self._account(rank, t)
         if stall_s > 0:
@@ -190,6 +202,7 @@ class RolloutSide:
             task.stage = Stage.PAUSED
             task.rank = None
             task.view = None
+            task.prefix = 0
             self.orphans.append(task)
         del self.ranks[index]
 
@@ -216,6 +229,8 @@ class RolloutSide:
         """A weight sync: every engine drops its cache, interrupted requests are re-prefilled."""
         for rank in self.ranks.values():
             self._account(rank, t)
+            for task in rank.tasks:
+                task.prefix = 0  # the next turn runs on new weights: its cache is not judged (as in the run)
             for task, ctx, left in rank.engine.flush(t, stall_s):
                 task.ctx, task.gen_left = ctx, left
                 rank.engine.submit(t, task, ctx, left, self.ctb)
@@ -235,6 +250,10 @@ class RolloutSide:
             self.candidates.extend(groups)
         self.account_all(t)
         self.dispatch(t)
+
+    def queued_tasks(self) -> int:
+        """Tasks waiting to be claimed: released and not started, or orphaned by a rank that left."""
+        return sum(len(g.remaining) for g in self.candidates) + len(self.orphans)
 
     def blocked(self) -> bool:
         """Nothing left that a rollout rank could start or resume."""
@@ -315,6 +334,7 @@ class RolloutSide:
         for task in rank.engine.pop_finished(t):
             task.ctx += task.gen_left
             task.gen_left = 0
+            task.prefix = task.ctx
             task.stage = Stage.WAITING_ENV
             task.env_pending = True
             # The turn's answer reaches the agent loop, which calls the environment.
@@ -425,6 +445,7 @@ class RolloutSide:
         rank.used -= task.footprint
         rank.num_resident -= 1
         self.env_active -= 1
+        task.prefix = 0
         task.stage = Stage.PAUSED
         task.view = None
         rank.paused.add(task)
@@ -473,8 +494,25 @@ class RolloutSide:
             task.view_key = key
         return task.view
 
+    def _judge(self, rank: RolloutRank, task: SimTask, hit: float) -> None:
+        """A turn starts on the engine: judge whether its context came back from the cache (the run's
+        worker does the same with vLLM's cached-token count), once per turn."""
+        if task.prefix > 0:
+            before = rank.budget.budget_tokens
+            rank.budget.judge(task.prefix, int(hit), self.block_tokens)
+            task.prefix = 0
+            if rank.budget.budget_tokens != before:  # a new budget: CTB decides again (the run's worker too)
+                self.schedule(self.now, self._budget_changed, rank)
+
+    def _budget_changed(self, t: float, rank: RolloutRank) -> None:
+        if self.ranks.get(rank.index) is rank:
+            self._ctb_pass(t, rank)
+            self._account(rank, t)
+
     def _ctb_needs_pass(self, rank: RolloutRank) -> bool:
-        budget = self.costs.kv_capacity_tokens
+        """Whether :func:`decide` could change anything on `rank`. When only the budget holds the waiting
+        work back, the pass is skipped, and the budget is told it held a task back (as the decision would)."""
+        budget = rank.budget.budget_tokens
         if rank.used > budget:
             return True
         headroom = budget - rank.used
@@ -485,7 +523,14 @@ class RolloutSide:
                 return True
         if any(o.footprint <= headroom for o in self.orphans[:64]):
             return True
-        return bool(self.candidates) and self.candidates[0].probe_tokens <= headroom
+        if self.candidates and self.candidates[0].probe_tokens <= headroom:
+            return True
+        if rank.num_resident < self.costs.max_num_seqs and (
+                any(task.footprint <= budget for task in rank.paused)
+                or any(o.footprint <= budget for o in self.orphans[:64])
+                or (self.candidates and self.candidates[0].probe_tokens <= budget)):
+            rank.budget.held_back(True)
+        return False
 
     def _ctb_pass(self, t: float, rank: RolloutRank) -> None:
         if not self._ctb_needs_pass(rank):
@@ -498,8 +543,15 @@ class RolloutSide:
             for g in list(self.candidates)[:8]
         ]
         free_env = max(0, self.env_concurrency - self.env_active)
-        limits = AdmissionLimits(max_resident_tasks=min(self.costs.max_num_seqs, rank.num_resident + free_env))
-        decision = decide(RankView(self.costs.kv_capacity_tokens, tuple(views)), candidates, limits, self.weights)
+        # The rank's claim, as a rollout rank of the run claims from the store (claim_limit): its free
+        # slots, at most its share of the tasks in flight (held by any rank, or waiting in the pool).
+        held = rank.num_resident + len(rank.paused)
+        in_flight = sum(r.num_resident + len(r.paused) for r in self.ranks.values()) + self.queued_tasks()
+        claim = claim_limit(self.costs.max_num_seqs - held, held, in_flight, len(self.ranks))
+        limits = AdmissionLimits(max_resident_tasks=min(self.costs.max_num_seqs, rank.num_resident + free_env,
+                                                        held + claim))  # its own paused tasks are claimed
+        decision = decide(RankView(rank.budget.budget_tokens, tuple(views)), candidates, limits, self.weights)
+        rank.budget.held_back(decision.budget_bound)
         for tid in decision.pause:
             self._pause(t, self.tasks[tid])
         for tid in decision.resume:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 from tiderl.policy import ers
 from tiderl.policy.ctb import PriorityWeights
+from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
 from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
@@ -105,6 +106,10 @@ class Simulation:
             ctb=system.ctb,
             env_concurrency=cluster.env_concurrency,
             weights=PriorityWeights(context_scale_tokens=workload.max_context_tokens),
+            budget_limits=(BudgetLimits(floor_tokens=self.costs.kv_capacity_tokens,
+                                        max_factor=cluster.rollout.ctb_max_overcommit)
+                           if cluster.rollout.ctb_budget == "adaptive" else None),
+            block_tokens=cluster.rollout.kv_block_size,
         )
         self.trainer = Trainer(
             self.costs, system.trainer, cluster.training.micro_batch_tokens, self.schedule, self._compute_done,

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import types
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -237,6 +238,12 @@ class RolloutSpec:
     prefill_chunk_tokens: int = option(ge=1, help="vLLM: tokens per iteration (chunked prefill budget).")
     weight_reload_s: float = option(ge=0, help="Engine-side cost of loading new weights, beyond the transfer, s.")
     kv_capacity_tokens: int | None = option(None, ge=1, help="Override the derived KV capacity per rank.")
+    kv_block_size: int = option(16, ge=1, help="vLLM: tokens per KV block (its default on GPUs); CTB's adaptive "
+                                "budget judges a turn's prefix in whole blocks.")
+    ctb_budget: Literal["fixed", "adaptive"] = option("adaptive", help="CTB's token budget, as the run's `rollout.ctb_budget`: `fixed` (the "
+                             "engine's KV capacity) or `adaptive` (tiderl.policy.ctb_budget, the run's default).")
+    ctb_max_overcommit: float = option(4.0, ge=1.0, help="Ceiling of the adaptive budget, a multiple of the KV "
+                                       "capacity (the run's `rollout.ctb_max_overcommit`).")
 
 
 @section

@@ -42,6 +42,7 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import make_url
 
+from tiderl.policy.ctb import claim_limit
 from tiderl.trainer.advantages import group_advantages
 from tiderl.config.store import StoreConfig
 from tiderl.store import codec
@@ -888,8 +889,13 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: s
     if request.weights_version is not None:
         pinned = select(task_groups.c.id).where(task_groups.c.eval_version == request.weights_version)
         where.append(~is_eval | tasks.c.group_id.in_(pinned))
+    limit = request.limit
+    if request.spread:
+        limit = _spread_limit(c, rank, limit, where)
+        if limit <= 0:
+            return []
     ids = [r for (r,) in c.execute(select(tasks.c.id).where(*where)
-                                   .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(request.limit))]
+                                   .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(limit))]
     if not ids:  # ids follow (group, index): whole groups first
         return []
     c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == StoreTaskState.PENDING.value).values(
@@ -899,6 +905,19 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: s
     # Progress is carried on once: if this claimer dies, the session may have moved past it.
     c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None)).values(progress=None))
     return out
+
+
+def _spread_limit(c: Connection, rank: int, free: int, claimable: list[Any]) -> int:
+    """`tiderl.policy.ctb.claim_limit` with the store's counts: tasks running on any rank or claimable
+    now, the rank's running tasks, the rollout ranks alive."""
+    running = tasks.c.state == StoreTaskState.RUNNING.value
+    in_flight = (c.execute(select(func.count()).where(running)).scalar_one()
+                 + c.execute(select(func.count()).where(*claimable)).scalar_one())
+    held = c.execute(select(func.count()).where(running, tasks.c.owner_rank == rank)).scalar_one()
+    alive = c.execute(select(func.count()).where(
+        ranks.c.role == Role.ROLLOUT.value,
+        ranks.c.state.in_([RankState.STARTING.value, RankState.RUNNING.value]))).scalar_one()
+    return claim_limit(free, held, in_flight, alive)
 
 
 def _claimed(c: Connection, token: str) -> list[TaskClaim]:

@@ -143,6 +143,9 @@ class ClaimRequest:
     limit: int
     kinds: tuple[TaskKind, ...] = tuple(TaskKind)
     weights_version: int | None = None
+    spread: bool = False
+    """Claim at most the rank's share of the tasks in flight (`tiderl.policy.ctb.claim_limit`), so that a
+    release spreads over the rollout ranks instead of going to whichever claims first."""
 
 
 @dataclass(frozen=True, slots=True)
