@@ -10,6 +10,11 @@ Retries are bounded (`max_retries`) and happen only where they are safe:
   (they are idempotent: /end replays its first answer).
 /start and /observation are never retried once the request may have reached the
 server: a retried /observation could apply an action twice.
+
+Images: the answers of an image environment carry the observation's PNG images
+(`protocol.parse_images`, checked against the client's `image_limits`); they are the
+`images` of `StartResult` and of `StepWithImages` (a `StepResult`: text-only code unpacks
+its four fields as before). A bad image is an `EnvProtocolError` naming the image.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any
 import aiohttp
 
 from tiderl.envs.base import StepResult
-from tiderl.envs.protocol import TOKEN_HEADER
+from tiderl.envs.images import ImageError, ImageLimits, PngImage
+from tiderl.envs.protocol import TOKEN_HEADER, parse_images
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +101,23 @@ class StartResult:
     observation: str
     done: bool
     info: dict[str, Any]
+    images: tuple[PngImage, ...] = ()
+    """The first observation's images, shown before its text (none for a text environment)."""
+
+
+class StepWithImages(StepResult):
+    """A `StepResult` (four fields, unpacked as four) with the observation's images as well."""
+
+    images: tuple[PngImage, ...] = ()  # also what a copy made by `_replace` or `_make` has
+
+    def __new__(cls, observation: str, reward: float, done: bool, info: dict[str, Any],
+                images: tuple[PngImage, ...] = ()) -> StepWithImages:
+        self = super().__new__(cls, observation, reward, done, info)
+        self.images = tuple(images)
+        return self
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, images={len(self.images)})"
 
 
 @dataclass(frozen=True)
@@ -116,8 +139,10 @@ class EnvClient:
         max_retries: int = 3,
         retry_backoff_s: float = 0.2,
         max_connections: int = 512,
+        image_limits: ImageLimits = ImageLimits(),
     ) -> None:
         self.url = url.rstrip("/")
+        self.image_limits = image_limits
         self.token = token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.max_retries = max_retries
@@ -200,13 +225,15 @@ class EnvClient:
     async def start(self, env: str, seed: int, options: dict[str, Any] | None = None) -> StartResult:
         data = await self._request("POST", "/start", {"env": env, "seed": seed, "options": options or {}})
         f = _Fields(self.url, "/start", data, None)
-        return StartResult(f.get("session_id", str), f.get("observation", str), f.get("done", bool), f.info())
+        return StartResult(f.get("session_id", str), f.get("observation", str), f.get("done", bool), f.info(),
+                           f.images(self.image_limits))
 
-    async def step(self, session_id: str, action: str) -> StepResult:
+    async def step(self, session_id: str, action: str) -> StepWithImages:
         """One environment step (POST /observation)."""
         data = await self._request("POST", "/observation", {"session_id": session_id, "action": action}, session_id)
         f = _Fields(self.url, "/observation", data, session_id)
-        return StepResult(f.get("observation", str), f.get("reward", float), f.get("done", bool), f.info())
+        return StepWithImages(f.get("observation", str), f.get("reward", float), f.get("done", bool), f.info(),
+                              f.images(self.image_limits))
 
     async def pause(self, session_id: str) -> str:
         data = await self._request("POST", "/pause", {"session_id": session_id}, session_id)
@@ -252,6 +279,15 @@ class _Fields:
             raise EnvProtocolError(self.url, self.endpoint, f"answer field {key!r}: want {kind.__name__}, got {shown}",
                                    session_id=self.session_id, status=200, code="bad_answer")
         return float(value) if kind is float else value
+
+    def images(self, limits: ImageLimits) -> tuple[PngImage, ...]:
+        if "images" not in self.data:
+            return ()
+        try:
+            return parse_images(self.data["images"], limits)
+        except ImageError as e:
+            raise EnvProtocolError(self.url, self.endpoint, f"answer field 'images': {e}", session_id=self.session_id,
+                                   status=200, code="bad_answer") from e
 
     def info(self) -> dict[str, Any]:
         info = self.data.get("info", {})
@@ -422,7 +458,7 @@ class EnvPool:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
 
-    async def step(self, session_id: str, action: str) -> StepResult:
+    async def step(self, session_id: str, action: str) -> StepWithImages:
         client = self.client_of(session_id)
         return await self._on(client, "/observation", session_id, lambda s: client.step(s, action))
 

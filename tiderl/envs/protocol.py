@@ -11,6 +11,19 @@ Pure: no HTTP stack here, so the server and the tests share one definition.
     POST /end          {"session_id": STR} -> {"reward": FLOAT, "info": {...}}
     GET  /health       -> {"status": "ok" | "draining", "active": N, "paused": N, ...}
 
+An environment whose observations carry pictures (`images.ImageEnvironment`) answers /start
+and /observation with one more field, the observation's images in the order the agent sees
+them (before the text):
+
+                       "images": [{"media_type": "image/png", "data": BASE64}, ...]
+
+Each image is a PNG file, base64-encoded (RFC 4648, with padding), within `ImageLimits`
+(images per observation, bytes and pixels per image); `parse_images` checks an answer's
+field and names the image and what is wrong with it. The server checks the images its
+environment produced the same way before answering: a bad one is the environment's failure
+(500 `env_error`, naming the image and the fault; the session is ended), never sent on.
+Answers of text environments have no `images` field (read as none).
+
 Errors are `{"error": STR, "code": CODE}` with the HTTP status of `ErrorCode`.
 A 429 or 503 answer is given before the server changes any state, so a client may
 always retry it.
@@ -22,11 +35,16 @@ Unicode (no lone surrogates); anything else is a 400 naming what was wrong
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from tiderl.envs.images import MEDIA_TYPE, ImageError, ImageLimits, PngImage, check_png
 
 PROTOCOL_VERSION = 1
 TOKEN_HEADER = "Authorization"  # value: "Bearer TOKEN"
@@ -208,3 +226,60 @@ def parse_session_id(body: Any, endpoint: str) -> str:
     body = _require_object(body, endpoint)
     _check_fields(body, endpoint, ("session_id",))
     return _field(body, endpoint, "session_id", str)
+
+
+_IMAGE_FIELDS = ("media_type", "data")
+
+
+def encode_images(pngs: Sequence[bytes], limits: ImageLimits) -> list[dict[str, str]]:
+    """The `images` field of an answer for an environment's PNG files, each checked first:
+    `ImageError` naming the image and what is wrong with it."""
+    if len(pngs) > limits.max_images:
+        raise ImageError(f"{len(pngs)} images in one observation, more than max_images={limits.max_images}")
+    out = []
+    for i, png in enumerate(pngs):
+        if not isinstance(png, (bytes, bytearray)):
+            raise ImageError(f"images[{i}]: want the bytes of a PNG file, got {type(png).__name__}")
+        try:
+            check_png(bytes(png), limits)
+        except ImageError as e:
+            raise ImageError(f"images[{i}]: {e}") from e
+        out.append({"media_type": MEDIA_TYPE, "data": base64.b64encode(png).decode("ascii")})
+    return out
+
+
+def parse_images(value: Any, limits: ImageLimits) -> tuple[PngImage, ...]:
+    """The checked images of an answer's `images` field; `ImageError` naming the image and what
+    is wrong: not a list, too many, an item that is not {"media_type": "image/png", "data": STR},
+    data that is not base64, too large before or after decoding, or not a valid PNG within the
+    pixel limit (`images.check_png`)."""
+    if not isinstance(value, list):
+        raise ImageError(f"want a list of images, got {type(value).__name__}")
+    if len(value) > limits.max_images:
+        raise ImageError(f"{len(value)} images in one observation, more than max_images={limits.max_images}")
+    max_encoded = 4 * ((limits.max_bytes + 2) // 3)
+    images = []
+    for i, item in enumerate(value):
+        where = f"images[{i}]"
+        if not isinstance(item, dict):
+            raise ImageError(f"{where}: want an object, got {type(item).__name__}")
+        unknown = sorted(set(item) - set(_IMAGE_FIELDS))
+        if unknown:
+            raise ImageError(f"{where}: unknown field(s) {unknown} (known: {list(_IMAGE_FIELDS)})")
+        if item.get("media_type") != MEDIA_TYPE:
+            raise ImageError(f"{where}: media_type {item.get('media_type')!r}, want {MEDIA_TYPE!r}")
+        data = item.get("data")
+        if not isinstance(data, str):
+            raise ImageError(f"{where}: data must be a base64 string, got {type(data).__name__}")
+        if len(data) > max_encoded:  # refused before decoding
+            raise ImageError(f"{where}: {len(data)} base64 characters, more than max_bytes={limits.max_bytes} "
+                             "bytes encode to")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ImageError(f"{where}: data is not base64: {e}") from e
+        try:
+            images.append(check_png(raw, limits))
+        except ImageError as e:
+            raise ImageError(f"{where}: {e}") from e
+    return tuple(images)

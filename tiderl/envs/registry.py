@@ -13,6 +13,7 @@ from tiderl.envs.base import Environment
 
 # name -> "module:Class"
 _BUILTIN: dict[str, str] = {
+    "gridimage": "tiderl.envs.gridimage:GridImageEnv",
     "hilo": "tiderl.envs.hilo:HiloEnv",
     "pytool": "tiderl.envs.pytool:PyToolEnv",
     "textworld": "tiderl.envs.textworld_env:TextWorldEnv",

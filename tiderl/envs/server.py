@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from tiderl.envs.base import Environment, EnvOptionError
+from tiderl.envs.images import ImageEnvironment, ImageError, ImageLimits
 from tiderl.envs.connguard import LINGER_S, ConnectionGuard, GuardedSite, connection_cap
 from tiderl.envs.httpio import (
     ClientGone,
@@ -43,12 +44,23 @@ from tiderl.envs.httpio import (
     read_body,
 )
 from tiderl.envs.latency import LatencyProfile, parse_latency
-from tiderl.envs.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, parse_session_id, parse_start, parse_step
+from tiderl.envs.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    encode_images,
+    parse_session_id,
+    parse_start,
+    parse_step,
+)
 from tiderl.envs.registry import env_class
 from tiderl.envs.serverlog import RepeatFilter as RepeatFilter  # re-exported: callers import it from here
 from tiderl.envs.serverlog import conn_log, http_log, log, log_loop_error
 from tiderl.envs.sessions import Session, SessionState, SessionTable
 from tiderl.envs.workqueue import CallDropped, WorkQueue
+
+
+_IMAGE_DEFAULTS = ImageLimits()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +82,13 @@ class ServerOptions:
     body_timeout_s: float = 30.0  # a request's body must arrive within this once its headers have
     keepalive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
     latency_seed: int = 0
+    max_images_per_observation: int = _IMAGE_DEFAULTS.max_images  # an environment's observation with more fails
+    max_image_bytes: int = _IMAGE_DEFAULTS.max_bytes  # PNG bytes of one image
+    max_image_pixels: int = _IMAGE_DEFAULTS.max_pixels  # width * height of one image
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_workers", "max_body_bytes", "max_connections"):
+        for name in ("max_sessions", "max_workers", "max_body_bytes", "max_connections",
+                     "max_images_per_observation", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "max_paused_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
@@ -82,6 +98,11 @@ class ServerOptions:
             raise ValueError(f"max_queued_steps must be >= 0, got {self.max_queued_steps}")
         if self.max_sessions_per_client is not None and self.max_sessions_per_client < 1:
             raise ValueError(f"max_sessions_per_client must be >= 1, got {self.max_sessions_per_client}")
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(max_images=self.max_images_per_observation, max_bytes=self.max_image_bytes,
+                           max_pixels=self.max_image_pixels)
 
     @property
     def client_cap(self) -> int:
@@ -128,6 +149,7 @@ class EnvServer:
             log.info("max_connections lowered from %d to %d to fit the open-file limit (ulimit -n %d)",
                      options.max_connections, self.guard.max_connections,
                      resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self.image_limits = options.image_limits
         self.is_draining = False
         self.started_s = time.monotonic()
         self.num_steps = 0
@@ -221,6 +243,37 @@ class EnvServer:
         except Exception:
             log.exception("closing session %s (%s) failed", session.session_id, session.env_name)
 
+    async def _end_failed(self, session: Session, error: Exception, what: str) -> ProtocolError:
+        """End a session whose environment failed; the error to answer with."""
+        self.table.remove(session, f"failed: {type(error).__name__}: {error}")
+        await self._close_env(session)
+        return ProtocolError(ErrorCode.ENV_ERROR, f"session {session.session_id}: env {session.env_name} {what}")
+
+    async def _close_quietly(self, env: Environment) -> None:
+        """Close an env that never became a session."""
+        try:
+            await self._call(env, env.close)
+        except Exception:
+            log.exception("closing a %s env that failed to start failed", env.name)
+
+    def _images_of(self, env: Environment) -> dict[str, Any]:
+        """{"images": [...]} of an image environment's latest observation, checked and encoded;
+        {} for a text environment. A bad image raises `ImageError`."""
+        if not isinstance(env, ImageEnvironment):
+            return {}
+        return {"images": encode_images(env.observation_images(), self.image_limits)}
+
+    # Reset or step and the images in one env call: a blocking env's screenshot is checked and
+    # encoded in its worker thread, and no client can leave between the step and its images.
+    def _reset_answer(self, env: Environment, seed: int,
+                      options: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        observation, info = env.reset(seed, options)
+        return observation, info, self._images_of(env)
+
+    def _step_answer(self, env: Environment, action: str) -> tuple[Any, dict[str, Any]]:
+        result = env.step(action)
+        return result, self._images_of(env)
+
     # handlers ----------------------------------------------------------------------
 
     async def _body(self, request: web.Request) -> Any:
@@ -258,20 +311,27 @@ class EnvServer:
         env: Environment | None = None
         try:
             env = cls()
-            observation, info = await self._call(env, env.reset, req.seed, req.options, request=request)
+            observation, info, images = await self._call(env, self._reset_answer, env, req.seed, req.options,
+                                                         request=request)
         except CallDropped as e:
             self.table.release(client)
             raise ClientGone(f"start of {req.env} dropped: the client left while it waited for a worker") from e
         except EnvOptionError as e:
             self.table.release(client)
             raise ProtocolError(ErrorCode.BAD_OPTIONS, str(e)) from e
+        except ImageError as e:
+            self.table.release(client)
+            log.error("env %s produced a bad first observation (seed %s): %s", req.env, req.seed, e)
+            if env is not None:
+                await self._close_quietly(env)
+            raise ProtocolError(ErrorCode.ENV_ERROR, f"env {req.env} reset: produced a bad image: {e}") from e
         except Exception as e:
             self.table.release(client)
             log.exception("env %s failed to reset (seed %s)", req.env, req.seed)
             raise ProtocolError(ErrorCode.ENV_ERROR, f"env {req.env} reset failed: {type(e).__name__}: {e}") from e
         session = self.table.add(req.env, env, req.seed, client)
         return json_response(
-            {"session_id": session.session_id, "observation": observation, "done": False, "info": info}
+            {"session_id": session.session_id, "observation": observation, "done": False, "info": info, **images}
         )
 
     async def handle_observation(self, request: web.Request) -> web.Response:
@@ -288,19 +348,18 @@ class EnvServer:
         session.is_busy = True
         try:
             try:
-                result = await self._call(session.env, session.env.step, req.action, request=request)
+                result, images = await self._call(session.env, self._step_answer, session.env, req.action,
+                                                  request=request)
             except CallDropped as e:
                 raise ClientGone(
                     f"step of session {session.session_id} dropped: the client left while it waited for a worker"
                 ) from e
+            except ImageError as e:  # the env's picture, not its step, is at fault: no traceback
+                log.error("env %s produced a bad image in session %s: %s", session.env_name, session.session_id, e)
+                raise await self._end_failed(session, e, f"produced a bad image: {e}") from e
             except Exception as e:
                 log.exception("env %s step failed in session %s", session.env_name, session.session_id)
-                self.table.remove(session, f"failed: {type(e).__name__}: {e}")
-                await self._close_env(session)
-                raise ProtocolError(
-                    ErrorCode.ENV_ERROR,
-                    f"session {session.session_id}: env {session.env_name} step failed: {type(e).__name__}: {e}",
-                ) from e
+                raise await self._end_failed(session, e, f"step failed: {type(e).__name__}: {e}") from e
             delay_s = self.latency.sample_s(self.rng)
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
@@ -317,7 +376,7 @@ class EnvServer:
             else:
                 session.state = SessionState.DONE
         response = json_response(
-            {"observation": observation, "reward": float(reward), "done": bool(done), "info": info}
+            {"observation": observation, "reward": float(reward), "done": bool(done), "info": info, **images}
         )
         self.step_times_s.append(time.perf_counter() - t0 - delay_s)
         return response
@@ -389,6 +448,9 @@ class EnvServer:
                 "num_refused_connections": self.guard.num_refused,
                 "num_timed_out_connections": self.guard.num_timed_out,
                 "latency": self.latency.spec,
+                "image_limits": {"max_images_per_observation": self.image_limits.max_images,
+                                 "max_image_bytes": self.image_limits.max_bytes,
+                                 "max_image_pixels": self.image_limits.max_pixels},
                 "step_p50_ms": _percentile_ms(self.step_times_s, 0.50),
                 "step_p99_ms": _percentile_ms(self.step_times_s, 0.99),
                 "uptime_s": time.monotonic() - self.started_s,

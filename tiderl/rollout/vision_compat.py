@@ -1,0 +1,105 @@
+"""Qwen2-VL's processor where torchvision is missing: images through the PIL backend, no videos.
+
+transformers (5.x) builds every Qwen-VL processor with a video processor, and its video
+processors all need torchvision; without torchvision, `Qwen2VLProcessor(...)` and
+`Qwen2VLProcessor.from_pretrained(...)` fail (`VIDEO_PROCESSOR_MAPPING has no attribute
+'_extra_content'`; upstream: huggingface/transformers#43986, #48556), although the image path
+(`Qwen2VLImageProcessorPil`) needs only PIL. vLLM loads the processor the same way, so an
+image-only vision-language model could not run either.
+
+CPU machines here have no torchvision: PyPI's builds of it fail to import beside the CPU build
+of torch (`operator torchvision::nms does not exist`), and the setup removes them.
+
+`allow_processors_without_torchvision()` closes the gap where (and only where) torchvision is
+missing: the processor's video slot gets `ImagesOnlyVideoProcessor`, which refuses videos with
+a clear error, and the module of Qwen2-VL's torchvision image processor (which vLLM's Qwen-VL
+models import `smart_resize` from) is the PIL image processor's module. Images are processed
+by transformers' own `Qwen2VLImageProcessorPil` (resizing may differ in detail from the
+torchvision backend; the trainer and vLLM use the same one here).
+
+It must run in every process that builds a processor: the trainer, and vLLM's front end and
+engine core (run it before the engine starts: forked processes inherit it; a spawned one runs
+it by importing the module that calls it at import time). vLLM itself also needs
+`register_vl_models_with_vllm()` and `limit_mm_per_prompt={"image": N, "video": 0}`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+_applied = False
+
+
+class VideosNeedTorchvisionError(RuntimeError):
+    """A video was given to a processor built without torchvision."""
+
+
+def allow_processors_without_torchvision() -> bool:
+    """Patch transformers so that Qwen-VL processors build without torchvision (idempotent).
+    Returns True if the patch is in force, False where torchvision is installed (nothing to do)."""
+    global _applied
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return False
+    if _applied:
+        return True
+    import importlib
+
+    from transformers import processing_utils
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    # The module itself: `from transformers.models.auto import ...` hands out a stand-in without torchvision.
+    video_processing_auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+
+    class ImagesOnlyVideoProcessor(VideoProcessorMixin):
+        """Fills a processor's video slot where torchvision is missing; refuses videos."""
+
+        def preprocess(self, videos: Any, **kwargs: Any) -> Any:
+            raise VideosNeedTorchvisionError("videos need torchvision, which is not installed; images work without it")
+
+        def to_dict(self) -> dict[str, Any]:
+            return {}
+
+        def save_pretrained(self, *args: Any, **kwargs: Any) -> list[str]:
+            return []  # nothing to save: a real video processor is built where torchvision is installed
+
+    def images_only(cls: Any, *args: Any, **kwargs: Any) -> ImagesOnlyVideoProcessor:
+        return ImagesOnlyVideoProcessor()
+
+    # The processor checks each part's class by name on the transformers module, where this
+    # name is only exported with torchvision.
+    setattr(processing_utils.transformers_module, "VideoProcessorMixin", VideoProcessorMixin)
+    video_processing_auto.AutoVideoProcessor.from_pretrained = classmethod(images_only)  # type: ignore[assignment]
+    # vLLM's Qwen-VL models import `smart_resize` from the torchvision image processor's module,
+    # which cannot be imported without torchvision; the PIL module defines the same function.
+    sys.modules.setdefault(
+        "transformers.models.qwen2_vl.image_processing_qwen2_vl",
+        importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"),
+    )
+    _applied = True
+    return True
+
+
+def images_only_video_processor() -> Any:
+    """A video-processor placeholder for building a processor by hand (after the patch)."""
+    import importlib
+
+    auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+    return auto.AutoVideoProcessor.from_pretrained("")
+
+
+def register_vl_models_with_vllm() -> None:
+    """Register vLLM's own Qwen2-VL class with vLLM's model registry as an imported class.
+
+    vLLM inspects a lazily registered architecture by importing it in a fresh Python
+    subprocess, where `allow_processors_without_torchvision` has not run and the import
+    fails without torchvision; an imported class is inspected in this process instead. Call
+    it after `allow_processors_without_torchvision()` and before building the engine."""
+    if not allow_processors_without_torchvision():
+        return
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    ModelRegistry.register_model("Qwen2VLForConditionalGeneration", Qwen2VLForConditionalGeneration)
