@@ -23,10 +23,10 @@ def check_row(row: dict, ranks: int) -> None:
     assert all(k in row for k in FIELDS), sorted(set(FIELDS) - set(row))
     assert row["ranks"] == ranks
     # ranks / tick_s + ranks / heartbeat_s, plus the control plane's watch and the trainer's claims (~1/s each)
-    assert ranks * 1.5 < row["need_commits_per_s"] < ranks * 1.5 + 5, row
+    assert ranks < row["need_commits_per_s"] < ranks + 5, row  # a tick each; their reports beat for them
     assert row["sustained_commits_per_s"] > 0 and row["capacity_commits_per_s"] > 0, row
     assert 0 < row["p50_ms"] <= row["p99_ms"], row
-    assert row["headroom"] == pytest.approx(row["capacity_commits_per_s"] / row["need_commits_per_s"], abs=0.02)
+    assert row["headroom"] == pytest.approx(row["capacity_commits_per_s"] / row["need_commits_per_s"], rel=0.02)
     assert row["errors"] == 0 and row["processes_ok"], row
     assert row["task_claims"] > 0, "no rank claimed a task"
 
@@ -48,10 +48,10 @@ def test_summarize_figures() -> None:
         {"role": "control", "logs": [log | {"writes": [[t0 + o0 + i, 0.01, "watch"] for i in range(10)]}]},
         {"role": "trainer", "logs": [log | {"writes": []}]}]}
     row = summarize(spec, res)
-    assert row["need_commits_per_s"] == 2 * 1.5 + 1.0  # 2 ranks x (1 tick + 0.5 heartbeat) + the watch
+    assert row["need_commits_per_s"] == 2 * 1.0 + 1.0  # 2 ranks x 1 tick (their reports beat for them) + the watch
     assert row["sustained_commits_per_s"] == 4.0 and row["kept_up"]
     assert (row["p50_ms"], row["p99_ms"]) == (10.0, 20.0)
-    assert row["capacity_commits_per_s"] == 80.0 and row["headroom"] == 20.0
+    assert row["capacity_commits_per_s"] == 80.0 and row["headroom"] == pytest.approx(80.0 / 3, abs=0.01)
     assert row["lock_retries"] == 1 and row["errors"] == 0 and row["processes_ok"]
 
 

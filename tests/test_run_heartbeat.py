@@ -17,6 +17,9 @@ class FlakyStore:
         self.calls = 0
         self.beats = 0
 
+    def beat_age_s(self, rank: int) -> float | None:
+        return None  # no report beats for it: every beat is the thread's
+
     def heartbeat(self, rank: int) -> None:
         self.calls += 1
         if self.calls >= self.stop_after:
@@ -82,3 +85,33 @@ def test_a_rank_declared_dead_while_away_is_told_and_leaves_a_fresh_start_is_not
         launch=SimpleNamespace(heartbeat_s=0.001, heartbeat_timeout_s=60.0)))
     _heartbeats(ctx, stopped, on_give_up=lambda: gave_up.append(1), declared_dead=dead)
     assert gave_up == [1] and dead.is_set()
+
+
+def test_a_rank_whose_reports_beat_does_not_beat_again(tmp_path) -> None:
+    from tiderl.roles import Role
+    from tiderl.store import RankReport, RunStore
+
+    s = RunStore(f"sqlite:///{tmp_path / 'run.db'}")
+    s.create_schema()
+    s.register_rank(1, Role.ROLLOUT)
+    assert s.beat_age_s(1) is None
+    s.report(RankReport(rank=1, role=Role.ROLLOUT))
+    assert 0 <= s.beat_age_s(1) < 1.0
+
+    class Counting:
+        beats = 0
+
+        def beat_age_s(self, rank: int) -> float:
+            return 0.0  # a report just beat
+
+        def heartbeat(self, rank: int) -> None:
+            self.beats += 1
+
+    stopped, store = threading.Event(), Counting()
+    ctx = _ctx(store, 30.0)  # type: ignore[arg-type]
+    t = threading.Thread(target=_heartbeats, args=(ctx, stopped))
+    t.start()
+    stopped.wait(0.05)
+    stopped.set()
+    t.join()
+    assert store.beats == 0

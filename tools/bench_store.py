@@ -21,7 +21,9 @@ one trainer claims ready groups once a second and publishes a version every 10 s
 Python work of the ranks of one process shares one interpreter lock, and all of it shares this machine's
 CPUs with the database (on a cluster the ranks run elsewhere): capacity here is a lower bound.
 
-- need: ranks / tick_s + ranks / heartbeat_s, plus the control plane's and trainer's writes per second.
+- need: ranks / tick_s (+ ranks / heartbeat_s where the tick is not shorter than the heartbeat period: a
+  rank's heartbeat thread writes only when no report beat for it), plus the control plane's and
+  trainer's writes per second.
 - Open loop (`--open-s`, after `--warmup-s`): every rank at its own phase and period, late ticks not
   skipped. `sustained_commits_per_s`: write transactions that ended in the window; `kept_up`: sustained
   >= 95% of the need; `p50_ms`/`p99_ms`: the ranks' commit latency (call to return, lock waits and
@@ -78,7 +80,9 @@ def summarize(spec: RankLoadSpec, res: dict) -> dict:
         return [w for lg in logs for w in lg["writes"] if a <= w[0] < b]
 
     background_per_s = len(ended(other_logs, o0, o1)) / spec.open_s
-    need = spec.num_ranks / spec.tick_s + spec.num_ranks / spec.heartbeat_s + background_per_s
+    # A rank's heartbeat thread writes only where its reports did not beat within heartbeat_s.
+    beats = spec.num_ranks / spec.heartbeat_s if spec.tick_s >= spec.heartbeat_s else 0.0
+    need = spec.num_ranks / spec.tick_s + beats + background_per_s
     sustained = len(ended(rank_logs + other_logs, o0, o1)) / spec.open_s
     capacity = len(ended(rank_logs + other_logs, c0, c1)) / (c1 - c0)
     open_lat = [w[1] for w in ended(rank_logs, o0, o1)]

@@ -206,7 +206,8 @@ class RankLoadSpec:
     Open loop (`open_s`, after `warmup_s`): each rank ticks every `tick_s` at its own phase (one transaction:
     heartbeat, the trajectories of the tasks it claimed last tick, a metric, the claim of `tasks_per_tick`
     new tasks, as `RankReport` carries them), reads the run's position before it (as `RankContext.boundary`
-    does), and beats every `heartbeat_s` on its own (a rank's heartbeat thread). Closed loop (`closed_s`):
+    does), and beats every `heartbeat_s` on its own where no report beat for it meanwhile (a rank's
+    heartbeat thread: with a tick shorter than `heartbeat_s`, never). Closed loop (`closed_s`):
     the same mix (a heartbeat every heartbeat_s / tick_s ticks) back to back, as fast as the store takes it.
     The control plane runs its tick all along: position, planned version and group counts every
     `control_tick_s`, the heartbeat watch (`reclaim_expired`, a write) once a second from when every rank
@@ -322,7 +323,7 @@ def _play_rank(s: RunStore, rank: int, spec: RankLoadSpec, t0: float, log: _Log)
             next_tick += spec.tick_s
         else:
             _sleep_until(next_beat)
-            log.timed("heartbeat", s.heartbeat, rank)
+            _beat_if_due(s, rank, spec, log)
             next_beat += spec.heartbeat_s
     closed_start = open_end + CLOSED_GAP_S
     closed_end = t0 + spec.closed_window[1]
@@ -333,7 +334,15 @@ def _play_rank(s: RunStore, rank: int, spec: RankLoadSpec, t0: float, log: _Log)
         held = _rank_tick(s, rank, spec, held, rng, log)
         n += 1
         if n % beat_every == 0:
-            log.timed("heartbeat", s.heartbeat, rank)
+            _beat_if_due(s, rank, spec, log)
+
+
+def _beat_if_due(s: RunStore, rank: int, spec: RankLoadSpec, log: _Log) -> None:
+    """A rank's heartbeat thread: it writes only when no report beat for it within `heartbeat_s`
+    (`tiderl.run.rank._heartbeats`)."""
+    age = s.beat_age_s(rank)
+    if age is None or age >= spec.heartbeat_s:
+        log.timed("heartbeat", s.heartbeat, rank)
 
 
 def _wait_go(ready, go, t0_box) -> float:  # type: ignore[no-untyped-def]

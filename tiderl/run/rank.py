@@ -74,7 +74,9 @@ async def serve(ctx: RankContext) -> None:
 
 def _heartbeats(ctx: RankContext, stopped: threading.Event, *, on_give_up: Callable[[], None] | None = None,
                 clock: Callable[[], float] = time.monotonic, declared_dead: threading.Event | None = None) -> None:
-    """Beat every `heartbeat_s`. A store error (a lock held past the retries, a filesystem hiccup) is
+    """Beat every `heartbeat_s`, unless a report of the rank carried a beat within the last `heartbeat_s`
+    (a rollout rank's tick report does, several times a second: a third of a large run's commits
+    saved, docs/RESULTS.md "Run store"). A store error (a lock held past the retries, a filesystem hiccup) is
     retried at the next beat; only when no beat got through for `heartbeat_timeout_s` (the control
     plane has declared the rank dead and given its claims to others by then) does it give up: the
     rank leaves (`on_give_up`, by default SIGTERM to itself) instead of working on without a claim.
@@ -85,6 +87,11 @@ def _heartbeats(ctx: RankContext, stopped: threading.Event, *, on_give_up: Calla
     last_ok = clock()
     failing = False
     while not stopped.wait(launch.heartbeat_s):
+        age = ctx.store.beat_age_s(ctx.rank)
+        if age is not None and age < launch.heartbeat_s:  # the rank's own report beat for it (its tick)
+            failing = False
+            last_ok = clock()
+            continue
         try:
             ctx.store.heartbeat(ctx.rank)
         except RankDeclaredDeadError as e:

@@ -112,6 +112,7 @@ class RunStore:
         self.tx = Transactor(self.engine, max_retries=config.max_retries, label=self.label,
                              full_wait_s=config.disk_full_wait_s, outage_wait_s=config.outage_wait_s,
                              on_outage_end=self._record_outage)
+        self._beats: dict[int, float] = {}  # rank -> monotonic time of this process's last write beating it
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
@@ -277,6 +278,13 @@ class RunStore:
 
     def heartbeat(self, rank: int) -> None:
         self.tx.write(lambda c: _heartbeat(c, rank, time.time()))
+        self._beats[rank] = time.monotonic()
+
+    def beat_age_s(self, rank: int) -> float | None:
+        """Seconds since a write of this process carried `rank`'s heartbeat (`heartbeat`, or a tick's
+        `report`); None: none yet. A rank's heartbeat thread skips its own write while its reports beat."""
+        at = self._beats.get(rank)
+        return None if at is None else time.monotonic() - at
 
     def declare_dead(self, rank: int, message: str) -> ReclaimResult:
         """A rank whose process is known to be gone (its launcher saw it exit): dead now, its claims
@@ -441,7 +449,9 @@ class RunStore:
             claims = _claim(c, report.rank, report.claim, now, token) if report.claim is not None else []
             return {"accepted": accepted, "dropped": dropped, "claims": claims}
 
-        return self.tx.write(write)
+        out = self.tx.write(write)
+        self._beats[report.rank] = time.monotonic()
+        return out
 
     # ---- trainer side --------------------------------------------------------------------
     def claim_ready_groups(self, owner: int, max_groups: int) -> list[ReadyTrajectory]:
