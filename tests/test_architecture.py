@@ -1,6 +1,6 @@
 """Rules of the package's shape, read from the source with `ast` (nothing is imported):
-one name per concept (no top-level class name defined in two modules) and no
-import cycle among the modules' module-level imports."""
+one name per concept (no top-level class name defined in two modules), no import cycle
+among the modules' module-level imports, and none among the subpackages (the layers)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def _module_level_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.Imp
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the package's modules it imports at module level. `from a.b import c` is the module
-    `a.b.c` when that is a module, else `a.b`; relative imports are resolved against the importer."""
+    `a.b.c` when that is a module, else `a.b`; relative imports are resolved against the importer.
+    Importing `a.b.c` also runs the packages `a.b` and `a` first: those count too, except the
+    importer's own packages (a package's `__init__` importing its submodules is no cycle)."""
     root = next(iter(modules)).split(".")[0]
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -70,8 +72,21 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 targets.add(sub if sub in modules else base)
-        graph[name] = {t for t in targets if t in modules and t != name and t.split(".")[0] == root}
+        parents = {".".join(t.split(".")[:i]) for t in targets for i in range(1, t.count(".") + 1)}
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {t for t in targets | (parents - own)
+                       if t in modules and t != name and t.split(".")[0] == root}
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto the root's direct children (`a.b.c` -> `a.b`): which layer uses which."""
+    def layer(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    folded: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        folded.setdefault(layer(name), set()).update(layer(t) for t in targets if layer(t) != layer(name))
+    return folded
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -110,6 +125,16 @@ def test_no_module_level_import_cycle():
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
 
 
+def test_no_import_cycle_between_subpackages():
+    graph = import_graph(module_files())
+    cycle = find_cycle(package_graph(graph))
+    edges = [f"{a} -> {b}" for a, b in zip(cycle or [], (cycle or [])[1:])]
+    culprits = [f"{m} imports {t}" for pair in edges for m, targets in sorted(graph.items()) for t in sorted(targets)
+                if f"{'.'.join(m.split('.')[:2])} -> {'.'.join(t.split('.')[:2])}" == pair]
+    assert cycle is None, (f"import cycle between subpackages: {' -> '.join(cycle or [])} ({'; '.join(culprits)}); "
+                           "move what both need to a module that imports neither")
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -132,3 +157,12 @@ def test_the_checks_see_a_duplicate_and_a_cycle(tmp_path: Path):
     assert find_cycle(import_graph(modules)) is None
     (pkg / "c.py").write_text("from .a import Thing\n")  # relative, resolved to pkg.a
     assert find_cycle(import_graph(modules)) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    # No module cycle, but a layer cycle: `import pkg.e.f` runs `pkg/e/__init__.py` first, which
+    # imports `pkg.d`, which imports `pkg.sub`.
+    (pkg / "c.py").write_text("")
+    _write(tmp_path, {"pkg/d.py": "from pkg.sub import b\n", "pkg/sub/x.py": "import pkg.e.f\n",
+                      "pkg/e/__init__.py": "from pkg import d\n", "pkg/e/f.py": ""})
+    modules = module_files(pkg)
+    assert "pkg.e" in import_graph(modules)["pkg.sub.x"]
+    assert find_cycle(import_graph(modules)) is None
+    assert find_cycle(package_graph(import_graph(modules))) == ["pkg.sub", "pkg.e", "pkg.d", "pkg.sub"]

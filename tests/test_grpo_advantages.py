@@ -1,10 +1,10 @@
-"""Group-relative advantages: one test per invariant of tiderl.trainer.advantages."""
+"""Group-relative advantages: one test per invariant of tiderl.advantages."""
 
 import math
 
 import pytest
 
-from tiderl.trainer.advantages import IncompleteGroupError, advantages_by_group, group_advantages
+from tiderl.advantages import IncompleteGroupError, advantages_by_group, group_advantages
 
 
 def test_hand_computed_values():

@@ -42,9 +42,9 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import make_url
 
-from tiderl.policy.ctb import claim_limit
-from tiderl.trainer.advantages import group_advantages
+from tiderl.advantages import group_advantages
 from tiderl.config.store import StoreConfig
+from tiderl.policy.ctb import claim_limit
 from tiderl.store import codec
 from tiderl.store.engine import OUTAGE_RETRY_LAG_S, StoreError, Transactor, choose_journal_mode, make_engine
 from tiderl.store.location import POINTER_FILE, describe, is_postgres, parse_store_url, schema_of, store_url

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiderl.trainer.advantages import group_advantages
+from tiderl.advantages import group_advantages
 from tiderl.trainer.batch import TrainSample
 
 

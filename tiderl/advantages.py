@@ -1,5 +1,9 @@
 """Group-relative advantages of GRPO, pure Python (no torch, no store).
 
+Shared by the store, which writes a group's advantages when the group
+completes, and the trainer; it imports neither (a top-level module, so the
+store does not depend on the trainer package).
+
 A group is the G trajectories of one prompt. Its advantages are
 ``(r - mean(r)) / (std(r) + eps)`` with the sample standard deviation
 (``ddof = 1``, as ``torch.std`` computes it). Advantages exist only for
