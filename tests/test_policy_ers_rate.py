@@ -231,10 +231,14 @@ def test_9_no_plan_lands_in_a_valley():
     # Two ref ranks feed eight actors; the best split has none (the refs' ranks roll out). One move takes
     # one ref away and leaves the other feeding all eight (ref-bound, slower than now): the plan moves on.
     times = StageTimes(t_ref_s=0.235, t_act_f_s=0.34, t_act_b_s=0.69, t_swap_s=0.06)
-    sig = signals(obs(1, 8, 2, latency_s=7.8, env_s=2.1), obs(1, 8, 2, latency_s=7.8, env_s=2.1), times=times)
+    unseen = signals(obs(1, 8, 2, latency_s=7.8, env_s=2.1), obs(1, 8, 2, latency_s=7.8, env_s=2.1), times=times)
     roles = (R, F, F) + (A,) * 8
-    model = estimate(sig, ELASTIC)
+    model = estimate(unseen, ELASTIC)
     assert predict_tok_s(Split(2, 8, 1), model)[2] < predict_tok_s(Split(1, 8, 2), model)[2]  # the valley
+    # Three rollout ranks were never measured: the target is an extrapolation, not worth crossing for.
+    assert plan(roles, unseen, ELASTIC).moves == ()
+    # Measured before (say, 3 rollout ranks with a shorter generation latency): crossed in one plan.
+    sig = replace(unseen, gen_latency_by_rollout=((3, 4.0),))
     p = plan(roles, sig, ELASTIC)
     assert split_of(p.roles) == Split(3, 8, 0) and len(p.moves) == 2 > ELASTIC.max_moves_per_step
     assert p.mode is Ra2pMode.COLOCATED

@@ -8,7 +8,8 @@ from tiderl.config import load_job
 from tiderl.run.control import ControlPlane
 from tiderl.rundir import create_run
 from tiderl.store import RunStore
-from tiderl.store.types import FinishedTrajectory, RankReport, Role, RunState, VersionRecord
+from tiderl.store.types import (FinishedTrajectory, GroupState, RankReport, Role, RunState, TaskKind,
+                                VersionRecord)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +83,49 @@ def test_sync_feeds_one_batch_at_a_time(tmp_path: Path) -> None:
     _train_one_step(store, 1)
     assert not plane.tick()  # two steps done, no evaluation: finished
     assert store.run_info()["state"] == RunState.FINISHED.value
+
+
+def test_a_version_published_while_the_feeder_counts_does_not_overfeed(tmp_path: Path) -> None:
+    """The tick reads the version first and counts the groups later; a version published in between
+    consumed groups the old version still expects to train. Feeding on that old version created groups
+    no remaining step would train (fed, generated, still outstanding at the end: lost)."""
+    store, config = _store(tmp_path, "system=async", "rollout.max_staleness=1", "rollout.eval_every_steps=0")
+    plane = ControlPlane(config, store)
+    plane.tick()
+    groups = store.groups_by_state(TaskKind.TRAIN)
+    assert sum(groups.values()) == 4  # (staleness + 1) x groups_ideal, and 2 steps x 2 groups: all the run needs
+
+    def play_and_train(version: int) -> None:
+        store.register_rank(1, Role.ROLLOUT)
+        store.register_rank(0, Role.ACTOR)
+        claims = store.claim_tasks(1, 1000)
+        store.report(RankReport(rank=1, finished=[FinishedTrajectory(
+            task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
+            token_versions=[-1, version, version], num_turns=1, reward=float(c.index_in_group % 2), success=True)
+            for c in claims]))
+        got = store.claim_ready_groups(0, config.trainer.groups_ideal)
+        store.publish_version(VersionRecord(version=version + 1, path="w", checksum="c",
+                                            trajectory_ids=[t.id for t in got], step_started_at=0.0,
+                                            duration_s=1.0), owner=0)
+
+    counted = store.groups_by_state
+    published: list[int] = []
+
+    def publish_then_count(kind: TaskKind) -> dict[GroupState, int]:
+        if kind is TaskKind.TRAIN and not published:  # the actor publishes v1 after the tick read v0
+            play_and_train(0)
+            published.append(1)
+        return counted(kind)
+
+    store.groups_by_state = publish_then_count  # type: ignore[method-assign]
+    plane.tick()
+    del store.groups_by_state
+    assert published and store.position()[1] == 1
+    groups = store.groups_by_state(TaskKind.TRAIN)
+    # One step is left and it trains groups_ideal = 2 groups: the 2 still outstanding, nothing more.
+    assert sum(groups[s] for s in (GroupState.OPEN, GroupState.READY, GroupState.CLAIMED)) == 2
+    assert sum(groups.values()) == 4
+    play_and_train(1)
+    assert not plane.tick()
+    groups = store.groups_by_state(TaskKind.TRAIN)
+    assert groups[GroupState.CONSUMED] == 4 and sum(groups.values()) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tiderl.config import load_job
@@ -58,3 +59,42 @@ def test_per_step_scalars_are_written_once_and_a_restart_carries_on(tmp_path: Pa
     assert _scalars(d, "train/success_rate") == [(1, 0.5), (2, 0.5)]
     assert _scalars(d, "trainer/clip_frac") == [(1, 0.25), (2, 0.5)]
     assert _scalars(d, "wait/rwt_s") == [(1, 1.5), (2, 3.0)]
+
+
+def test_a_full_disk_skips_a_write_and_the_next_tick_catches_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer lives in the control plane: ENOSPC from it once ended the control plane (fault campaign,
+    full disk). It warns, and the next tick writes what this one could not."""
+    import errno
+
+    import tiderl.tboard
+
+    paths, s = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ACTOR)
+    s.register_rank(1, Role.ROLLOUT)
+    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
+    s.set_run_state(RunState.RUNNING)
+    _step(s, 1)
+    written = tiderl.tboard.atomic_write_text
+
+    def full(*args, **kwargs) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", full)
+    board = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
+    board.tick(force=True)  # no exception
+    assert not (paths.root / "tensorboard" / "written.json").exists()
+    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", written)
+    _step(s, 2)
+    board.close()
+    assert (paths.root / "tensorboard" / "written.json").exists()
+    assert _scalars(paths.root / "tensorboard", "train/success_rate") == [(1, 0.5), (2, 0.5)]
+
+    def other(*args, **kwargs) -> None:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", other)
+    again = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
+    _step(s, 3)
+    with pytest.raises(PermissionError):  # any other error still raises
+        again.tick(force=True)

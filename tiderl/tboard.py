@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.evalstats import wilson_interval
-from tiderl.paths import atomic_write_text
+from tiderl.paths import DISK_FULL_ERRNOS, atomic_write_text
 from tiderl.store.engine import StoreError
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,12 @@ class TensorBoardLog:
             self._write()
         except StoreError as e:
             log.warning("TensorBoard not updated: %s", e)
+        except OSError as e:
+            # A full disk must not end the control plane that hosts this writer: the event files are a
+            # view of the store, and the next tick writes what this one could not.
+            if e.errno not in DISK_FULL_ERRNOS:
+                raise
+            log.warning("TensorBoard not updated, the disk is full: %s", e)
 
     def _write(self) -> None:
         rows = self.store.metric_rows_after(self.metric_id, ACTOR_METRICS + WAITS)
@@ -125,4 +131,9 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.tick(force=True)
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError as e:
+            if e.errno not in DISK_FULL_ERRNOS:
+                raise
+            log.warning("TensorBoard event file not closed cleanly, the disk is full: %s", e)

@@ -327,11 +327,14 @@ class GarbageProxy:
                 if proxy.garbage.is_set():
                     proxy.num_garbled += 1
                     status, data = 200, b'{"session_id": "s-1", "observation": [1, 2,'
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client gave up (its timeout): nothing to answer
 
             do_GET = do_POST = _forward
 

@@ -94,8 +94,10 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 9. No valley: a plan never lands on a split predicted slower than the current one. Where the first
    ``max_moves_per_step`` moves toward the best split would (a path through a valley, such as a first
    ref rank feeding many actors in the decoupled mode), it moves on toward the best split until the
-   prediction is back at the current one's or better (at most all the way); where no move gets it
-   there, it stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
+   prediction is back at the current one's or better (at most all the way), if the best split's
+   rollout count was measured (an extrapolated target is not worth a plan past the limit: on
+   mix-shift one such plan went to a rollout count never measured and ran at 0.6x); otherwise it
+   stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
    pass through rollout on its way between ref and actor: its plan shows ACTOR <-> REF.
 """
 
@@ -393,10 +395,12 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     new = current
     split = now
     moves = 0
+    measured = dict(model.gen_curve)  # rollout counts measured: a valley is crossed only toward one
     while split != best:
         # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
         # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
-        if moves >= limits.max_moves_per_step and predict_tok_s(split, model)[2] >= now_g:
+        if moves >= limits.max_moves_per_step and (predict_tok_s(split, model)[2] >= now_g
+                                                     or best.rollout not in measured):
             break
         step = _one_move(new, split, best, limits, model.stage_times)
         if step is None:

@@ -76,7 +76,7 @@ class ControlPlane:
         if planned is None or planned < version:
             self.plan(version)
         if version < self.config.trainer.num_steps:
-            self.feed(version)
+            self.feed()
         self.feed_eval(version)
         if version >= self.config.trainer.num_steps and self._evals_open() == 0:
             self.store.set_run_state(RunState.FINISHED, f"{version} steps done")
@@ -85,8 +85,14 @@ class ControlPlane:
         return True
 
     # ---- feeding ---------------------------------------------------------------------------
-    def feed(self, version: int) -> None:
+    def feed(self) -> None:
         counts = self.store.groups_by_state(TaskKind.TRAIN)
+        # The version is read after the counts, not taken from the start of the tick: a version published
+        # in between consumed groups that the older version still counts on, and feeding on it created
+        # groups that no remaining step trains (generated, then outstanding when the run ended). Read after
+        # them, the version is at least as new as the counts (a publish is one transaction); one published
+        # after the counts only makes this tick feed less, and the next tick feeds the rest.
+        version = self.store.position()[1]
         total, outstanding = sum(counts.values()), sum(counts[s] for s in OUTSTANDING)
         batch = self.config.trainer.groups_ideal
         # No more groups than the remaining steps can train (generation past the end is waste).
