@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if is_vision:
         return _run_vision(args)
     from tiderl.rollout.demos import demo_env_names
-    from tiderl.rollout.tiny_model import MANIFEST, TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
+    from tiderl.rollout.tiny_model import TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
 
     if args.env not in demo_env_names():
         print(
@@ -50,42 +50,25 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else default_model_dir(args.env)
     was_cached = not args.force and cached_hash(out) == spec_hash(spec)
     path = init_model(out, spec, force=args.force)
-    manifest = json.loads((path / MANIFEST).read_text())
-    print(
-        json.dumps(
-            {
-                "path": str(path),
-                "cached": was_cached,
-                "hash": manifest["hash"],
-                "num_parameters": manifest["num_parameters"],
-                "build_s": manifest["build_s"],
-            }
-        )
-    )
-    return 0
+    return _print_built(path, was_cached, ("hash", "num_parameters", "build_s"))
 
 
 def _run_vision(args: argparse.Namespace) -> int:
-    from tiderl.rollout.tiny_model import MANIFEST, cached_hash, default_model_dir
+    from tiderl.rollout.tiny_model import cached_hash, default_model_dir
     from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
 
     spec = TinyVisionSpec(env=args.env, seed=args.seed)
     out = args.out if args.out is not None else default_model_dir(args.env)
     was_cached = not args.force and cached_hash(out) == vl_spec_hash(spec)
     path = init_vl_model(out, spec, force=args.force)
+    return _print_built(path, was_cached, ("hash", "kind", "num_parameters", "num_vision_parameters",
+                                           "warm_start", "build_s"))
+
+
+def _print_built(path: Path, was_cached: bool, keys: tuple[str, ...]) -> int:
+    """One JSON line: where the model is, whether it came from the cache, and `keys` of its manifest."""
+    from tiderl.rollout.tiny_model import MANIFEST
+
     manifest = json.loads((path / MANIFEST).read_text())
-    print(
-        json.dumps(
-            {
-                "path": str(path),
-                "cached": was_cached,
-                "hash": manifest["hash"],
-                "kind": manifest["kind"],
-                "num_parameters": manifest["num_parameters"],
-                "num_vision_parameters": manifest["num_vision_parameters"],
-                "warm_start": manifest["warm_start"],
-                "build_s": manifest["build_s"],
-            }
-        )
-    )
+    print(json.dumps({"path": str(path), "cached": was_cached, **{k: manifest[k] for k in keys}}))
     return 0
