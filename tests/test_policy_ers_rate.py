@@ -250,3 +250,40 @@ def test_9_no_plan_lands_in_a_valley():
                 if q.reason in (ErsReason.RATE_TO_ROLLOUT, ErsReason.RATE_TO_TRAINER, ErsReason.RATE_REBALANCE):
                     m = estimate(s, limits)
                     assert predict_tok_s(split_of(q.roles), m)[2] >= predict_tok_s(split_of(r), m)[2]
+
+
+# Generation-bound on 2 rollout and 4 actor ranks: the model's best split is 5 rollout ranks, three moves away.
+MEASURED_2_4 = signals(obs(2, 4, wait_s=6.0, latency_s=80.0, env_s=5.0), obs(2, 4, wait_s=6.0, latency_s=80.0, env_s=5.0))
+
+
+def walking(measured: ErsSignals, change: int, idle: float = 0.0) -> ErsSignals:
+    """The signals one step after a plan moved `change` rollout ranks: the new split is not measured yet."""
+    return replace(measured, window=(), group_latency_s=None, group_env_s=None, walk=measured,
+                   last_rollout_change=change, rollout_idle_ranks=idle)
+
+
+def test_10_a_walk_goes_on_toward_the_predicted_split_one_rank_a_step():
+    first = plan((R, R, A, A, A, A), MEASURED_2_4, ELASTIC)
+    assert first.reason is ErsReason.RATE_TO_ROLLOUT and count(first.roles, R) == 3
+    second = plan(first.roles, walking(MEASURED_2_4, +1), ELASTIC)  # 3/3 not measured: go on, one rank
+    assert second.reason is ErsReason.RATE_TO_ROLLOUT and count(second.roles, R) == 4 and len(second.moves) == 1
+    # Without a walk the unmeasured split waits for its measurement (invariant 2).
+    assert plan(first.roles, replace(walking(MEASURED_2_4, +1), walk=None), ELASTIC).moves == ()
+
+
+def test_10_a_walk_never_turns_on_an_unmeasured_split_nor_grows_rollout_that_idles():
+    roles = (R, R, R, A, A, A)
+    back = plan(roles, walking(MEASURED_2_4, -1), ELASTIC)  # the previous plan went the other way
+    assert back.moves == () and back.reason is ErsReason.STEADY
+    assert plan(roles, walking(MEASURED_2_4, 0), ELASTIC).moves == ()  # the previous plan moved no rollout rank
+    idle = plan(roles, walking(MEASURED_2_4, +1, idle=1.0), ELASTIC)  # the last step idled a rollout rank
+    assert idle.moves == () and idle.reason is ErsReason.STEADY
+    # At the predicted best the walk ends: no move, whatever the direction.
+    assert plan((R, R, R, R, R, A), walking(MEASURED_2_4, +1), ELASTIC).moves == ()
+
+
+def test_10_a_walk_moves_within_the_margin_and_the_move_limit():
+    roles = (R, R, R, A, A, A)
+    assert plan(roles, walking(MEASURED_2_4, +1), replace(ELASTIC, rate_margin=10.0)).moves == ()
+    two = plan(roles, walking(MEASURED_2_4, +1), replace(ELASTIC, max_moves_per_step=2))
+    assert len(two.moves) == 2 and count(two.roles, R) == 5

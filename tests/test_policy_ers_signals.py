@@ -4,6 +4,7 @@ and the simulator building the same signals from the same measurements."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,51 @@ def test_the_control_plane_counts_tprm_in_global_micro_batches(tmp_path: Path) -
     # The step's RAS likewise: 4 shares ready at its start are 2 micro-batches of the 2 actors.
     step = ControlPlane(config, store)._observations(1)[-1]
     assert step.ras_microbatches == 2 and step.tprm_s == pytest.approx(1.0)
+
+
+def test_5_the_walk_is_the_last_measured_split_while_the_current_one_is_not_measured():
+    measured = (step(2, 2), step(2, 2, duration_s=11.0), step(2, 2, duration_s=12.0))  # two settled steps
+    walked = measured + (step(3, 1, duration_s=9.0),)  # one step on 3/1: not measured
+    s = build_signals(snapshot(steps=walked), 5)
+    assert s.window == () and s.walk is not None
+    assert s.walk == replace(build_signals(snapshot(steps=measured), 5), walk=None)
+    assert s.walk.window == measured[1:] and s.walk.walk is None
+    # Two steps on the new split: one settled, still short of MIN_WINDOW_STEPS; the walk is still the old one.
+    s2 = build_signals(snapshot(steps=walked + (step(3, 1),)), 5)
+    assert len(s2.window) == 1 and s2.walk == s.walk
+    # Measured: no walk. No earlier split measured: no walk.
+    assert build_signals(snapshot(steps=walked + (step(3, 1), step(3, 1))), 5).walk is None
+    assert build_signals(snapshot(steps=(step(2, 2), step(2, 2), step(3, 1))), 5).walk is None
+    # The pipeline fill is not a measurement.
+    assert build_signals(snapshot(steps=walked, fill_steps=5), 5).walk is None
+
+
+def test_4_evaluation_steps_are_in_no_window_and_break_the_runs():
+    ev = step(2, 2, evaluation=True, duration_s=30.0)
+    steps = (step(2, 2), step(2, 2), step(2, 2), ev)
+    assert rate_window(steps, 5) == ()  # the last step ran an evaluation: nothing to judge now
+    after = steps + (step(2, 2, duration_s=13.0), step(2, 2, duration_s=14.0))
+    assert [s.duration_s for s in rate_window(after, 5)] == [14.0]  # the first step after it is left out
+    s = build_signals(snapshot(steps=after), 5)
+    # Its latency is not the split's either; the walk is the measurement before the evaluation.
+    assert s.walk is not None and s.walk.window == steps[1:3]
+    slow = step(3, 1, evaluation=True, group_latency_sum_s=400.0)
+    assert build_signals(snapshot(steps=(step(3, 1), step(3, 1), slow, step(2, 2))), 5).gen_latency_by_rollout == (
+        (3, 5.0),)  # 40 - 20 s over 4 groups, from the settled step before the evaluation step
+
+
+def test_the_store_marks_a_step_during_which_an_evaluation_group_was_open(tmp_path: Path) -> None:
+    from tiderl.rundir import create_run
+    from tiderl.store.types import NewGroup, TaskKind
+
+    root = Path(__file__).resolve().parents[1]
+    _, store = create_run(load_job(root / "jobs" / "quickstart.yaml", []), tmp_path / "run")
+    t0 = time.time()
+    assert not store.step_window(1, t0 - 10, t0 + 10).evaluation
+    store.add_groups([NewGroup(TaskKind.EVAL, 3, 1, eval_version=0)])
+    t1 = time.time()
+    assert store.step_window(1, t0 - 10, t1 + 10).evaluation  # open, created before the step's end
+    assert not store.step_window(1, t0 - 20, t0 - 10).evaluation  # created after that step ended
+    store.tx.write(lambda c: c.exec_driver_sql(f"update task_groups set state='evaluated', completed_at={t1 + 1}"))
+    assert store.step_window(2, t1 + 0.5, t1 + 10).evaluation  # completed during the step
+    assert not store.step_window(3, t1 + 2, t1 + 10).evaluation  # completed before it

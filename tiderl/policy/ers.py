@@ -237,6 +237,9 @@ class StepObservation:
     """TPRM the step observed (None: no post-start arrival)."""
     ras_microbatches: int = 0
     """Micro-batches (global: every actor rank's share) ready when the step started (its RAS)."""
+    evaluation: bool = False
+    """An evaluation ran during the step: its tasks took rollout capacity and the trainer's wait and the
+    groups' latency are partly the evaluation's, so the rate window and the latency memory leave it out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,10 @@ class ErsSignals:
     pre_evaluation_roles: tuple[Role, ...] | None = None
     """The role map an evaluation's preemptive rule replaced, when that evaluation is over at this boundary
     (None: no evaluation just ended)."""
+    walk: ErsSignals | None = None
+    """The signals as they were at the end of the newest split the rate window measured, while the current
+    split is not measured yet (None otherwise): the rate planner may go on with the previous plan's walk
+    toward the split it predicted from them (tiderl.policy.ers_rate, invariant 10)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,7 +75,7 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
 2. No move without a predicted gain above ``rate_margin``; no move at all
    while the window has fewer than MIN_WINDOW_STEPS steps or no measured
-   supply or demand.
+   supply or demand, except a walk's (invariant 10).
 3. Every move goes toward the best split: rollout ranks move the same way as
    the target's rollout count (or, at an equal count, a rank passes through
    rollout on its way between ref and actor).
@@ -99,6 +99,15 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    mix-shift one such plan went to a rollout count never measured and ran at 0.6x); otherwise it
    stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
    pass through rollout on its way between ref and actor: its plan shows ACTOR <-> REF.
+10. A walk: while the current split is not measured (its window is shorter than MIN_WINDOW_STEPS) and the
+   previous plan moved rollout ranks, the plan is judged on the newest measured split's signals
+   (``signals.walk``, tiderl.policy.ers_signals). It moves only the way the previous plan moved the
+   rollout ranks, only for a predicted gain above ``rate_margin``, within the move limit (or out of a
+   valley, invariant 9), never toward more rollout ranks once the last step idled a rollout rank's worth
+   (``rollout_idle_ranks`` >= IDLE_RANKS); no shared-host trial, no trainer re-partition; otherwise it
+   waits for the measurement (STEADY). So the planner moves a rank every step toward the split it
+   predicted, as the paper's bound allows (one rank per step), instead of one every MIN_WINDOW_STEPS + 1
+   steps, and judges the split it arrives at once measured.
 """
 
 from __future__ import annotations
@@ -108,6 +117,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
+from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
 from tiderl.policy.ers_trainer import refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
@@ -116,7 +126,6 @@ __all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_late
            "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "split_of"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
-MIN_WINDOW_STEPS = 2  # settled steps on a split before the planner judges it (one step is mostly noise)
 IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
 IDLE_RANKS = 1.0  # rollout ranks idle on average from which a further rollout rank would idle too
 SUPPLY_WAIT_SHARE = 0.1  # the trainer waited this share of the window or more: generation is short
@@ -366,11 +375,16 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     fetch = limits.groups_ideal
     now = split_of(current)
     model = estimate(signals, limits)
+    basis = signals  # the measurement the plan is judged on
+    walking = model is None and signals.walk is not None and signals.last_rollout_change != 0
+    if walking:  # the current split is not measured yet: go on toward what the last measurement predicted
+        basis = signals.walk  # type: ignore[assignment]
+        model = estimate(basis, limits)
     if model is None or now.actors < 1:
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     options = candidates(now, limits, model.stage_times)
     # What the window measured overrides the model's extrapolation in the clear cases.
-    seen = regime(signals)
+    seen = regime(basis)
     if seen == "supply":
         options = [s for s in options if s.rollout >= now.rollout]
     elif seen == "idle":
@@ -380,9 +394,13 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
     best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
     now_g = predict_tok_s(now, model)[2]
-    trial = _host_trial(now, options, model, seen, limits)
+    if walking and not _walk_goes_on(now, best, signals):
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
+    trial = None if walking else _host_trial(now, options, model, seen, limits)
     if trial is not None:
         best = trial
+    elif walking and best_g <= now_g * (1 + limits.rate_margin):
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
     elif best == now or best_g <= now_g * (1 + limits.rate_margin):
         refs = repartition(now, signals, limits)
         if refs is None:
@@ -418,6 +436,15 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     else:
         reason = ErsReason.RATE_REBALANCE
     return finish_plan(current, new, fetch, reason)
+
+
+def _walk_goes_on(now: Split, best: Split, signals: ErsSignals) -> bool:
+    """A walk goes on only the way the previous plan moved the rollout ranks (it never turns on a split
+    not yet measured), and not toward more rollout ranks once the last step idled a rollout rank's worth."""
+    way = best.rollout - now.rollout
+    if way * signals.last_rollout_change <= 0:
+        return False
+    return not (way > 0 and signals.rollout_idle_ranks >= IDLE_RANKS)
 
 
 def _host_trial(now: Split, options: list[Split], model: RateModel, seen: str, limits: ErsLimits) -> Split | None:

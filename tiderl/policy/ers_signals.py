@@ -18,12 +18,21 @@ Definitions
 - Idle rollout ranks: rollout rank-seconds with no task to play (the staleness
   bound or an empty pool) during the last step, over its duration.
 - The rate window: the trailing steps that ran on the current split (the
-  role map of the last step), without the first of them (its groups were
-  mostly generated on the split before), at most ``history_steps``. The rate
+  role map of the last step) since the last evaluation step, without the
+  first of them (its groups were mostly generated on the split before, or
+  delayed by the evaluation), at most ``history_steps``. A step during which
+  an evaluation ran (``StepObservation.evaluation``) is in no window: its
+  waits and latencies are the evaluation's. The rate
   planner (:mod:`tiderl.policy.ers_rate`) estimates its rates from them, so a
-  move is judged only once the split it made has been measured. Group
-  latency, environment time and tokens are the means over the groups that
-  completed in the window.
+  split is judged only once it has been measured (``MIN_WINDOW_STEPS``
+  settled steps). Group latency, environment time and tokens are the means
+  over the groups that completed in the window.
+- The walk: while the current split's window is shorter than
+  ``MIN_WINDOW_STEPS``, the signals of the snapshot cut after the newest
+  earlier split with a full window (what the planner saw when it last
+  measured): the rate planner may go on toward the split it predicted from
+  them, one step at a time, without waiting for a measurement of each split
+  on the way.
 
 Invariants (tests/test_policy_ers_signals.py)
 1. Equal snapshots give equal signals (the run and the simulator agree when
@@ -32,22 +41,29 @@ Invariants (tests/test_policy_ers_signals.py)
    above; with no actor rank RAS is 0.
 3. No step history: cold start (empty ``step_history_s``), no TPRM.
 4. The window holds at most ``history_steps`` steps, the newest last, all on
-   the split of the last step, never the first step on that split, never a
-   step of the pipeline fill.
+   the split of the last step, never the first step on that split or after
+   an evaluation step, never a step of the pipeline fill or an evaluation
+   step; the same holds for the runs of steps the latency memory
+   (``gen_latency_by_rollout``) reads.
+5. ``walk`` is None when the window has ``MIN_WINDOW_STEPS`` steps or more,
+   or no earlier split of the steady steps had; otherwise it equals the
+   signals of the snapshot whose steps end with that split's last step, and
+   its own ``walk`` is None.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import ErsLimits, ErsReason, ErsSignals, StepObservation
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
 HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
+MIN_WINDOW_STEPS = 2  # settled steps on a split before the rate planner judges it (one step is mostly noise)
 
-__all__ = ["HISTORY_FACTOR", "ErsSnapshot", "EvaluationMemory", "StepObservation", "build_signals",
+__all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "ErsSnapshot", "EvaluationMemory", "StepObservation", "build_signals",
            "gen_latency_by_rollout", "rate_window"]
 
 
@@ -138,7 +154,21 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         gen_latency_by_rollout=gen_latency_by_rollout(known),
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
+        walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
     )
+
+
+def _walk(snapshot: ErsSnapshot, steady: tuple[StepObservation, ...], history_steps: int) -> ErsSignals | None:
+    """The signals of the snapshot cut after the newest earlier split of `steady` with a full rate window."""
+    i = len(steady)
+    while i > 0:
+        j = _run_start(steady, i)
+        if i < len(steady) and not steady[i - 1].evaluation and i - j - 1 >= MIN_WINDOW_STEPS:
+            cut = len(snapshot.steps) - (len(steady) - i)  # steady is a suffix of the snapshot's steps
+            walk = build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
+            return replace(walk, walk=None)
+        i = j
+    return None
 
 
 def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[int, float], ...]:
@@ -147,10 +177,8 @@ def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[in
     out: dict[int, float] = {}
     i = len(steps)
     while i > 0:
-        j = i
-        while j > 0 and _split(steps[j - 1]) == _split(steps[i - 1]):
-            j -= 1
-        settled = steps[j + 1:i]
+        j = _run_start(steps, i)
+        settled = steps[j + 1:i] if not steps[i - 1].evaluation else ()
         groups = sum(s.groups_completed for s in settled)
         n = steps[i - 1].rollout_ranks
         if groups and n not in out:
@@ -159,19 +187,26 @@ def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[in
     return tuple(sorted(out.items()))
 
 
-def _split(step: StepObservation) -> tuple[int, int, int]:
-    return step.rollout_ranks, step.actor_ranks, step.ref_ranks
+def _split(step: StepObservation) -> tuple[int, int, int] | None:
+    """The run a step belongs to: its split; None for an evaluation step (a run of its own)."""
+    return None if step.evaluation else (step.rollout_ranks, step.actor_ranks, step.ref_ranks)
+
+
+def _run_start(steps: tuple[StepObservation, ...], end: int) -> int:
+    """The index of the first step of the run that ends at steps[end - 1]: the steps before it on the same
+    split with no evaluation step between (an evaluation step is a run by itself)."""
+    j = end - 1
+    if steps[j].evaluation:
+        return j
+    while j > 0 and _split(steps[j - 1]) == _split(steps[end - 1]):
+        j -= 1
+    return j
 
 
 def rate_window(steps: tuple[StepObservation, ...], history_steps: int) -> tuple[StepObservation, ...]:
-    """The trailing steps on the last step's split, less the first step on it, at most `history_steps`."""
-    if not steps:
+    """The trailing steps on the last step's split since the last evaluation step, less the first of them, at
+    most `history_steps` (none when the last step is an evaluation step)."""
+    if not steps or steps[-1].evaluation:
         return ()
-    split = _split(steps[-1])
-    run = 0
-    for step in reversed(steps):
-        if _split(step) != split:
-            break
-        run += 1
-    settled = steps[len(steps) - run + 1:] if run > 1 else ()
+    settled = steps[_run_start(steps, len(steps)) + 1:]
     return tuple(settled[-history_steps:])

@@ -216,7 +216,8 @@ class ControlPlane:
             # The trainer counts readiness in one rank's shares (micro_batch_tokens); ERS and the RA2P
             # cost model in global micro-batches of `actors` shares.
             tprm_s=row["tprm_s"] * actors if row["tprm_s"] is not None else None,
-            ras_microbatches=int(row["ras"]) // actors if row["ras"] is not None else 0)
+            ras_microbatches=int(row["ras"]) // actors if row["ras"] is not None else 0,
+            evaluation=window.evaluation)
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")

@@ -350,7 +350,8 @@ class Simulation:
             rollout_busy_rank_s=self._rollout_busy_rank_s(),
             trainer_wait_s=min(duration, stats.twt_gpu_s / trainers + block),
             tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
-            ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0)))
+            ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
+            evaluation=self._eval_due(self.version)))  # the step played this version's evaluation round
         self.groups_seen = []
 
     def _rollout_busy_rank_s(self) -> float:

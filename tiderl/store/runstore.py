@@ -678,7 +678,11 @@ class RunStore:
                                     metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
                              .group_by(metrics.c.name, metrics.c.role)).all()
             consumed = c.execute(select(versions.c.trained_tokens).where(versions.c.version == version)).scalar()
+            evals = c.execute(select(func.count()).select_from(task_groups).where(
+                task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.created_at < end_ts,
+                or_(task_groups.c.state == GroupState.OPEN.value, task_groups.c.completed_at >= start_ts))).scalar()
             return StepWindow(
+                evaluation=bool(evals),
                 groups_completed=len(rows), produced_tokens=int(sum(r.tokens or 0 for r in rows)),
                 group_latency_sum_s=sum(max(0.0, r.completed_at - r.created_at) for r in rows),
                 group_env_sum_s=sum(r.env_s or 0.0 for r in rows),

@@ -90,6 +90,7 @@ class StepWindow:
     group_env_sum_s: float  # sum of their slowest task's environment seconds
     rank_s: dict[tuple[str, str], float]  # (metric, role) -> seconds summed over ranks
     consumed_tokens: int  # trajectory tokens the step trained on
+    evaluation: bool = False  # an evaluation group was open during the step
 
 
 @dataclass(frozen=True, slots=True)
