@@ -113,7 +113,7 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
     ctx = RankContext(rank=0, config=config, paths=paths, store=store,
                       system=behaviour(config.system, max_staleness=1, ra2p_mode="auto"), model_dir=tmp_path,
                       env_urls=[], poll_s=0.05)
-    ctx.cache.update(engine=engine, pool=LocalEnvLink(), chat=fmt)
+    ctx.engine, ctx.pool, ctx.chat = engine, LocalEnvLink(), fmt
 
     def trajectories() -> list[dict]:
         return store.tx.read(lambda c: [dict(r) for r in c.exec_driver_sql(

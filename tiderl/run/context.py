@@ -5,14 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.run.systems import SystemBehaviour, behaviour
 from tiderl.store import PlanRecord, RunStore
+
+if TYPE_CHECKING:  # the mechanisms a rank builds on first use (torch, vLLM): not imported to open a context
+    from tiderl.rollout.chat import ChatFormat
+    from tiderl.rollout.engine import Engine
+    from tiderl.rollout.local_env import EnvLink
+    from tiderl.trainer.rank import ActorRank, RefRank
 
 ENV_URLS_FILE = "env_urls.json"
 MODEL_FILE = "model_dir.txt"
@@ -38,7 +44,16 @@ class RankContext:
     model_dir: Path
     env_urls: list[str]
     poll_s: float = 0.2
-    cache: dict[str, Any] = field(default_factory=dict)  # long-lived mechanisms (engine, actor) across roles
+    # Long-lived mechanisms, built on a role's first use and kept across role changes (a test may set
+    # them beforehand: a fake engine, a local environment).
+    engine: Engine | None = None
+    """The rollout role's engine (tiderl.run.rollout_role)."""
+    chat: ChatFormat | None = None
+    pool: EnvLink | None = None
+    """The rollout role's link to the environment servers."""
+    actor: ActorRank | None = None
+    """The actor role's model and optimizer (tiderl.run.trainer_role)."""
+    ref: RefRank | None = None
 
     @classmethod
     def open(cls, run_dir: Path, rank: int) -> "RankContext":

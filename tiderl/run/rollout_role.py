@@ -21,19 +21,19 @@ one of its tasks waited on the engine (ERS's supply rate).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict
-from typing import Any
 
 from tiderl.config import JobConfig
 from tiderl.rollout.agent_loop import Phase, TaskRun
 from tiderl.rollout.chat import ChatFormat
-from tiderl.rollout.engine import Engine
+from tiderl.rollout.engine import Engine, EngineStats
 from tiderl.run.weights import WeightsRejected, WeightsSource
 from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
-from tiderl.rollout.worker import RolloutWorker
+from tiderl.rollout.worker import RolloutWorker, WorkerReport
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.store.types import (ClaimRequest, EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport,
                                 Role, TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
@@ -46,9 +46,10 @@ class RankWorker(RolloutWorker):
     """The worker of a rollout rank; remembers the weights version of each task's first
     generation (the oldest version its trajectory will carry) for the staleness bound."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.first_version: dict[str, int] = {}
+    @functools.cached_property
+    def first_version(self) -> dict[str, int]:
+        """Task id -> the weights version of its first generation."""
+        return {}
 
     async def before_generate(self, run: TaskRun, env: EnvLink) -> None:
         await super().before_generate(run, env)
@@ -73,7 +74,7 @@ class RolloutRole:
             sink=self._sink, budget_tokens=cfg.rollout.kv_budget_tokens,
             max_resident_tasks=cfg.rollout.max_concurrency, on_failure=self._failed,
             budget_limits=budget_limits(cfg))
-        self.runner: asyncio.Task[Any] | None = None
+        self.runner: asyncio.Task[WorkerReport] | None = None
         self._batches = 0
 
     def _sink(self, traj: Trajectory) -> None:
@@ -155,12 +156,12 @@ def _weights(ctx: RankContext) -> WeightsSource:
     return WeightsSource(ctx.store, ctx.paths.weights, ctx.model_dir)
 
 
-def _engine(ctx: RankContext, version: int) -> Any:
+def _engine(ctx: RankContext, version: int) -> Engine:
     """The rank's vLLM engine, built once from the job config and kept across role changes. Built on
     the verified weights of `version`, or on newer ones where `version` was pruned meanwhile."""
     from tiderl.rollout.from_config import vllm_engine
 
-    engine = ctx.cache.get("engine")
+    engine = ctx.engine
     if engine is None:
         t0 = time.monotonic()
         weights, engine = _weights(ctx).load(
@@ -173,7 +174,7 @@ def _engine(ctx: RankContext, version: int) -> Any:
             ctx.store.record_event(f"rank{ctx.rank}", "weights_newer",
                                    f"rank {ctx.rank}: weights v{weights.asked} were pruned while its engine "
                                    f"started; it loaded v{weights.version}", rank=ctx.rank)
-        ctx.cache["engine"] = engine
+        ctx.engine = engine
     return engine
 
 
@@ -193,20 +194,20 @@ async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankRe
     return weights.version
 
 
-def _chat(ctx: RankContext) -> Any:
+def _chat(ctx: RankContext) -> ChatFormat:
     from tiderl.rollout.from_config import chat_format
 
-    if "chat" not in ctx.cache:
-        ctx.cache["chat"] = chat_format(str(ctx.model_dir))
-    return ctx.cache["chat"]
+    if ctx.chat is None:
+        ctx.chat = chat_format(str(ctx.model_dir))
+    return ctx.chat
 
 
-def _pool(ctx: RankContext) -> Any:
+def _pool(ctx: RankContext) -> EnvLink:
     from tiderl.envs.launch import make_pool
 
-    if "pool" not in ctx.cache:
-        ctx.cache["pool"] = make_pool(ctx.config.env, ctx.env_urls, ctx.paths.root)
-    return ctx.cache["pool"]
+    if ctx.pool is None:
+        ctx.pool = make_pool(ctx.config.env, ctx.env_urls, ctx.paths.root)
+    return ctx.pool
 
 
 async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
@@ -304,7 +305,7 @@ class RolloutStats:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.next_at = time.monotonic() + STATS_S
-        self.engine_before: Any = None
+        self.engine_before: EngineStats | None = None
         self.pauses = self.resumes = self.admitted = self.kept = self.evicted = 0
         self.phases: dict[str, tuple[Phase, float]] = {}  # task -> (phase, since when, Unix s)
 

@@ -31,14 +31,21 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from tiderl.paths import atomic_write_text, when_room
 from tiderl.run.context import RankContext
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
                                 TaskKind, VersionRecord)
 
+if TYPE_CHECKING:  # torch-backed: imported where a role first needs them
+    from tiderl.trainer.modes import TrainerComm
+    from tiderl.trainer.rank import ActorRank, PublishedStep, RefRank, StepInput
+    from tiderl.trainer.step import StepStats
+
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 TWT_REPORT_S = 2.0  # while the actor waits for data, its wait goes to the store this often
 
@@ -54,8 +61,8 @@ def _discard_uncommitted(ctx: RankContext, version: int) -> None:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
-    if "actor" not in ctx.cache:
+def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> ActorRank:
+    if ctx.actor is None:
         import torch
 
         from tiderl.trainer.modes import TrainerComm
@@ -73,8 +80,8 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> Any:
         if leader and actor.version != version:
             raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
                                f"the run store is at version {version}")
-        ctx.cache["actor"] = actor
-    return ctx.cache["actor"]
+        ctx.actor = actor
+    return ctx.actor
 
 
 class _Wait:
@@ -168,7 +175,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Train version `plan.version` into version + 1; the leader (lowest actor rank) gathers the
     data, trains with the other actors (data parallel) and commits the version."""
     from tiderl.policy.ra2p import Ra2pMode
-    from tiderl.trainer.rank import StepInput
+    from tiderl.trainer.rank import PublishedStep, StepInput
     from tiderl.trainer.store_io import sample_from_ready
 
     actors = plan.ranks_with(Role.ACTOR)
@@ -196,6 +203,8 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
         result = _in_group(ctx, plan, actors, members, lambda comm: _train(actor, comm, inp))
     else:
         result = actor.train_step(inp)
+    if not isinstance(result, PublishedStep):
+        raise RuntimeError(f"actor rank {ctx.rank}: led version {plan.version} but published nothing")
     stats = result.stats
     record = VersionRecord(version=plan.version + 1, path=str(result.published.path),
                            checksum=result.published.checksum, trajectory_ids=[t.id for t in claimed],
@@ -217,7 +226,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
              len(claimed), mode.value, ras, wait_s)
 
 
-def _train(actor: Any, comm: Any, inp: Any) -> Any:
+def _train(actor: ActorRank, comm: TrainerComm, inp: StepInput) -> PublishedStep | StepStats:
     """The leader: send the step's input to the group, then train its share."""
     import torch.distributed as dist
 
@@ -225,7 +234,7 @@ def _train(actor: Any, comm: Any, inp: Any) -> Any:
     return _train_in(actor, comm, inp)
 
 
-def _train_in(actor: Any, comm: Any, inp: Any) -> Any:
+def _train_in(actor: ActorRank, comm: TrainerComm, inp: StepInput) -> PublishedStep | StepStats:
     """Train one step as a member of this version's group (its data-parallel subgroup too)."""
     previous, actor.comm = actor.comm, comm
     previous_dp, actor.actor.dp_group = actor.actor.dp_group, comm.dp_group
@@ -248,9 +257,10 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
     actor = _actor(ctx, plan.version, leader=False)
     members = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
-    def follow(comm: Any) -> Any:
-        box: list[Any] = [None]
+    def follow(comm: TrainerComm) -> PublishedStep | StepStats:
+        box: list[StepInput | None] = [None]
         dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None  # broadcast_object_list filled it in
         return _train_in(actor, comm, box[0])
 
     stats = _in_group(ctx, plan, actors, members, follow)
@@ -258,7 +268,8 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
         MetricPoint("train_s", stats.duration_s, plan.version, "actor")]))
 
 
-def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[int], body: Any) -> Any:
+def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[int],
+              body: Callable[[TrainerComm], T]) -> T:
     """Run `body(comm)` inside this version's trainer group: the actors (group ranks 0.., the
     leader first), then the refs of a decoupled step."""
     from tiderl.trainer.group import init_trainer_group, leave_trainer_group
@@ -285,17 +296,17 @@ async def _wait_marker(ctx: RankContext, version: int, role: Role) -> list[int]:
     return list(json.loads(marker.read_text())["refs"])
 
 
-def _ref(ctx: RankContext) -> Any:
-    if "ref" not in ctx.cache:
+def _ref(ctx: RankContext) -> RefRank:
+    if ctx.ref is None:
         import torch
 
         from tiderl.trainer.modes import TrainerComm
         from tiderl.trainer.rank import RefRank
 
         torch.set_num_threads(1)
-        ctx.cache["ref"] = RefRank(ctx.config.trainer, TrainerComm(rank=1, actor_ranks=(0,), ref_ranks=(1,)),
-                                   base_model=ctx.model_dir, temperature=ctx.config.rollout.temperature)
-    return ctx.cache["ref"]
+        ctx.ref = RefRank(ctx.config.trainer, TrainerComm(rank=1, actor_ranks=(0,), ref_ranks=(1,)),
+                          base_model=ctx.model_dir, temperature=ctx.config.rollout.temperature)
+    return ctx.ref
 
 
 def _step_marker(ctx: RankContext, version: int) -> Path:
@@ -309,9 +320,10 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     ref = _ref(ctx)
     refs = await _wait_marker(ctx, plan.version, Role.REF)
 
-    def serve(comm: Any) -> None:
-        box: list[Any] = [None]
+    def serve(comm: TrainerComm) -> None:
+        box: list[StepInput | None] = [None]
         dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None  # broadcast_object_list filled it in
         previous, ref.comm = ref.comm, comm
         try:
             ref.serve_step(box[0])
