@@ -7,7 +7,8 @@ import typing
 import pytest
 
 from tiderl.config.job import System
-from tiderl.run.systems import SYSTEMS, UnknownSystemError, behaviour, feed_allowance, initial_roles
+from tiderl.policy.ra2p import Ra2pMode
+from tiderl.run.systems import SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles
 from tiderl.store.types import Role
 
 
@@ -51,7 +52,29 @@ def test_modes_and_ers_per_system() -> None:
     assert behaviour("stream", max_staleness=1, ra2p_mode="colocated").ra2p_mode == "vanilla_stream"
     assert behaviour("async", max_staleness=1, ra2p_mode="auto").ra2p_mode == "colocated"
     fixed = behaviour("async", max_staleness=1, ra2p_mode="decoupled")
-    assert fixed.ra2p_mode == "decoupled" and fixed.spare_role is Role.REF
+    assert fixed.ra2p_mode is Ra2pMode.DECOUPLED and fixed.spare_role is Role.REF
+    # One name per concept: the modes are the policy's enum, None where ERS plans the mode (auto).
+    assert behaviour("tiderl", max_staleness=1, ra2p_mode="auto").ra2p_mode is None
+    assert behaviour("tiderl", max_staleness=1, ra2p_mode="colocated").ra2p_mode is Ra2pMode.COLOCATED
+    assert [behaviour(n, max_staleness=1, ra2p_mode="auto").fetch_policy for n in SYSTEMS] == [
+        FetchPolicy.IDEAL, FetchPolicy.IDEAL, FetchPolicy.MIN, FetchPolicy.ERS]
+    with pytest.raises(ValueError, match="unknown RA2P mode 'sideways'"):
+        behaviour("async", max_staleness=1, ra2p_mode="sideways")
+
+
+def test_the_store_hands_back_the_planned_mode_as_the_enum(tmp_path) -> None:
+    from pathlib import Path
+
+    from tiderl.config import load_job
+    from tiderl.rundir import create_run
+
+    _, store = create_run(load_job(Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml", []),
+                          tmp_path / "run")
+    store.plan_roles(0, {0: Role.ACTOR, 1: Role.REF}, ra2p_mode=Ra2pMode.DECOUPLED, fetch_groups=2)
+    plan = store.plan_at(0)
+    assert plan is not None and plan.ra2p_mode is Ra2pMode.DECOUPLED and plan.fetch_groups == 2
+    with pytest.raises(ValueError, match="unknown RA2P mode"):
+        store.plan_roles(1, {0: Role.ACTOR}, ra2p_mode="sideways")
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])

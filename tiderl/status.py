@@ -140,7 +140,7 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
                 phase_s=now - t["phase_since"] if t["phase_since"] else None, env_server=t["env_server"])
                 for t in g["unfinished"]))
             for g in groups),
-        fetch_groups=plan.fetch_groups if plan else None, ra2p_mode=plan.ra2p_mode if plan else None,
+        fetch_groups=plan.fetch_groups if plan else None, ra2p_mode=plan.ra2p_mode.value if plan else None,
         failed_groups=store.groups_by_state(TaskKind.TRAIN)[GroupState.FAILED],
         events=tuple(dg.EventView(kind=e["kind"], age_s=now - e["ts"], message=e["message"], rank=e["rank"])
                      for e in store.recent_events(50)),

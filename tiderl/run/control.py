@@ -23,8 +23,8 @@ from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
-from tiderl.policy.ra2p import StageTimes
-from tiderl.run.systems import SystemBehaviour, behaviour, feed_allowance, initial_roles
+from tiderl.policy.ra2p import Ra2pMode, StageTimes
+from tiderl.run.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
 from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
                                 TaskKind)
@@ -140,8 +140,8 @@ class ControlPlane:
                                     cfg.trainer.actor_ranks)
         else:
             current = self.store.roles_at(version - 1)
-        fetch = cfg.trainer.groups_ideal if self.system.fetch_policy != "min" else cfg.trainer.groups_min
-        mode = self.system.ra2p_mode
+        fetch = cfg.trainer.groups_min if self.system.fetch_policy is FetchPolicy.MIN else cfg.trainer.groups_ideal
+        mode = self.system.ra2p_mode or Ra2pMode.COLOCATED
         reason = "fixed"
         if self.system.uses_ers:
             ranks = sorted(current)
@@ -151,7 +151,7 @@ class ControlPlane:
             self._evaluation_memory.note(tuple(before), decision.reason)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
-            mode = decision.mode.value if cfg.trainer.ra2p_mode == "auto" else cfg.trainer.ra2p_mode
+            mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
             reason = decision.reason.value
             if decision.moves:
                 old, new = (ers_rate.describe(signals, self.limits, r) for r in (before, decision.roles))

@@ -24,8 +24,10 @@ Invariants (tests/test_run_systems.py)
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.store.types import Role
 
 SYSTEMS = ("sync", "async", "stream", "tiderl")
@@ -36,29 +38,42 @@ class UnknownSystemError(ValueError):
         super().__init__(f"unknown system {name!r} (known systems: {', '.join(SYSTEMS)})")
 
 
+class FetchPolicy(str, enum.Enum):
+    """How many groups the trainer takes for a step."""
+
+    IDEAL = "ideal"
+    """trainer.groups_ideal, waiting for them."""
+    MIN = "min"
+    """As soon as trainer.groups_min are ready."""
+    ERS = "ers"
+    """The fetch size ERS planned for the step."""
+
+
 @dataclass(frozen=True, slots=True)
 class SystemBehaviour:
     name: str
     max_staleness: int
     uses_ers: bool
-    fetch_policy: str  # "ideal" | "min" | "ers"
-    ra2p_mode: str  # "auto" or a fixed mode name
+    fetch_policy: FetchPolicy
+    ra2p_mode: Ra2pMode | None
+    """A fixed RA2P mode, or None: the mode ERS plans with the RA2P cost model (`auto`)."""
     spare_role: Role  # role of the ranks that are neither actor nor initial rollout
 
 
 def behaviour(system: str, *, max_staleness: int, ra2p_mode: str) -> SystemBehaviour:
     """The behaviour of `system` given `rollout.max_staleness` and `trainer.ra2p_mode`."""
-    fixed = ra2p_mode if ra2p_mode != "auto" else "colocated"
+    configured = None if ra2p_mode == "auto" else Ra2pMode.parse(ra2p_mode)
+    fixed = configured or Ra2pMode.COLOCATED
     # A fixed decoupled mode needs dedicated ref ranks; otherwise spare ranks stay idle.
-    spare = Role.REF if fixed == "decoupled" else Role.IDLE
+    spare = Role.REF if fixed is Ra2pMode.DECOUPLED else Role.IDLE
     if system == "sync":
-        return SystemBehaviour("sync", 0, False, "ideal", fixed, spare)
+        return SystemBehaviour("sync", 0, False, FetchPolicy.IDEAL, fixed, spare)
     if system == "async":
-        return SystemBehaviour("async", max_staleness, False, "ideal", fixed, spare)
+        return SystemBehaviour("async", max_staleness, False, FetchPolicy.IDEAL, fixed, spare)
     if system == "stream":
-        return SystemBehaviour("stream", max_staleness, False, "min", "vanilla_stream", Role.IDLE)
+        return SystemBehaviour("stream", max_staleness, False, FetchPolicy.MIN, Ra2pMode.VANILLA_STREAM, Role.IDLE)
     if system == "tiderl":
-        return SystemBehaviour("tiderl", max_staleness, True, "ers", ra2p_mode, Role.REF)
+        return SystemBehaviour("tiderl", max_staleness, True, FetchPolicy.ERS, configured, Role.REF)
     raise UnknownSystemError(system)
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from tiderl.paths import atomic_write_text, when_room
 from tiderl.run.context import RankContext
+from tiderl.run.systems import FetchPolicy
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
                                 TaskKind, VersionRecord)
 
@@ -159,9 +160,9 @@ def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
     group still open or ready, up to groups_ideal (the feeder sized the run's groups by full batches, so
     after elastic steps some would otherwise be generated and never trained)."""
     t = ctx.config.trainer
-    if ctx.system.fetch_policy == "min":
+    if ctx.system.fetch_policy is FetchPolicy.MIN:
         need = t.groups_min
-    elif ctx.system.fetch_policy == "ers":
+    elif ctx.system.fetch_policy is FetchPolicy.ERS:
         need = max(t.groups_min, min(t.groups_ideal, plan.fetch_groups))
     else:
         need = t.groups_ideal
@@ -188,7 +189,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     claimed, ras, tprm, dropped = await _gather(ctx, plan, _fetch(ctx, plan), wait)
     wait_s, waited = wait.seconds, wait.rest()
     samples = tuple(sample_from_ready(t) for t in claimed)
-    mode = Ra2pMode.parse(plan.ra2p_mode)
+    mode = plan.ra2p_mode
     refs = plan.ranks_with(Role.REF)
     inp = StepInput(version=plan.version, samples=samples, mode=mode)
     if mode is Ra2pMode.DECOUPLED and not refs:
@@ -209,7 +210,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     record = VersionRecord(version=plan.version + 1, path=str(result.published.path),
                            checksum=result.published.checksum, trajectory_ids=[t.id for t in claimed],
                            step_started_at=started, duration_s=time.time() - started, ras=ras, tprm_s=tprm,
-                           ra2p_mode=mode.value, loss=stats.loss)
+                           ra2p_mode=mode, loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     v = plan.version
     metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),

@@ -43,6 +43,7 @@ from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, ins
 from sqlalchemy.engine import make_url
 
 from tiderl.advantages import group_advantages
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.config.store import StoreConfig
 from tiderl.policy.ctb import claim_limit
 from tiderl.store import codec
@@ -298,12 +299,13 @@ class RunStore:
     def set_rank_state(self, rank: int, state: RankState) -> None:
         self.tx.write(lambda c: c.execute(update(ranks).where(ranks.c.rank == rank).values(state=state.value)))
 
-    def plan_roles(self, version: int, roles: dict[int, Role], *, ra2p_mode: str | None = None,
+    def plan_roles(self, version: int, roles: dict[int, Role], *, ra2p_mode: Ra2pMode | str | None = None,
                    fetch_groups: int | None = None, reason: str = "") -> None:
         """Record the role of each rank from `version` on (a role switch takes effect at that sync
         boundary), with the RA2P mode and fetch size of step `version`, in one transaction."""
         now = time.time()
-        rows = [dict(version=version, rank=r, role=role.value, ra2p_mode=ra2p_mode, fetch_groups=fetch_groups,
+        mode = None if ra2p_mode is None else Ra2pMode.parse(ra2p_mode).value
+        rows = [dict(version=version, rank=r, role=role.value, ra2p_mode=mode, fetch_groups=fetch_groups,
                      reason=reason, created_at=now) for r, role in sorted(roles.items())]
 
         def write(c: Connection) -> None:
@@ -331,7 +333,8 @@ class RunStore:
             if not rows:
                 return None
             return PlanRecord(version=version, roles={r.rank: Role(r.role) for r in rows},
-                              ra2p_mode=rows[0].ra2p_mode or "colocated", fetch_groups=int(rows[0].fetch_groups or 1))
+                              ra2p_mode=Ra2pMode.parse(rows[0].ra2p_mode or Ra2pMode.COLOCATED.value),
+                              fetch_groups=int(rows[0].fetch_groups or 1))
 
         return self.tx.read(read)
 
@@ -531,7 +534,8 @@ class RunStore:
                 reward_mean=sum(r.reward for r in rows) / n if n else None,
                 success_rate=sum(r.success for r in rows) / n if n else None,
                 max_staleness=max((step.version - 1 - r.min_version for r in rows), default=None),
-                ras=step.ras, tprm_s=step.tprm_s, ra2p_mode=step.ra2p_mode, loss=step.loss))
+                ras=step.ras, tprm_s=step.tprm_s,
+                ra2p_mode=None if step.ra2p_mode is None else Ra2pMode.parse(step.ra2p_mode).value, loss=step.loss))
             c.execute(update(trajectories).where(trajectories.c.id.in_(ids)).values(
                 state=TrajectoryState.CONSUMED.value, consumed_version=step.version))
             gids = select(trajectories.c.group_id).where(trajectories.c.id.in_(ids)).distinct()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.roles import Role
 
 
@@ -214,7 +215,7 @@ class VersionRecord:
     duration_s: float
     ras: int | None = None
     tprm_s: float | None = None
-    ra2p_mode: str | None = None
+    ra2p_mode: Ra2pMode | None = None
     loss: float | None = None
 
 
@@ -225,7 +226,7 @@ class PlanRecord:
 
     version: int
     roles: dict[int, Role]
-    ra2p_mode: str
+    ra2p_mode: Ra2pMode
     fetch_groups: int
 
     def ranks_with(self, role: Role) -> list[int]:

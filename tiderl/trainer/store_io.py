@@ -103,7 +103,7 @@ class StoreVersionSink:
                 step_started_at=time.time() - stats.duration_s,
                 duration_s=stats.duration_s,
                 ras=self.ras(),
-                ra2p_mode=result.mode.value,
+                ra2p_mode=result.mode,
                 loss=stats.loss,
             ),
             owner=self.owner,
