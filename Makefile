@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiderl-installed
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup demo test test-fast coverage clean-venv
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ demo: setup
 
 test: setup
 	bash tools/run_tests.sh
+
+coverage: setup
+	bash tools/coverage.sh
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not juicefs and not vllm and not slurm"
