@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from tiderl.policy.ctb_budget import BudgetLimits, CacheFeedback, adjust_budget, prefix_kept
+from tiderl.policy.ctb_budget import (
+    BudgetLimits,
+    BudgetState,
+    BudgetTracker,
+    CacheFeedback,
+    adjust_budget,
+    gain_share,
+    next_budget,
+    prefix_kept,
+    reprefill_cost,
+)
 
 LIMITS = BudgetLimits(floor_tokens=1024, max_factor=4.0, grow_share=0.125, shrink=0.5, evicted_tolerance=0.05,
                       window_turns=16)
@@ -30,6 +41,10 @@ def test_1_the_budget_stays_between_the_floor_and_the_ceiling():
 def test_2_no_change_before_a_full_window():
     assert adjust_budget(2048, CacheFeedback(kept_turns=10, evicted_turns=5, budget_bound=True), LIMITS) == 2048
     assert adjust_budget(2048, CacheFeedback(kept_turns=15, evicted_turns=0, budget_bound=True), LIMITS) == 2048
+    # With costs too, and a hold is not counted down by a window not yet full.
+    costly = CacheFeedback(kept_turns=10, evicted_turns=5, budget_bound=True, reprefill_cost_tokens=10**6,
+                           generated_tokens=100)
+    assert next_budget(BudgetState(2048, 5, 7), costly, LIMITS) == BudgetState(2048, 5, 7)
 
 
 def test_3_evictions_above_the_tolerance_shrink_the_part_above_the_floor():
@@ -69,7 +84,8 @@ def test_prefix_kept_judges_full_blocks_with_one_block_of_slack():
 
 
 @pytest.mark.parametrize("bad", [dict(floor_tokens=0), dict(max_factor=0.5), dict(grow_share=0), dict(shrink=1.0),
-                                 dict(evicted_tolerance=1.0), dict(window_turns=0)])
+                                 dict(evicted_tolerance=1.0), dict(window_turns=0), dict(probe_cost_share=0),
+                                 dict(max_hold_windows=-1)])
 def test_bad_limits_are_refused_by_name(bad):
     args = dict(floor_tokens=1024) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -77,7 +93,6 @@ def test_bad_limits_are_refused_by_name(bad):
 
 
 def test_6_the_tracker_adjusts_once_a_window_with_that_window_only():
-    from tiderl.policy.ctb_budget import BudgetTracker
     tracker = BudgetTracker(1024, LIMITS)
     tracker.held_back(True)
     for _ in range(15):
@@ -97,3 +112,142 @@ def test_6_the_tracker_adjusts_once_a_window_with_that_window_only():
         fixed.held_back(True)
         fixed.judge(640, 640, 16)
     assert fixed.budget_tokens == 1024
+
+
+def costed(kept: int, evicted: int, bound: bool, cost: float, generated: int) -> CacheFeedback:
+    return CacheFeedback(kept_turns=kept, evicted_turns=evicted, budget_bound=bound, reprefill_cost_tokens=cost,
+                         generated_tokens=generated)
+
+
+def costed_feedback(rng: random.Random) -> CacheFeedback:
+    return costed(rng.randint(0, 40), rng.randint(0, 10), rng.random() < 0.5, rng.choice([0.0, rng.random() * 800]),
+                  rng.randint(0, 2000))
+
+
+def test_gain_share_and_reprefill_cost_by_hand():
+    assert gain_share(1024, 1024) == 0 and gain_share(1000, 1024) == 0
+    assert gain_share(1152, 1024) == 128 / 1152 and gain_share(4096, 1024) == 0.75
+    # A 7B model on a GPU: 3e-5 s a prefilled token, 300 sequences decoding at 30 ms an iteration.
+    assert reprefill_cost(3e-5, 0.03, 300) == pytest.approx(0.3)
+    assert reprefill_cost(3e-5, 0.03, 0) == pytest.approx(0.001)  # an idle engine: one sequence waits
+    with pytest.raises(ValueError, match="iteration_s"):
+        reprefill_cost(3e-5, 0.0, 4)
+
+
+def nb(budget: int, hold: int, f: CacheFeedback, memory: int = 0) -> tuple[int, int, int]:
+    state = next_budget(BudgetState(budget, hold, memory), f, LIMITS)
+    return state.budget_tokens, state.hold_windows, state.memory_windows
+
+
+def test_7_costly_re_prefills_put_the_budget_back_at_the_floor_and_hold_it():
+    # 1,152 = the floor + one step: g = 128 / 1,152 = 0.111. Re-prefills costing 200 of 1,000 generated
+    # tokens (k = 0.2) cost more than the overcommit could gain: the floor, and ceil(0.2 / 0.02) = 10 windows.
+    assert nb(1152, 0, costed(14, 2, True, 200, 1000)) == (1024, 10, 10)
+    assert nb(4096, 0, costed(0, 16, True, 16_000, 1000)) == (1024, 800, 800)
+    assert nb(1152, 0, costed(0, 16, True, 10**6, 1)) == (1024, 4096, 4096)  # the longest hold
+    assert nb(1152, 30, costed(14, 2, True, 200, 1000)) == (1024, 30, 10)  # a longer hold pending stays
+    assert nb(1152, 0, costed(14, 2, True, 200, 1000), memory=8) == (1024, 16, 16)  # failing again: doubled
+    assert nb(1152, 0, costed(14, 2, True, 200, 1000), memory=3) == (1024, 10, 10)
+    # k = 0.1 <= g: the overcommit pays for its re-prefills, even with half the turns evicted (the count
+    # rule would shrink): not lowered, and it rises (g(1,280) = 0.2 >= 0.1).
+    assert nb(1152, 0, costed(8, 8, True, 100, 1000)) == (1280, 0, 0)
+    assert nb(1152, 0, costed(8, 8, False, 100, 1000)) == (1152, 0, 0)
+    rng = random.Random(7)
+    for _ in range(3000):
+        f, budget, hold, memory = costed_feedback(rng), rng.randint(1024, 4096), rng.randint(0, 20), rng.randint(0, 20)
+        after, hold_after, memory_after = nb(budget, hold, f, memory)
+        if f.judged_turns < 16:
+            continue
+        if budget > 1024 and f.cost_share > gain_share(budget, 1024):
+            new = min(4096, max(math.ceil(f.cost_share / 0.02), 2 * memory))
+            assert (after, hold_after, memory_after) == (1024, max(hold, new), new)
+        else:
+            assert after >= budget
+
+
+def test_8_growth_only_while_binding_unheld_and_paid_for():
+    # At the floor, one step up gains at most 128 / 1,152 = 0.111 of the generation.
+    assert nb(1024, 0, costed(16, 0, True, 0, 1280)) == (1152, 0, 0)
+    assert nb(1024, 0, costed(15, 1, True, 111, 1000)) == (1152, 0, 0)  # k = 0.111 <= 0.1111
+    assert nb(1024, 0, costed(15, 1, True, 120, 1000)) == (1024, 0, 0)  # k = 0.12: not worth it
+    assert nb(1024, 0, costed(16, 0, False, 0, 1280)) == (1024, 0, 0)  # never held a task back
+    assert nb(1024, 3, costed(16, 0, True, 0, 1280)) == (1024, 2, 0)  # a hold: one window less
+    # Re-prefills during a hold are the failed probe's aftermath: k = 0.25 charges floor(0.25 / 0.02) = 12 windows.
+    assert nb(1024, 3, costed(15, 1, True, 320, 1280), memory=5) == (1024, 2 + 12, 5 + 12)
+    assert nb(1024, 3, costed(15, 1, True, 19, 1000), memory=5) == (1024, 2, 5)  # k = 0.019: no charge
+    assert nb(1024, 4090, costed(15, 1, True, 320, 1280), memory=4090) == (1024, 4096, 4096)  # the longest hold
+    assert nb(4096, 0, costed(16, 0, True, 0, 1280)) == (4096, 0, 0)  # the ceiling
+    rng = random.Random(11)
+    for _ in range(3000):
+        f, budget, hold = costed_feedback(rng), rng.randint(1024, 4096), rng.randint(0, 3)
+        after, _, _ = nb(budget, hold, f, rng.randint(0, 5))
+        assert 1024 <= after <= 4096  # invariant 1 under the cost rule
+        if after > budget:
+            assert f.judged_turns >= 16 and f.budget_bound and hold == 0 and f.cost_share <= gain_share(after, 1024)
+
+
+def test_9_the_memory_of_a_failed_probe_fades_outside_holds_and_grows_only_with_failures_or_held_costs():
+    assert nb(1024, 2, costed(16, 0, True, 0, 1280), memory=10) == (1024, 1, 10)  # in a hold: kept
+    assert nb(1024, 0, costed(16, 0, True, 0, 1280), memory=10) == (1152, 0, 10)  # a probe from the floor: kept
+    assert nb(1152, 0, costed(16, 0, True, 0, 1280), memory=10) == (1280, 0, 9)  # above, paid: one less
+    assert nb(1152, 0, costed(14, 2, True, 100, 1000), memory=10) == (1280, 0, 9)  # k = 0.1 <= 0.111: paid
+    assert nb(1152, 0, costed(16, 0, False, 0, 1280), memory=1) == (1152, 0, 0)
+    assert nb(1152, 0, costed(16, 0, False, 0, 1280), memory=0) == (1152, 0, 0)  # never below 0
+    rng = random.Random(13)
+    for _ in range(3000):
+        f, budget, hold, memory = costed_feedback(rng), rng.randint(1024, 4096), rng.randint(0, 5), rng.randint(0, 9)
+        after, _, memory_after = nb(budget, hold, f, memory)
+        failed = f.judged_turns >= 16 and budget > 1024 and f.cost_share > gain_share(budget, 1024)
+        charged = f.judged_turns >= 16 and hold > 0 and f.cost_share >= 0.02
+        assert 0 <= memory_after <= 4096
+        if not failed and not charged:
+            assert memory_after <= memory
+            if budget == 1024 or hold > 0:
+                assert memory_after == memory  # fades only above the floor, outside a hold
+    # The count rule leaves hold and memory alone.
+    assert nb(1152, 4, CacheFeedback(8, 8, True), memory=6) == (1088, 4, 6)
+
+
+def test_the_tracker_weighs_what_evicted_contexts_cost():
+    tracker = BudgetTracker(1024, LIMITS)
+    tracker.held_back(True)
+    for _ in range(16):  # kept turns, 80 tokens generated each: nothing to re-prefill, k = 0
+        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
+    assert tracker.budget_tokens == 1152 and tracker.hold == 0 and tracker.cost == 0.0 and tracker.generated == 0
+    for _ in range(15):
+        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
+    # One evicted 640-token context at 0.5 generated tokens a token: 320 of 1,280 generated, k = 0.25 > 0.111.
+    assert tracker.judge(640, 0, 16, generated_tokens=80, reprefill_cost=0.5) is False
+    assert tracker.budget_tokens == 1024 and tracker.hold == 13 and tracker.memory == 13 and tracker.lost_tokens == 640
+    tracker.held_back(True)
+    for _ in range(16):  # a clean window during the hold: no rise, 12 windows left
+        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
+    assert tracker.budget_tokens == 1024 and tracker.hold == 12
+    # A window in which a turn came without a cost is judged by the count rule (and rises: bound, no eviction).
+    tracker.held_back(True)
+    tracker.judge(640, 640, 16, generated_tokens=80)
+    for _ in range(15):
+        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
+    assert tracker.budget_tokens == 1152 and tracker.cost == 0.0
+
+
+def test_the_cost_meter_fits_iteration_and_prefill_time_from_turns():
+    from tiderl.policy.ctb_budget import CostMeter
+    meter = CostMeter()
+    rng = random.Random(17)
+    for i in range(40):  # 10 ms an iteration, 1 ms a prefilled token, 10 sequences decoding
+        g, p = rng.randint(1, 80), rng.choice([0, 16, 640, 2000])
+        meter.observe(0.01 * g + 0.001 * p, g, p, 10)
+        if i < 31:
+            assert meter.cost() is None  # fewer than 32 turns
+    tau, prefill = meter.fit()
+    assert tau == pytest.approx(0.01) and prefill == pytest.approx(0.001)
+    assert meter.cost() == pytest.approx(0.001 * 10 / 0.01)  # 1 generated token a re-prefilled token
+    alike = CostMeter(min_turns=2)  # prompts always twice the generation: the two cannot be told apart
+    for g in (10, 20, 30):
+        alike.observe(0.03 * g, g, 2 * g, 4)
+    assert alike.cost() is None
+    free = CostMeter(min_turns=2)  # wall time not growing with the prefill: no positive fit, the count rule
+    for g, p in ((10, 0), (10, 100), (20, 50)):
+        free.observe(0.01 * g, g, p, 4)
+    assert free.cost() is None

@@ -172,13 +172,13 @@ def test_ctb_adaptive_budget_in_the_simulator_as_in_the_run(monkeypatch):
     # pressure it moves, CTB decides again on each change, and no paused task is left behind.
     import tiderl.policy.ctb_budget as cb
     changes = []
-    adjust = cb.adjust_budget
+    adjust = cb.next_budget
 
-    def recorded(budget, feedback, limits):
-        new = adjust(budget, feedback, limits)
-        changes.append((budget, new))
+    def recorded(state, feedback, limits):
+        new = adjust(state, feedback, limits)
+        changes.append((state.budget_tokens, new.budget_tokens))
         return new
-    monkeypatch.setattr(cb, "adjust_budget", recorded)
+    monkeypatch.setattr(cb, "next_budget", recorded)
     r = run("tiderl-noers@0.5", num_gpus=8, kv_capacity_tokens=6000, ctb_budget="adaptive")
     assert r["steps"] == STEPS
     assert any(new != old for old, new in changes)

@@ -134,6 +134,10 @@ async def one_run(engine: Engine, fmt: ChatFormat, run: str, setting: Setting, f
         "prefix_kept_turns": report.prefix_kept_turns,
         "prefix_evicted_turns": report.prefix_evicted_turns,
         "max_budget_tokens": report.max_budget_tokens,
+        # The adaptive budget's cost rule: what a re-prefilled token costs in generated tokens, as the worker
+        # fitted it from its turns (None: no fit yet, the count rule), and the evicted contexts' tokens.
+        "reprefill_cost": None if (cost := worker._cost_meter.cost()) is None else round(cost, 4),  # noqa: SLF001
+        "evicted_context_tokens": worker.budget.lost_tokens,
         "success_rate": round(report.reward_mean, 3),
         "tasks": report.num_tasks,
     }

@@ -1,9 +1,10 @@
 """CTB's adaptive KV budget: how many tokens a rollout rank may commit beyond its engine's cache,
-learned from what the engine's prefix cache kept (``rollout.ctb_budget: adaptive``).
+learned from what the engine's prefix cache kept (``rollout.ctb_budget: adaptive``), weighed against
+what the contexts it loses cost to recompute.
 
-Pure: no torch, no database, no HTTP, no processes. The rollout worker counts, over its recent
-turns, how many came back from the prefix cache whole and how many had lost their context, and
-calls :func:`adjust_budget` once a window of such turns is full.
+Pure: no torch, no database, no HTTP, no processes. The rollout worker (and the simulator's rollout
+ranks, through the same :class:`BudgetTracker`) judge every turn of a task that stayed resident since
+its previous generation, and the budget is adjusted once a window of such turns is full.
 
 Why a budget beyond the cache: CTB counts every resident task at its whole context plus the room
 of its next generation (:mod:`tiderl.policy.ctb`). A task waiting on its environment holds no
@@ -15,23 +16,65 @@ reports for every generation how many prompt tokens it served from the cache, an
 whose previous context did not come back (a block or more short) was evicted because the rank
 committed more than the cache could keep.
 
-Rule, once ``window_turns`` turns of resident tasks were judged (additive increase,
-multiplicative decrease of the part above the floor):
-- evicted share of those turns above ``evicted_tolerance``:
-  ``budget = floor + (budget - floor) x shrink``;
-- otherwise, if the budget held back a task (an admission or a resume waited for room, or tasks
-  were paused) during the window: ``budget += grow_share x floor``, at most ``max_factor x floor``;
+What a probe past the cache costs depends on the engine: an evicted context is prefilled again,
+and while it is, the engine's decoding sequences wait. With a 7B model on a GPU (the simulator's
+H100 node), one evicted 4k-token context costs a third to all of the generation of a window of 16
+turns; with a tiny model on a CPU, a few tokens. So when the engine states what a re-prefilled token
+costs (``reprefill_cost``: tokens of generation forgone per token prefilled again, as the engine runs
+now; the simulator from its cost model, the rollout worker from its turns' wall times with
+:class:`CostMeter`), the rule weighs it; when it does not, the rule counts evicted turns.
+
+Rule, once ``window_turns`` turns of resident tasks were judged. F is the floor (the fixed budget:
+the engine's capacity or ``rollout.kv_budget_tokens``), b the budget, g(x) = (x - F) / x the share of
+the resident tasks that only a budget x admits beyond the floor: an upper bound on the share of the
+generation the overcommit adds (it cannot add more than all of their tokens).
+
+With costs (every judged turn of the window came with a ``reprefill_cost``): the window's cost
+share k = (sum over evicted turns of lost tokens x reprefill_cost) / (tokens the window's turns
+generate), lost tokens being those of the previous context's full blocks the engine did not serve.
+- k > g(b), b above the floor (the re-prefills cost more than the overcommit could gain): back to
+  the floor, ``budget = F``, and no rise for the next h = max(ceil(k / ``probe_cost_share``), 2 x m)
+  windows (at most ``max_hold_windows``), m being the memory of the last failed probe's hold: a
+  failed probe's cost, spread over the windows it keeps the budget down, is at most
+  ``probe_cost_share`` of their generation, and probes that keep failing come ever more rarely
+  (the hold doubles); m becomes h;
+- otherwise, while windows of the hold remain: the budget unchanged, one window less to hold, and
+  the window's own re-prefills charged to the failed probe (they are mostly its aftermath: contexts
+  it damaged coming back): hold and m grow by floor(k / ``probe_cost_share``), at most
+  ``max_hold_windows`` (costs below ``probe_cost_share`` do not stop a hold from ending);
+- otherwise, above the floor, m fades by one window (the overcommit paid for it: a failure is
+  forgotten once the overcommit paid for as many windows as it held the budget down; probing from
+  the floor does not fade it), and
+  if the budget held a task back and k <= g(b + step) (the costs seen so far stay below
+  what the rise could gain; step = ``grow_share x F``): ``budget += step``, at most ``max_factor x F``;
 - otherwise unchanged.
-The floor is the fixed budget (the engine's capacity or ``rollout.kv_budget_tokens``).
+
+Without costs (the count rule, additive increase, multiplicative decrease of the part above the floor):
+- evicted share of the judged turns above ``evicted_tolerance``:
+  ``budget = F + (budget - F) x shrink``;
+- otherwise, if the budget held a task back: ``budget += grow_share x F``, at most ``max_factor x F``;
+- otherwise unchanged.
 
 Invariants (each has a test in tests/test_policy_ctb_budget.py)
 1. ``floor <= budget <= max_factor x floor`` after every adjustment, whatever the feedback.
-2. Fewer than ``window_turns`` judged turns: no change.
-3. An evicted share above the tolerance never raises the budget, and lowers it when above the floor.
-4. The budget rises only when it held a task back and the evicted share was within the tolerance.
+2. Fewer than ``window_turns`` judged turns: no change (budget and hold).
+3. Count rule: an evicted share above the tolerance never raises the budget, and lowers it when
+   above the floor.
+4. Count rule: the budget rises only when it held a task back and the evicted share was within the
+   tolerance.
 5. Pure: equal inputs give equal outputs.
 6. :class:`BudgetTracker` (the bookkeeping the rollout worker and the simulator share) adjusts
    exactly once per ``window_turns`` judged turns, with the feedback of those turns only.
+7. Cost rule: re-prefills that cost more than the overcommit could gain (k > g(b), b > F) put the
+   budget back at the floor and hold it there for max(ceil(k / probe_cost_share), 2 x m) windows
+   (at most ``max_hold_windows``; a longer hold pending stays); re-prefills that cost no more
+   (k <= g(b)) never lower the budget.
+8. Cost rule: the budget rises only when it held a task back, no window of a hold remains, and
+   k <= g(budget after the rise); at the floor, only when k <= step / (F + step).
+9. Cost rule: the memory m is the last failed probe's hold, plus the costs charged during it, less
+   the windows since spent above the floor outside a hold, never below 0 nor above
+   ``max_hold_windows``; it grows only with a failed probe or with re-prefill costs during a hold,
+   and fades only in windows above the floor that paid for their re-prefills.
 """
 
 from __future__ import annotations
@@ -39,7 +82,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["BudgetLimits", "BudgetTracker", "CacheFeedback", "adjust_budget", "prefix_kept"]
+__all__ = ["BudgetLimits", "BudgetState", "BudgetTracker", "CacheFeedback", "CostMeter", "adjust_budget",
+           "gain_share", "next_budget", "prefix_kept", "reprefill_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +95,17 @@ class BudgetLimits:
     grow_share: float = 0.125
     """Increase per window, as a share of the floor."""
     shrink: float = 0.5
-    """Factor applied to the part above the floor when too many prefixes were evicted."""
+    """Count rule: factor applied to the part above the floor when too many prefixes were evicted."""
     evicted_tolerance: float = 0.05
-    """Evicted share of the judged turns above which the rank committed too much."""
+    """Count rule: evicted share of the judged turns above which the rank committed too much."""
     window_turns: int = 16
     """Judged turns per adjustment."""
+    probe_cost_share: float = 0.02
+    """Cost rule: share of the generation a failed probe may cost, spread over the windows it holds the
+    budget at the floor."""
+    max_hold_windows: int = 4096
+    """Cost rule: the longest hold after a failed probe, in windows (conditions change: contexts shorten
+    as training goes on)."""
 
     def __post_init__(self) -> None:
         if self.floor_tokens < 1:
@@ -70,10 +120,18 @@ class BudgetLimits:
             raise ValueError(f"evicted_tolerance: must be in [0, 1), got {self.evicted_tolerance}")
         if self.window_turns < 1:
             raise ValueError(f"window_turns: must be >= 1, got {self.window_turns}")
+        if not 0 < self.probe_cost_share <= 1:
+            raise ValueError(f"probe_cost_share: must be in (0, 1], got {self.probe_cost_share}")
+        if self.max_hold_windows < 0:
+            raise ValueError(f"max_hold_windows: must be >= 0, got {self.max_hold_windows}")
 
     @property
     def ceiling_tokens(self) -> int:
         return math.floor(self.max_factor * self.floor_tokens)
+
+    @property
+    def step_tokens(self) -> int:
+        return max(1, math.floor(self.grow_share * self.floor_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +144,22 @@ class CacheFeedback:
     """Turns of resident tasks whose previous context had been evicted (a block or more short)."""
     budget_bound: bool
     """The budget held a task back: an admission or resume waited for room, or tasks were paused."""
+    reprefill_cost_tokens: float | None = None
+    """Generation the evicted turns' re-prefills cost, in generated tokens (sum of lost tokens x
+    reprefill_cost); None: the engine stated no cost (the count rule)."""
+    generated_tokens: int = 0
+    """Tokens the judged turns generate."""
 
     @property
     def judged_turns(self) -> int:
         return self.kept_turns + self.evicted_turns
+
+    @property
+    def cost_share(self) -> float | None:
+        """k: the re-prefills' cost as a share of the window's generation (None: no costs)."""
+        if self.reprefill_cost_tokens is None:
+            return None
+        return self.reprefill_cost_tokens / max(self.generated_tokens, 1)
 
 
 def prefix_kept(prefix_tokens: int, cached_tokens: int, block_tokens: int) -> bool | None:
@@ -103,17 +173,112 @@ def prefix_kept(prefix_tokens: int, cached_tokens: int, block_tokens: int) -> bo
     return cached_tokens >= full - block_tokens
 
 
-def adjust_budget(budget_tokens: int, feedback: CacheFeedback, limits: BudgetLimits) -> int:
-    """The budget for the next window (see the module rule and invariants)."""
+def gain_share(budget_tokens: int, floor_tokens: int) -> float:
+    """g(b) = (b - F) / b: the share of the resident tasks only the overcommit admits, an upper bound
+    on the share of the generation it adds (0 at the floor)."""
+    return max(0, budget_tokens - floor_tokens) / max(budget_tokens, 1)
+
+
+def reprefill_cost(prefill_s_per_token: float, iteration_s: float, decoding_sequences: int) -> float:
+    """Generated tokens one re-prefilled token costs on an engine now: while it is prefilled (compute
+    bound, ``prefill_s_per_token``), the engine's ``decoding_sequences`` wait, each of which gains a
+    token per ``iteration_s``. The rollout worker and the simulator state it from their engine."""
+    if iteration_s <= 0:
+        raise ValueError(f"iteration_s: must be > 0, got {iteration_s}")
+    return max(0.0, prefill_s_per_token) * max(1, decoding_sequences) / iteration_s
+
+
+@dataclass(slots=True)
+class CostMeter:
+    """What a re-prefilled token costs on a real engine, learned from its turns (the rollout worker's
+    input to :func:`reprefill_cost`): a least-squares fit, without intercept and over recent turns
+    (weights decaying by ``decay`` a turn), of each generation's wall time on its generated tokens (one
+    engine iteration each: ``iteration_s``) and its prompt tokens not served from the cache (prefilled:
+    ``prefill_s_per_token`` each). :meth:`cost` is None until ``min_turns`` turns were seen, when the
+    two are too alike to tell apart, or when the fit is not positive (then the count rule judges)."""
+
+    decay: float = 0.99
+    min_turns: int = 32
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    """Weighted sums of G x G, G x P, P x P, wall x G, wall x P."""
+    sequences: float = 0.0
+    """Weighted sum of the sequences decoding when each turn started."""
+    weight: float = 0.0
+    turns: int = 0
+
+    def observe(self, wall_s: float, generated_tokens: int, prefilled_tokens: int, decoding_sequences: int) -> None:
+        g, p, w = float(max(0, generated_tokens)), float(max(0, prefilled_tokens)), max(0.0, wall_s)
+        if g + p == 0:
+            return
+        self.sums = [x * self.decay for x in self.sums]
+        for i, v in enumerate((g * g, g * p, p * p, w * g, w * p)):
+            self.sums[i] += v
+        self.sequences = self.sequences * self.decay + max(1, decoding_sequences)
+        self.weight = self.weight * self.decay + 1.0
+        self.turns += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(iteration_s, prefill_s_per_token), or None (see the class)."""
+        gg, gp, pp, wg, wp = self.sums
+        det = gg * pp - gp * gp
+        if self.turns < self.min_turns or det <= 1e-6 * gg * pp:
+            return None
+        iteration_s, prefill_s = (wg * pp - wp * gp) / det, (gg * wp - gp * wg) / det
+        if iteration_s <= 0 or prefill_s <= 0:
+            return None
+        return iteration_s, prefill_s
+
+    def cost(self) -> float | None:
+        """Generated tokens one re-prefilled token costs now (:func:`reprefill_cost`), or None."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        return reprefill_cost(fit[1], fit[0], round(self.sequences / self.weight))
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    """The adaptive budget between windows."""
+
+    budget_tokens: int
+    hold_windows: int = 0
+    """Windows the budget still stays at the floor after a failed probe (the cost rule)."""
+    memory_windows: int = 0
+    """m: the last failed probe's hold, fading by one per window above the floor that paid (the cost rule)."""
+
+
+def next_budget(state: BudgetState, feedback: CacheFeedback, limits: BudgetLimits) -> BudgetState:
+    """The state for the next window (see the module rule and invariants)."""
     floor, ceiling = limits.floor_tokens, limits.ceiling_tokens
-    budget = min(max(budget_tokens, floor), ceiling)
+    budget = min(max(state.budget_tokens, floor), ceiling)
+    hold, memory = max(0, state.hold_windows), max(0, state.memory_windows)
     if feedback.judged_turns < limits.window_turns:
-        return budget
-    if feedback.evicted_turns > limits.evicted_tolerance * feedback.judged_turns:
-        return floor + math.floor((budget - floor) * limits.shrink)
-    if feedback.budget_bound:
-        return min(ceiling, budget + max(1, math.floor(limits.grow_share * floor)))
-    return budget
+        return BudgetState(budget, hold, memory)
+    k = feedback.cost_share
+    if k is None:  # the count rule
+        if feedback.evicted_turns > limits.evicted_tolerance * feedback.judged_turns:
+            budget = floor + math.floor((budget - floor) * limits.shrink)
+        elif feedback.budget_bound:
+            budget = min(ceiling, budget + limits.step_tokens)
+        return BudgetState(budget, hold, memory)
+    if budget > floor and k > gain_share(budget, floor):
+        new = min(limits.max_hold_windows, max(math.ceil(k / limits.probe_cost_share), 2 * memory))
+        return BudgetState(floor, max(hold, new), new)
+    if hold > 0:
+        charge = math.floor(k / limits.probe_cost_share)
+        return BudgetState(budget, min(limits.max_hold_windows, hold - 1 + charge),
+                           min(limits.max_hold_windows, memory + charge))
+    if budget > floor:
+        memory = max(0, memory - 1)
+    raised = min(ceiling, budget + limits.step_tokens)
+    if feedback.budget_bound and raised > budget and k <= gain_share(raised, floor):
+        return BudgetState(raised, 0, memory)
+    return BudgetState(budget, 0, memory)
+
+
+def adjust_budget(budget_tokens: int, feedback: CacheFeedback, limits: BudgetLimits) -> int:
+    """The budget for the next window, with no hold and no memory of a failed probe (:func:`next_budget`)."""
+    return next_budget(BudgetState(budget_tokens), feedback, limits).budget_tokens
 
 
 @dataclass(slots=True)
@@ -121,7 +286,7 @@ class BudgetTracker:
     """One rank's adaptive-budget bookkeeping, kept the same way by the rollout worker and the simulator
     (so that the simulator hands CTB the budget the run would): turns are judged as they start
     (:meth:`judge`), decisions say whether the budget held a task back (:meth:`held_back`), and once
-    ``window_turns`` turns are judged the budget is adjusted (:func:`adjust_budget`). No state beyond
+    ``window_turns`` turns are judged the budget is adjusted (:func:`next_budget`). No state beyond
     these counters; without limits the budget stays fixed (turns are still judged, for the metrics)."""
 
     budget_tokens: int
@@ -130,21 +295,47 @@ class BudgetTracker:
     """Judged turns since the last adjustment: kept, evicted."""
     bound: bool = False
     """The budget held a task back since the last adjustment."""
+    generated: int = 0
+    """Tokens the window's judged turns generate."""
+    cost: float | None = 0.0
+    """The window's re-prefill cost in generated tokens (None: a judged turn came without a cost)."""
+    hold: int = 0
+    """Windows the budget still holds at the floor after a failed probe (the cost rule)."""
+    memory: int = 0
+    """The memory of the last failed probe's hold (the cost rule)."""
+    lost_tokens: int = 0
+    """Tokens of evicted contexts judged since the tracker started (for the metrics)."""
 
     def held_back(self, bound: bool) -> None:
         self.bound = self.bound or bound
 
-    def judge(self, prefix_tokens: int, cached_tokens: int, block_tokens: int) -> bool | None:
+    def judge(self, prefix_tokens: int, cached_tokens: int, block_tokens: int, generated_tokens: int = 0,
+              reprefill_cost: float | None = None) -> bool | None:
         """Judge a turn of a task that stayed resident since its previous generation (with the same
         weights): `prefix_tokens` its previous generation left in the cache, `cached_tokens` the engine
-        served from it. Returns whether the context was kept (None: too short to judge)."""
+        served from it, `generated_tokens` the turn generates, `reprefill_cost` the generated tokens one
+        re-prefilled token costs on the engine now (:func:`reprefill_cost`; None: not stated, and the
+        window is judged by the count rule). Returns whether the context was kept (None: too short to
+        judge)."""
         kept = prefix_kept(prefix_tokens, cached_tokens, block_tokens)
         if kept is None:
             return None
         self.window[0 if kept else 1] += 1
+        self.generated += max(0, generated_tokens)
+        if not kept:
+            lost = prefix_tokens // block_tokens * block_tokens - max(0, cached_tokens)
+            self.lost_tokens += lost
+            if self.cost is not None and reprefill_cost is not None:
+                self.cost += lost * max(0.0, reprefill_cost)
+        if reprefill_cost is None:
+            self.cost = None
         if self.limits is not None and sum(self.window) >= self.limits.window_turns:
-            feedback = CacheFeedback(kept_turns=self.window[0], evicted_turns=self.window[1], budget_bound=self.bound)
-            self.budget_tokens = adjust_budget(self.budget_tokens, feedback, self.limits)
+            feedback = CacheFeedback(kept_turns=self.window[0], evicted_turns=self.window[1], budget_bound=self.bound,
+                                     reprefill_cost_tokens=self.cost, generated_tokens=self.generated)
+            state = next_budget(BudgetState(self.budget_tokens, self.hold, self.memory), feedback, self.limits)
+            self.budget_tokens, self.hold, self.memory = state.budget_tokens, state.hold_windows, state.memory_windows
             self.window = [0, 0]
             self.bound = False
+            self.generated = 0
+            self.cost = 0.0
         return kept

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 from tiderl.policy.ctb import AdmissionLimits, CandidateGroup, CtbDecision, CtbTask, RankView, TaskState
-from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker
+from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker, CostMeter
 from tiderl.rollout.agent_loop import LoopLimits, Phase, TaskRun, progress_of, run_task
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
@@ -96,6 +96,10 @@ class RolloutWorker:
             budget_limits = dataclasses.replace(budget_limits, floor_tokens=floor)
         self.budget = BudgetTracker(floor, budget_limits)
         self._resident_since_generation: set[str] = set()
+        # What a re-prefilled token costs on this engine, fitted from the turns' wall times (the adaptive
+        # budget's cost rule): when each generation started, its prompt tokens, the sequences decoding.
+        self._cost_meter = CostMeter()
+        self._generation_started: dict[str, tuple[float, int, int]] = {}
         self.admission = AdmissionLimits(max_resident_tasks=max_resident_tasks)
         self.staleness_allowance = staleness_allowance
         self.on_failure = on_failure
@@ -294,12 +298,18 @@ class RolloutWorker:
         expected to lose its cache). Adjusts an adaptive budget once a window is judged."""
         cached, run.cached_tokens = run.cached_tokens, None
         task_id = run.spec.task_id
+        started, generated = self._generation_started.pop(task_id, None), 0
+        if started is not None and cached is not None:
+            t0, prompt_tokens, decoding = started
+            generated = max(0, run.context_tokens - prompt_tokens)
+            self._cost_meter.observe(time.monotonic() - t0, generated, prompt_tokens - cached, decoding)
         resident = task_id in self._resident_since_generation
         self._resident_since_generation.add(task_id)
         if cached is None or not resident:
             return
         before = self.budget.budget_tokens
-        kept = self.budget.judge(run.prefix_tokens, cached, self.engine.kv_block_tokens)
+        kept = self.budget.judge(run.prefix_tokens, cached, self.engine.kv_block_tokens, generated,
+                                 self._cost_meter.cost())
         if kept is None:
             return
         if kept:
@@ -360,6 +370,7 @@ class RolloutWorker:
             self._tasks.pop(spec.task_id, None)
             self._paused.pop(spec.task_id, None)
             self._resident_since_generation.discard(spec.task_id)
+            self._generation_started.pop(spec.task_id, None)
             if spec.group_id in self._probing and spec.group_id not in self._probe_tokens:
                 # A probe that ended (failed) before its first turn was measured: the group's next task
                 # probes instead; otherwise the group's other tasks would never be admitted.
@@ -385,6 +396,7 @@ class RolloutWorker:
             await event.wait()
             await env.resume(run.session_id)
         run.phase = Phase.GENERATING
+        self._generation_started[run.spec.task_id] = (time.monotonic(), run.context_tokens, self.num_generating)
         self._changed.set()
 
     def after_turn(self, run: TaskRun) -> None:

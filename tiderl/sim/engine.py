@@ -92,6 +92,11 @@ class SimEngine:
     def has_work(self) -> bool:
         return bool(self._num_running or self._waiting)
 
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch now."""
+        return self._num_running
+
     def pinned_tokens(self) -> float:
         return self._ctx_offset + self._num_running * self.v
 

@@ -31,7 +31,7 @@ from tiderl.policy.ctb import (
     claim_limit,
     decide,
 )
-from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker
+from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker, reprefill_cost
 from tiderl.sim.costs import Costs
 from tiderl.sim.engine import SimEngine
 from tiderl.sim.workload import TaskPlan
@@ -499,7 +499,11 @@ class RolloutSide:
         worker does the same with vLLM's cached-token count), once per turn."""
         if task.prefix > 0:
             before = rank.budget.budget_tokens
-            rank.budget.judge(task.prefix, int(hit), self.block_tokens)
+            engine = rank.engine  # what a re-prefilled token costs there now (the cost rule's input)
+            n = engine.num_running
+            cost = reprefill_cost(self.costs.prefill_s(1.0, task.prefix / 2),
+                                  self.costs.decode_iteration_s(n, engine.pinned_tokens(), 0.0), n)
+            rank.budget.judge(task.prefix, int(hit), self.block_tokens, task.gen_left, cost)
             task.prefix = 0
             if rank.budget.budget_tokens != before:  # a new budget: CTB decides again (the run's worker too)
                 self.schedule(self.now, self._budget_changed, rank)
