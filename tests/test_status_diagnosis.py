@@ -75,7 +75,10 @@ def test_stuck_task_stalls_the_run_and_is_the_culprit(tmp_path: Path, capsys: py
     assert "waits for 1 more" in d["trainer"] and "running on rank" in d["trainer"]
     assert d["culprit"]["data"]["running_s"] >= 399
     assert {"state", "version", "goodput_tok_s", "rwt_s", "twt_s", "ranks", "steps"} <= set(doc)
-    # Raising the limit on the command line: no longer stalled, exit 0.
+    # Raising the limit on the command line: no longer stalled, exit 0 (the ranks beat again first: on a
+    # loaded machine the first check can outlast the heartbeat timeout).
+    for r in range(4):
+        s.heartbeat(r)
     code, doc = _status(tmp_path / "r", capsys, "--check", "--stall-after-s", "3600")
     assert code == 0 and not doc["diagnosis"]["is_stalled"]
 
