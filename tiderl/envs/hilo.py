@@ -29,12 +29,20 @@ distinct games (greedy play of one game twice is the same trajectory, which woul
 rate look surer than it is). `expert_action()` gives the
 binary-search guess (midpoint of the interval the feedback so far allows), which
 finds any secret in 1-16 within 5 turns: use it for demonstrations.
+
+Option `demo_scan_fraction` (default 0) changes only the demonstrator, never the game: that
+fraction of the episodes (chosen by the seed, the same for every turn of one episode) is
+demonstrated by a naive player who scans upwards, guessing the lowest secret the feedback still
+allows (`expert_action()` returns that guess in those episodes). A model warm-started on such a
+mixture plays the scan greedily (it is the majority) while bisection is in its sampled play: the
+situation where reinforcement learning has something to select (docs/RESULTS.md, issue 14).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +51,7 @@ from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepRe
 
 _INTEGER = re.compile(r"[+-]?\d{1,12}")
 
-DEFAULTS: dict[str, Any] = {"low": 1, "high": 16, "max_turns": 6, "shaped": False}
+DEFAULTS: dict[str, Any] = {"low": 1, "high": 16, "max_turns": 6, "shaped": False, "demo_scan_fraction": 0.0}
 
 
 def secret_stride(n: int) -> int:
@@ -71,6 +79,8 @@ class HiloEnv(Environment):
         # The interval of secrets still consistent with the feedback so far.
         self.lo_known = 1
         self.hi_known = 16
+        # This episode's demonstrator scans upwards instead of bisecting (option demo_scan_fraction).
+        self.demo_scans = False
 
     def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         opts = read_options(self.name, options, DEFAULTS)
@@ -78,6 +88,8 @@ class HiloEnv(Environment):
             raise EnvOptionError(f"hilo: low ({opts['low']}) must be <= high ({opts['high']})")
         if opts["max_turns"] < 1:
             raise EnvOptionError(f"hilo: max_turns must be >= 1, got {opts['max_turns']}")
+        if not 0.0 <= opts["demo_scan_fraction"] <= 1.0:
+            raise EnvOptionError(f"hilo: demo_scan_fraction must be in [0, 1], got {opts['demo_scan_fraction']}")
         self.low, self.high = opts["low"], opts["high"]
         self.max_turns, self.shaped = opts["max_turns"], opts["shaped"]
         n = self.high - self.low + 1
@@ -87,6 +99,8 @@ class HiloEnv(Environment):
         self.done = False
         self.is_reset = True
         self.lo_known, self.hi_known = self.low, self.high
+        # A draw of its own (string seeds hash the same in every process), independent of the secret.
+        self.demo_scans = random.Random(f"hilo-demo-{seed}").random() < opts["demo_scan_fraction"]
         return self.prompt(), self._info()
 
     def prompt(self) -> str:
@@ -127,7 +141,10 @@ class HiloEnv(Environment):
         return 1.0
 
     def expert_action(self) -> str:
-        """The binary-search guess for the current state (for demonstrations)."""
+        """The demonstrator's guess for the current state: the binary-search guess, or, in an episode
+        that option `demo_scan_fraction` gives to the naive player, the lowest secret still possible."""
+        if self.demo_scans:
+            return str(self.lo_known)
         return str((self.lo_known + self.hi_known) // 2)
 
     def _info(self) -> dict[str, Any]:
