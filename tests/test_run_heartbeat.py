@@ -115,3 +115,39 @@ def test_a_rank_whose_reports_beat_does_not_beat_again(tmp_path) -> None:
     stopped.set()
     t.join()
     assert store.beats == 0
+
+
+def test_a_rank_declared_dead_leaves_with_code_75_and_closes_its_engine(monkeypatch) -> None:
+    """`rank.main`'s way out: state recorded, engine closed, exit code 75 (the chaos campaign of 2026-12-02
+    found it raising AttributeError there instead, leaving its vLLM engine up and the rank hanging)."""
+    import signal
+    from pathlib import Path
+
+    from tiderl.run import rank as rank_mod
+    from tiderl.store import RankDeclaredDeadError
+    from tiderl.store.types import RankState, RunState
+
+    calls: list[tuple[str, object]] = []
+    store = SimpleNamespace(position=lambda: (RunState.RUNNING, 3), beat_age_s=lambda r: 0.0,
+                            heartbeat=lambda r: None, close=lambda: calls.append(("store_closed", None)),
+                            set_rank_state=lambda r, s: calls.append(("state", s)),
+                            record_event=lambda *a, **k: calls.append(("event", a[1])))
+    engine = SimpleNamespace(close=lambda: calls.append(("engine_closed", None)))
+    launch = SimpleNamespace(heartbeat_s=60.0, heartbeat_timeout_s=120.0)
+    ctx = SimpleNamespace(rank=2, store=store, engine=engine, paths=SimpleNamespace(root=Path("/nonexistent")),
+                          config=SimpleNamespace(launch=launch))
+
+    async def serve(ctx: object) -> None:
+        raise RankDeclaredDeadError("rank 2 was declared dead while away")
+
+    monkeypatch.setattr(rank_mod.RankContext, "open", classmethod(lambda cls, run_dir, rank: ctx))
+    monkeypatch.setattr(rank_mod, "serve", serve)
+    monkeypatch.setattr("tiderl.metrics.serve_process_metrics", lambda *a, **k: None)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = rank_mod.main(["/nonexistent", "2"])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == rank_mod.EXIT_DECLARED_DEAD == 75
+    assert ("state", RankState.DEAD) in calls and ("event", "rank_left") in calls
+    assert calls[-2:] == [("engine_closed", None), ("store_closed", None)]

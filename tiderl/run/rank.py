@@ -7,7 +7,7 @@
 observe (the published version and its plan) -> act (the role's loop until the
 next boundary) -> record (heartbeats and reports go through the run store).
 A rank never restarts to change role: its engine, actor or ref model stays
-loaded in the process (`RankContext.cache`) while it serves another role.
+loaded in the process (`RankContext.engine`, `.actor`, `.ref`) while it serves another role.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped.set()
         # The state first: closing an engine can outlast the launcher's grace period.
         ctx.store.set_rank_state(ctx.rank, state)
-        engine = ctx.cache.get("engine")
+        engine = ctx.engine
         try:
             if engine is not None:
                 engine.close()
