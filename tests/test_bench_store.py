@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from bench_store import summarize
-from store_load import RankLoadSpec, run_rank_load
+from store_load import RankLoadSpec, profile_reports, run_rank_load
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("backend", "ranks", "need_commits_per_s", "sustained_commits_per_s", "kept_up", "p50_ms", "p99_ms",
@@ -80,3 +80,16 @@ def test_rank_load_tiny_postgresql(pg_server, tmp_path: Path) -> None:
            "loadavg_before": [0, 0, 0], "loadavg_after": [0, 0, 0], "date": "-"}
     check_row(row, 4)
     assert not (run_dir / "run.db").exists(), "the ranks wrote to SQLite, not to the PostgreSQL store"
+
+
+def test_profile_counts_the_statements_and_times_of_a_report(tmp_path: Path) -> None:
+    """`--profile`: statements and ms (wall, client CPU) per typical report, on a fresh store in this process."""
+    row = profile_reports(tmp_path / "run", None, reports=16, tokens=64, warmup=2)
+    assert row["reports"] == 16 and row["claimed"] == 16  # one task claimed per report, each finished the next
+    # A tick completing no group: 7 (BEGIN, heartbeat, done+owned, trajectory, completion check, metric, claim);
+    # every 8th completes its group of 8 (advantages: a SELECT and two UPDATEs more).
+    assert row["statements_min_max"] == [7, 10], row
+    assert row["statement_kinds_per_report"]["BEGIN"] == 1.0
+    assert 0 < row["cpu_ms_mean"] and 0 < row["wall_ms_mean"]
+    spread = profile_reports(tmp_path / "run-spread", None, reports=8, tokens=64, warmup=2, spread=True)
+    assert spread["statements_min_max"][0] == 8  # the rank's share: one statement of four counts

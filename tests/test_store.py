@@ -277,3 +277,62 @@ def test_a_spread_claim_takes_the_ranks_share_of_the_tasks_in_flight(tmp_path: P
     # Without spread, the free slots alone (the default for callers that are not rollout ranks' ticks).
     assert len(s.claim_tasks(1, 64)) == 1
     s.close()
+
+
+def _statements(s: RunStore) -> list[str]:
+    """The SQL statements `s` sends from now on (an executemany counts once)."""
+    from sqlalchemy import event
+
+    sent: list[str] = []
+    event.listen(s.engine, "before_cursor_execute", lambda *a: sent.append(a[2].split(None, 1)[0].upper()))
+    return sent
+
+
+def test_a_typical_tick_is_seven_statements(tmp_path: Path, store_url: str | None) -> None:
+    """A rank's tick (its heartbeat, one finished trajectory that completes no group, a metric, the claim of
+    one task) is one transaction of 7 statements: the write lock, the heartbeat, the task marked done and
+    found owned (one UPDATE ... RETURNING), the trajectory, the group-completion check, the metric, the
+    claim (one UPDATE ... RETURNING). A tick with nothing finished and nothing to claim is 2-3."""
+    from tiderl.store import MetricPoint
+
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 4)])
+    (held,) = s.claim_tasks(0, 1)
+    sent = _statements(s)
+    out = s.report(RankReport(rank=0, role=Role.ROLLOUT, version=0, finished=[traj(held.task_id, 1.0)],
+                              metrics=[MetricPoint("rollout_busy_s", 1.0, 0, "rollout")],
+                              claim=ClaimRequest(limit=1, weights_version=0)))
+    assert (out["accepted"], out["dropped"]) == (1, 0) and [c.task_id for c in out["claims"]] == [2]
+    assert len(sent) == 7, sent
+    assert sent.count("UPDATE") == 3 and sent.count("INSERT") == 2
+    sent.clear()
+    s.report(RankReport(rank=1, role=Role.ROLLOUT, version=0))
+    assert len(sent) == 2, sent  # the write lock and the heartbeat
+    s.close()
+
+
+def test_a_claim_returns_eval_version_and_carries_progress_on_once(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.EVAL, 7, 1, eval_version=0)])
+    first = s.report(RankReport(rank=0, claim=ClaimRequest(limit=3)))["claims"]
+    assert [(c.task_id, c.kind, c.eval_version, c.attempts) for c in first] == [  # in task order
+        (1, TaskKind.TRAIN, None, 1), (2, TaskKind.TRAIN, None, 1), (3, TaskKind.EVAL, 0, 1)]
+    s.report(RankReport(rank=0, released=[1, 2], handed_over={1: {"turn": 3}}))
+    again = s.report(RankReport(rank=1, claim=ClaimRequest(limit=5)))["claims"]
+    assert [(c.task_id, c.progress) for c in again] == [(1, {"turn": 3}), (2, None)]
+    s.report(RankReport(rank=1, released=[1]))
+    (third,) = s.report(RankReport(rank=0, claim=ClaimRequest(limit=1)))["claims"]
+    assert (third.task_id, third.progress) == (1, None)  # carried on once, not twice
+    s.close()
+
+
+def test_a_task_reported_twice_in_one_tick_counts_once(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    a, b = s.claim_tasks(0, 2)
+    out = s.report(RankReport(rank=0, finished=[traj(a.task_id, 1.0), traj(a.task_id, 1.0)]))
+    assert (out["accepted"], out["dropped"]) == (1, 0)
+    out = s.report(RankReport(rank=1, finished=[traj(b.task_id, 0.0)]))  # not rank 1's task
+    assert (out["accepted"], out["dropped"]) == (0, 1)
+    assert s.buffer_state()["tasks_running"] == 1
+    s.close()

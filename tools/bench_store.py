@@ -7,6 +7,12 @@ headroom (capacity / need), on SQLite on local disk, SQLite on JuiceFS and Postg
 
 Prints one JSON line per (backend, ranks), with the load average before and after it.
 
+    .venv/bin/python tools/bench_store.py --profile 200 [--backends sqlite-local,postgresql] [--tokens 512]
+
+instead times N reports of one typical tick in this process alone, on a fresh store per backend
+(`store_load.profile_reports`): SQL statements per report, wall and client-CPU ms per report, one JSON line
+per (backend, plain or spread claim).
+
 What it drives (tools/store_load.py, `run_rank_load`): the real `RunStore`, through the public methods a
 rank, the control plane and a trainer call, from real processes. 512 Python processes with SQLAlchemy do
 not fit on a small machine, so a fixed pool of `--workers` processes plays the ranks, each rank a thread
@@ -55,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jfs_mount import JuiceFSUnavailable, juicefs_mount  # noqa: E402
 from pg_server import PostgresUnavailable, postgres_server  # noqa: E402
-from store_load import RankLoadSpec, run_rank_load  # noqa: E402
+from store_load import RankLoadSpec, profile_reports, run_rank_load  # noqa: E402
 
 BACKENDS = ("sqlite-local", "sqlite-juicefs", "postgresql")
 KEPT_UP = 0.95  # sustained / need at or above which the store kept up with the ranks
@@ -150,6 +156,10 @@ def main() -> None:
                    help="synchronous_commit of the server this tool starts.")
     p.add_argument("--pg-url", default=None, help="Benchmark this PostgreSQL database (postgresql+psycopg://...) "
                    "instead of starting a server; each rank count leaves a schema run_* there.")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="Instead of the rank load: time N reports of one typical tick (1 trajectory of --tokens "
+                   "tokens, a metric, a heartbeat, a claim of one task) in this process alone, on each backend, "
+                   "and print statements and ms (wall and client CPU) per report.")
     p.add_argument("--dir", type=Path, default=None, help="Where local-disk runs go (default: a temporary "
                    "directory).")
     args = p.parse_args()
@@ -175,6 +185,15 @@ def main() -> None:
                     base, url = Path(tmp) / "local", None
             except (JuiceFSUnavailable, PostgresUnavailable) as e:
                 print(json.dumps({"backend": backend, "error": str(e)}), flush=True)
+                continue
+            if args.profile:
+                for spread in (False, True):
+                    run_dir = base / f"profile-{int(spread)}"
+                    row = {"backend": backend, "mode": "profile", "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+                    row |= profile_reports(run_dir, url, reports=args.profile, tokens=args.tokens, spread=spread)
+                    row |= {"loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                    print(json.dumps(row), flush=True)
                 continue
             for ranks in rank_counts:
                 print(f"[bench_store] {backend}, {ranks} ranks ...", file=sys.stderr, flush=True)

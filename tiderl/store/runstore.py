@@ -28,6 +28,7 @@ not beat while it was gone.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,7 +36,8 @@ import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,7 @@ class RunStore:
                              full_wait_s=config.disk_full_wait_s, outage_wait_s=config.outage_wait_s,
                              on_outage_end=self._record_outage)
         self._beats: dict[int, float] = {}  # rank -> monotonic time of this process's last write beating it
+        self._watch = WatchState()  # this process's heartbeat watch (`reclaim_expired` with `control_tick`)
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
@@ -383,10 +386,13 @@ class RunStore:
         request = ClaimRequest(limit=limit, kinds=tuple(kinds), weights_version=weights_version)
         token = uuid.uuid4().hex  # once per call: a retry finds what a cut-off commit claimed
 
+        attempts = [0]  # of this call's transaction: only a retry may find an earlier attempt committed
+
         def write(c: Connection) -> list[TaskClaim]:
+            attempts[0] += 1
             now = time.time()
             _heartbeat(c, rank, now)
-            return _claim(c, rank, request, now, token)
+            return _claim(c, rank, request, now, token, retry=attempts[0] > 1)
 
         return self.tx.write(write)
 
@@ -400,7 +406,10 @@ class RunStore:
         goes back to pending (released or failed, it fails too)."""
         token = uuid.uuid4().hex  # of the claim; once per call: a retry finds what a cut-off commit claimed
 
+        attempts = [0]  # of this call's transaction: only a retry may find an earlier attempt committed
+
         def write(c: Connection) -> dict[str, Any]:
+            attempts[0] += 1
             now = time.time()
             _heartbeat(c, report.rank, now, role=report.role, version=report.version)
             accepted, dropped = _accept_trajectories(c, report.rank, report.finished, now)
@@ -443,13 +452,14 @@ class RunStore:
                     [dict(tid=w.task_id, t_turn=w.turn, t_phase=w.phase, t_since=w.phase_since,
                           t_server=w.env_server) for w in report.whereabouts])
             if report.metrics:
-                c.execute(insert(metrics), [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
+                c.execute(_INSERT_METRICS, [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
                                                  value=float(m.value)) for m in report.metrics])
             if report.events:
                 c.execute(insert(events), [dict(ts=now, rank=report.rank, source="rank", kind=e.kind,
                                                 message=e.message, data=json.dumps(e.data) if e.data else None)
                                            for e in report.events])
-            claims = _claim(c, report.rank, report.claim, now, token) if report.claim is not None else []
+            claims = (_claim(c, report.rank, report.claim, now, token, retry=attempts[0] > 1)
+                      if report.claim is not None else [])
             return {"accepted": accepted, "dropped": dropped, "claims": claims}
 
         out = self.tx.write(write)
@@ -563,7 +573,9 @@ class RunStore:
         tasks orphaned for `timeout_s` by a live rank: held by a rank that stopped or no longer
         rolls out (a rank releases its tasks when it leaves rollout; this is the safety net).
         With `control_tick` (the control plane's watch) it records the control plane's heartbeat
-        in the same transaction."""
+        in the same transaction, and a rank is declared dead for its silence only as `watch_verdict`
+        allows: not when the watcher itself was away (stalled, starved, the store locked), nor most
+        ranks at once before a grace period has confirmed it."""
         def write(c: Connection) -> ReclaimResult:
             t = now if now is not None else time.time()
             if control_tick:
@@ -582,17 +594,28 @@ class RunStore:
             gone_at = self.tx.unreachable_at  # set while an outage lasts, so this very retry sees it
             if gone_at is not None and t - gone_at < timeout_s + OUTAGE_RETRY_LAG_S:
                 # The ranks could not beat while the store was gone: silence is counted from its return.
+                watched[0] = WatchState(last_at=t, since=t) if control_tick else None
                 return ReclaimResult([], orphans, 0)
-            dead = [r for (r,) in c.execute(select(ranks.c.rank).where(
-                ranks.c.state.in_([RankState.RUNNING.value, RankState.STARTING.value]),
-                ranks.c.heartbeat_at < t - timeout_s))]
+            live = ranks.c.state.in_([RankState.RUNNING.value, RankState.STARTING.value])
+            if control_tick:  # the continuous watcher: it judges its own watching too (`watch_verdict`)
+                beats = {r: at for r, at in c.execute(select(ranks.c.rank, ranks.c.heartbeat_at).where(live))}
+                dead, watched[0], note = watch_verdict(beats, t, timeout_s, self._watch)
+                if note:
+                    log.warning("heartbeat watch: %s", note)
+                    c.execute(insert(events).values(ts=t, rank=None, source="store", kind="watch_held", message=note))
+            else:
+                dead = [r for (r,) in c.execute(select(ranks.c.rank).where(live, ranks.c.heartbeat_at < t - timeout_s))]
             if not dead:
                 return ReclaimResult([], orphans, 0)
             n_tasks, n_traj = _declare_dead(c, dead, t, {r: f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
                                                             "its claims returned to the pool" for r in dead})
             return ReclaimResult(dead, n_tasks + orphans, n_traj)
 
-        return self.tx.write(write)
+        watched: list[WatchState | None] = [None]  # the watch's new state, kept once its transaction committed
+        result = self.tx.write(write)
+        if watched[0] is not None:
+            self._watch = watched[0]
+        return result
 
     # ---- control plane side --------------------------------------------------------------
     def groups_by_state(self, kind: TaskKind) -> dict[GroupState, int]:
@@ -667,7 +690,8 @@ class RunStore:
         """What ERS reads of the step that published `version` (tiderl.policy.ers.StepObservation): the
         trajectory tokens it trained on, the training groups completed in
         [start_ts, end_ts) (their tokens, creation-to-completion seconds and slowest task's environment
-        seconds) and the rank-seconds of the rollout and wait metrics recorded in it, by metric and role."""
+        seconds), the rank-seconds of the rollout and wait metrics recorded in it, by metric and role, and
+        whether an evaluation group was open during it."""
         def read(c: Connection) -> StepWindow:
             rows = c.execute(
                 select(task_groups.c.created_at, task_groups.c.completed_at,
@@ -838,13 +862,30 @@ def _heartbeat(c: Connection, rank: int, now: float, *, role: Role | None = None
                                     "and its claims went to other ranks")
 
 
+# Statements of every tick, built once (building one and its cache key is much of a report's CPU).
+_MARK_DONE = update(tasks).where(
+    tasks.c.id.in_(bindparam("p_ids", expanding=True)), tasks.c.owner_rank == bindparam("p_rank"),
+    tasks.c.state == StoreTaskState.RUNNING.value).values(
+    state=StoreTaskState.DONE.value, updated_at=bindparam("p_now")).returning(
+    tasks.c.id, tasks.c.group_id, tasks.c.kind)
+_INSERT_TRAJECTORIES = insert(trajectories)
+_INSERT_METRICS = insert(metrics)
+_counts = (select(trajectories.c.group_id, func.count().label("n"))
+           .where(trajectories.c.group_id.in_(bindparam("p_gids", expanding=True)))
+           .group_by(trajectories.c.group_id).subquery())
+_COMPLETE_GROUPS = select(task_groups.c.id, task_groups.c.kind).join(
+    _counts, _counts.c.group_id == task_groups.c.id).where(
+    task_groups.c.state == GroupState.OPEN.value, _counts.c.n >= task_groups.c.size)
+
+
 def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTrajectory], now: float) -> tuple[int, int]:
     """Insert the trajectories of tasks `rank` still owns; drop the rest (reclaimed meanwhile)."""
     if not finished:
         return 0, 0
-    owned = {r.id: r for r in c.execute(select(tasks.c.id, tasks.c.group_id, tasks.c.kind).where(
-        tasks.c.id.in_([t.task_id for t in finished]), tasks.c.owner_rank == rank,
-        tasks.c.state == StoreTaskState.RUNNING.value))}
+    # One statement finds the tasks `rank` still owns and marks them done (writers of a run take turns, and
+    # the WHERE is re-checked under the row lock: a task reclaimed meanwhile is not returned).
+    owned = {r.id: r for r in c.execute(_MARK_DONE, dict(p_ids=sorted({t.task_id for t in finished}), p_rank=rank,
+                                                         p_now=now))}
     rows = []
     for t in finished:
         task = owned.pop(t.task_id, None)  # pop: a task reported twice in one tick counts once
@@ -859,9 +900,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
             reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
             max_version=max(gen_versions, default=0), finished_at=now, env_s=t.env_s))
     if rows:
-        c.execute(insert(trajectories), rows)
-        c.execute(update(tasks).where(tasks.c.id.in_([r["task_id"] for r in rows])).values(
-            state=StoreTaskState.DONE.value, updated_at=now))
+        c.execute(_INSERT_TRAJECTORIES, rows)
         _complete_groups(c, {r["group_id"] for r in rows}, now)
     # Not owned any more, yet recorded from this rank: this call's earlier attempt committed (a retry).
     redone = {t for (t,) in c.execute(select(trajectories.c.task_id).where(
@@ -873,11 +912,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
 
 def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
     """Groups among `gids` whose every task has a trajectory: write advantages, mark them ready."""
-    counts = (select(trajectories.c.group_id, func.count().label("n")).where(trajectories.c.group_id.in_(gids))
-              .group_by(trajectories.c.group_id).subquery())
-    complete = c.execute(select(task_groups.c.id, task_groups.c.kind).join(
-        counts, counts.c.group_id == task_groups.c.id).where(
-        task_groups.c.state == GroupState.OPEN.value, counts.c.n >= task_groups.c.size)).all()
+    complete = c.execute(_COMPLETE_GROUPS, dict(p_gids=sorted(gids))).all()
     ready_rows = []
     for gid, kind in complete:
         if kind == TaskKind.EVAL.value:
@@ -896,55 +931,79 @@ def _complete_groups(c: Connection, gids: set[int], now: float) -> None:
             advantage=bindparam("adv"), state=TrajectoryState.READY.value, ready_at=now), ready_rows)
 
 
-def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: str) -> list[TaskClaim]:
+def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: str, *,
+           retry: bool = True) -> list[TaskClaim]:
+    """Claim per `request` with `token`, in one statement: the oldest claimable tasks (evaluation tasks
+    first, then whole groups) go to running and come back. `retry`: an earlier attempt of this call may
+    have committed (its COMMIT cut off); then what it claimed is returned, nothing more. A first attempt
+    (`retry=False`) cannot have committed anything, so it skips that look-up."""
     if request.limit <= 0:
         return []
-    if c.execute(select(tasks.c.id).where(tasks.c.claim_token == token).limit(1)).first() is not None:
+    if retry and c.execute(select(tasks.c.id).where(tasks.c.claim_token == token).limit(1)).first() is not None:
         return _claimed(c, token)  # this call's earlier attempt committed before its connection was cut
-    is_eval = tasks.c.kind == TaskKind.EVAL.value
-    where = [tasks.c.state == StoreTaskState.PENDING.value, tasks.c.kind.in_([k.value for k in request.kinds]),
-             or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= now)]
-    if request.weights_version is not None:
-        pinned = select(task_groups.c.id).where(task_groups.c.eval_version == request.weights_version)
-        where.append(~is_eval | tasks.c.group_id.in_(pinned))
+    claim, counts = _claim_statements(tuple(k.value for k in request.kinds), request.weights_version is not None)
+    params = dict(p_now=now, p_rank=rank, p_token=token, p_wv=request.weights_version)
     limit = request.limit
-    if request.spread:
-        limit = _spread_limit(c, rank, limit, where)
+    if request.spread:  # `tiderl.policy.ctb.claim_limit` with the store's counts, in one statement
+        n_running, n_claimable, held, alive = c.execute(counts, params).one()
+        limit = claim_limit(limit, held, n_running + n_claimable, alive)
         if limit <= 0:
             return []
-    ids = [r for (r,) in c.execute(select(tasks.c.id).where(*where)
-                                   .order_by(case((is_eval, 0), else_=1), tasks.c.id).limit(limit))]
-    if not ids:  # ids follow (group, index): whole groups first
-        return []
-    c.execute(update(tasks).where(tasks.c.id.in_(ids), tasks.c.state == StoreTaskState.PENDING.value).values(
-        state=StoreTaskState.RUNNING.value, owner_rank=rank, claim_token=token, claimed_at=now, updated_at=now,
-        attempts=tasks.c.attempts + 1, turn=None, phase=None, phase_since=None, env_server=None))
-    out = _claimed(c, token)
-    # Progress is carried on once: if this claimer dies, the session may have moved past it.
-    c.execute(update(tasks).where(tasks.c.claim_token == token, tasks.c.progress.is_not(None)).values(progress=None))
-    return out
+    # Writers of a run take turns (SQLite's write lock, the run's advisory lock on PostgreSQL), so the
+    # tasks the UPDATE's subquery picks are still pending when it updates them.
+    rows = sorted(c.execute(claim, params | {"p_lim": limit}), key=lambda r: r.id)
+    carried = [r.id for r in rows if r.progress is not None]
+    if carried:  # progress is carried on once: if this claimer dies, the session may have moved past it
+        c.execute(update(tasks).where(tasks.c.id.in_(carried)).values(progress=None))
+    return [_task_claim(r) for r in rows]
 
 
-def _spread_limit(c: Connection, rank: int, free: int, claimable: list[Any]) -> int:
-    """`tiderl.policy.ctb.claim_limit` with the store's counts: tasks running on any rank or claimable
-    now, the rank's running tasks, the rollout ranks alive."""
+@functools.lru_cache(maxsize=64)
+def _claim_statements(kinds: tuple[str, ...], pinned: bool) -> tuple[Any, Any]:
+    """The claim, built once per (kinds, pinned to a weights version) and reused, its cache key with it (the
+    Python work of building a statement is much of a report's CPU): one UPDATE ... RETURNING whose subquery
+    picks the oldest claimable tasks (evaluation tasks first, then by id: whole groups first), and the
+    counts a spread claim needs (tasks running on any rank or claimable now, the rank's running tasks, the
+    rollout ranks alive). Parameters: p_now, p_rank, p_token, p_wv (weights version), p_lim."""
+    is_eval = tasks.c.kind == TaskKind.EVAL.value
+    where = [tasks.c.state == StoreTaskState.PENDING.value, tasks.c.kind.in_(list(kinds)),
+             or_(tasks.c.retry_at.is_(None), tasks.c.retry_at <= bindparam("p_now"))]
+    if pinned:
+        where.append(~is_eval | tasks.c.group_id.in_(
+            select(task_groups.c.id).where(task_groups.c.eval_version == bindparam("p_wv"))))
+    picked = (select(tasks.c.id).where(*where).order_by(case((is_eval, 0), else_=1), tasks.c.id)
+              .limit(bindparam("p_lim")).correlate(None))  # its own FROM tasks, not the UPDATE's row
+    eval_version = (select(task_groups.c.eval_version).where(task_groups.c.id == tasks.c.group_id)
+                    .correlate(tasks).scalar_subquery())
+    claim = update(tasks).where(tasks.c.id.in_(picked), tasks.c.state == StoreTaskState.PENDING.value).values(
+        state=StoreTaskState.RUNNING.value, owner_rank=bindparam("p_rank"), claim_token=bindparam("p_token"),
+        claimed_at=bindparam("p_now"), updated_at=bindparam("p_now"), attempts=tasks.c.attempts + 1, turn=None,
+        phase=None, phase_since=None, env_server=None).returning(
+        tasks.c.id, tasks.c.group_id, tasks.c.index_in_group, tasks.c.kind, tasks.c.seed, tasks.c.attempts,
+        tasks.c.progress, eval_version.label("eval_version"))
     running = tasks.c.state == StoreTaskState.RUNNING.value
-    in_flight = (c.execute(select(func.count()).where(running)).scalar_one()
-                 + c.execute(select(func.count()).where(*claimable)).scalar_one())
-    held = c.execute(select(func.count()).where(running, tasks.c.owner_rank == rank)).scalar_one()
-    alive = c.execute(select(func.count()).where(
-        ranks.c.role == Role.ROLLOUT.value,
-        ranks.c.state.in_([RankState.STARTING.value, RankState.RUNNING.value]))).scalar_one()
-    return claim_limit(free, held, in_flight, alive)
+    counts = select(
+        select(func.count()).select_from(tasks).where(running).scalar_subquery(),
+        select(func.count()).select_from(tasks).where(*where).scalar_subquery(),
+        select(func.count()).select_from(tasks).where(running, tasks.c.owner_rank == bindparam("p_rank"))
+        .scalar_subquery(),
+        select(func.count()).select_from(ranks).where(
+            ranks.c.role == Role.ROLLOUT.value,
+            ranks.c.state.in_([RankState.STARTING.value, RankState.RUNNING.value])).scalar_subquery())
+    return claim, counts
 
 
 def _claimed(c: Connection, token: str) -> list[TaskClaim]:
     """The tasks claimed with `token` that their claimer still holds."""
     q = (select(tasks, task_groups.c.eval_version).join(task_groups, task_groups.c.id == tasks.c.group_id)
          .where(tasks.c.claim_token == token, tasks.c.state == StoreTaskState.RUNNING.value).order_by(tasks.c.id))
-    return [TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group, kind=TaskKind(r.kind),
-                      seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
-                      progress=json.loads(r.progress) if r.progress else None) for r in c.execute(q)]
+    return [_task_claim(r) for r in c.execute(q)]
+
+
+def _task_claim(r: Any) -> TaskClaim:
+    return TaskClaim(task_id=r.id, group_id=r.group_id, index_in_group=r.index_in_group, kind=TaskKind(r.kind),
+                     seed=r.seed, attempts=r.attempts, eval_version=r.eval_version,
+                     progress=json.loads(r.progress) if r.progress else None)
 
 
 def _already_published(c: Connection, step: VersionRecord) -> bool:
@@ -963,6 +1022,66 @@ def _fail_group(c: Connection, gid: int) -> None:
     c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
     c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == StoreTaskState.PENDING.value).values(
         state=StoreTaskState.FAILED.value, last_error="another task of its group failed for good"))
+
+
+# ---- the heartbeat watch: whom a watcher may declare dead ----------------------------------------
+WATCH_GAP_FRACTION = 0.5  # a watch more than this share of the timeout after the previous one starts afresh,
+WATCH_GAP_MIN_S = 3.0  # but not one this close: the control plane watches every second; a slow tick is no gap
+MASS_GRACE_FRACTION = 0.5  # most ranks silent at once: declared only if still so this share of the timeout later
+
+
+@dataclass(frozen=True)
+class WatchState:
+    """What a heartbeat watcher remembers between two of its watches, all on its own clock: in memory
+    (a new watcher, such as a restarted control plane, starts afresh and so gives every rank a fresh
+    timeout)."""
+    last_at: float | None = None  # its previous watch
+    since: float | None = None  # the start of its current stretch of watching without a gap
+    held_at: float | None = None  # when it first held back a verdict that most ranks were dead
+
+
+def watch_verdict(beats: Mapping[int, float], now: float, timeout_s: float,
+                  state: WatchState) -> tuple[list[int], WatchState, str]:
+    """Which live ranks a heartbeat watch at `now` declares dead: (ranks, the watcher's new state,
+    a note when it held back a verdict, else ""). `beats`: each live rank's last heartbeat time.
+
+    Invariant: a rank is declared dead only when (1) it has been silent for more than `timeout_s`
+    counted from the later of its last beat and the start of the watcher's current stretch of
+    continuous watching (a stretch ends when two watches are more than `WATCH_GAP_FRACTION` x
+    `timeout_s` and more than `WATCH_GAP_MIN_S` apart, or the clock went back), and (2) if that
+    would declare at least two ranks and more than half of the live ones at once, the verdict held
+    at the watches of a grace period (`MASS_GRACE_FRACTION` x `timeout_s`) of continuous watching
+    after it was first reached.
+
+    Why: the ranks write their beats, the watcher compares them with its own clock. A watcher that
+    was itself away (a starved or paused process or machine, a store lock it waited on) finds every
+    beat old when it wakes, although the ranks may have been just as stalled as it was or beating
+    into a store it could not read; by (1) it starts a fresh timeout from its wake-up instead. The
+    gap is measured between the watcher's own watches, on its own clock, never against a rank's.
+    A rank truly gone (one silent, the others beating) under a watcher that watched throughout is
+    declared at the first watch past its last beat + `timeout_s`: within the timeout and one watch
+    interval."""
+    gap = None if state.last_at is None else now - state.last_at
+    continuous = gap is not None and 0.0 <= gap <= max(WATCH_GAP_FRACTION * timeout_s, WATCH_GAP_MIN_S)
+    since = state.since if continuous and state.since is not None else now
+    silent = sorted(r for r, beat in beats.items() if now - max(beat, since) > timeout_s)
+    note = ""
+    if gap is not None and not continuous:
+        old = sorted(r for r, beat in beats.items() if now - beat > timeout_s)
+        if old:
+            note = (f"the watch resumed {gap:.0f} s after the previous one (the watcher itself was away): ranks "
+                    f"{old} look silent past the {timeout_s:.0f} s timeout, but each gets a fresh timeout from now")
+    held_at = None
+    if len(silent) >= 2 and 2 * len(silent) > len(beats):
+        grace = MASS_GRACE_FRACTION * timeout_s
+        if state.held_at is None or not continuous:
+            held_at = now
+            note = (f"ranks {silent} ({len(silent)} of {len(beats)}) look dead at once: held back, declared only "
+                    f"if still silent {grace:.0f} s from now")
+            silent = []
+        elif now - state.held_at < grace:
+            held_at, silent = state.held_at, []
+    return silent, WatchState(last_at=now, since=since, held_at=held_at), note
 
 
 def _declare_dead(c: Connection, dead: list[int], t: float, messages: dict[int, str]) -> tuple[int, int]:
