@@ -18,6 +18,10 @@ Lost and twice come from the store (`exactly_once`); the note adds the env serve
 counters (GET /health with the run's token, polled every 2 s while the run lives) next to the
 store's. Every process and mount a trial starts is ended when it ends, on Ctrl-C too, and every wait
 has a timeout (`--timeout-s` per trial).
+
+`--model-path DIR` gives every trial an already built model (`model.path`): a job whose warm start
+changed would otherwise build its model (minutes, under load tens of minutes) inside the first
+trial's timeout, and inside every later one that starts while it is still building.
 """
 
 from __future__ import annotations
@@ -589,7 +593,8 @@ def _launcher_lines(log: Path) -> list[str]:
 
 
 def run_trial(fault: Fault, *, seed: int, steps: int = 10, timeout_s: float = 1200.0,
-              work_root: Path = Path("/tmp/tiderl-chaos"), keep: bool = False) -> dict[str, Any]:
+              work_root: Path = Path("/tmp/tiderl-chaos"), keep: bool = False,
+              model_path: Path | None = None) -> dict[str, Any]:
     """One run with one injected `fault`; returns its result line (see the module docstring)."""
     rng = random.Random(f"{fault.name}:{seed}")
     steps = max(steps, fault.min_steps)
@@ -601,7 +606,8 @@ def run_trial(fault: Fault, *, seed: int, steps: int = 10, timeout_s: float = 12
                               "run_dir": str(work_dir / "run"), "note": ""}
     with ExitStack() as outer:  # mounts and helper servers: they outlive the run's processes
         trial = Trial(fault.name, seed, steps, work_dir, work_dir / "run", time.monotonic() + timeout_s, outer, rng,
-                      sets=base_sets(steps) + list(fault.sets))
+                      sets=base_sets(steps) + list(fault.sets)
+                      + ([f"model.path={model_path.resolve()}"] if model_path is not None else []))
         injected = False
         try:
             if fault.setup is not None:
@@ -701,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="Wall-clock limit of one trial.")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories (else removed after each).")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tiderl-chaos"), help="Where trials run.")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="An already built model for every trial (model.path); default: the job's own, "
+                             "built by the first trial that needs it, inside that trial's timeout.")
     args = parser.parse_args(argv)
     names = list(FAULTS) if args.all else args.fault
     if not names:
@@ -714,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"chaos: {name} (seed {args.seed}): {FAULTS[name].what}", file=sys.stderr, flush=True)
             t0 = time.monotonic()
             line = run_trial(FAULTS[name], seed=args.seed, steps=args.steps, timeout_s=args.timeout_s,
-                             work_root=args.work_dir, keep=args.keep)
+                             work_root=args.work_dir, keep=args.keep, model_path=args.model_path)
             print(json.dumps(line), flush=True)
             print(f"chaos: {name} took {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
