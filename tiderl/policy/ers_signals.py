@@ -165,8 +165,8 @@ def _walk(snapshot: ErsSnapshot, steady: tuple[StepObservation, ...], history_st
         j = _run_start(steady, i)
         if i < len(steady) and not steady[i - 1].evaluation and i - j - 1 >= MIN_WINDOW_STEPS:
             cut = len(snapshot.steps) - (len(steady) - i)  # steady is a suffix of the snapshot's steps
-            walk = build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
-            return replace(walk, walk=None)
+            # That split's window is full, so these signals carry no walk of their own (invariant 5).
+            return build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
         i = j
     return None
 

@@ -14,9 +14,11 @@ admitted with the probe's measured first-turn footprint.
 With an adaptive budget (`budget_limits`), the worker judges every turn of a task
 that stayed resident since its previous generation: did the engine serve that
 context from its prefix cache (`Generation.num_cached_tokens`)? Once a window of
-turns is judged, `tiderl.policy.ctb_budget.adjust_budget` sets the next budget:
+turns is judged, `tiderl.policy.ctb_budget.next_budget` sets the next budget:
 it grows while the budget holds tasks back and the cache keeps what the resident
-tasks left in it, and shrinks when it evicts them. The bookkeeping is
+tasks left in it, and shrinks when it evicts them; where the worker's `CostMeter`
+has fitted what a re-prefilled token costs, by what the evicted contexts cost
+against what the overcommit could add. The bookkeeping is
 `tiderl.policy.ctb_budget.BudgetTracker`, which the simulator's rollout ranks
 keep the same way.
 """
