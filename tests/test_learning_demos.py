@@ -42,3 +42,26 @@ def test_a_demonstration_game_is_played_by_one_player() -> None:
 def test_the_scan_fraction_is_a_probability(fraction: float) -> None:
     with pytest.raises(EnvOptionError, match="demo_scan_fraction"):
         make_env("hilo").reset(seed=0, options={"demo_scan_fraction": fraction})
+
+
+def test_the_job_sets_the_warm_start_demonstrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.init_demo_noise` and `model.init_train_steps` reach the tiny model's spec (and so its cache
+    name); a noise outside [0, 1] is refused with the key named."""
+    from pathlib import Path
+
+    from tiderl.config.job import load_job
+    from tiderl.config.schema import ConfigError
+    from tiderl.rollout import from_config, tiny_model
+
+    root = Path(__file__).resolve().parents[1]
+    built = []
+    monkeypatch.setattr(tiny_model, "init_model", lambda out, spec: built.append((out, spec)) or out)
+    for noise in ("0.05", "0.3"):
+        job = load_job(root / "jobs/quickstart.yaml", [f"model.init_demo_noise={noise}", "model.init_train_steps=40"])
+        from_config.model_dir(job)
+    (dir_a, a), (dir_b, b) = built
+    assert (a.demo_noise, b.demo_noise, a.train_steps) == (0.05, 0.3, 40)
+    assert a.env_options == b.env_options == dict(job.env.options)
+    assert dir_a != dir_b
+    with pytest.raises(ConfigError, match="init_demo_noise"):
+        load_job(root / "jobs/quickstart.yaml", ["model.init_demo_noise=1.5"])

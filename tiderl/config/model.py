@@ -19,6 +19,13 @@ class ModelConfig:
         help="Supervised warm-start steps of the tiny model when `path` is null. Fewer: a weaker start that "
         "leaves RL more to learn. Its demonstrations use `env.options` when `init_env` is `env.name`.",
     )
+    init_demo_noise: float = option(
+        0.3,
+        ge=0.0,
+        le=1.0,
+        help="Share of random actions in the tiny model's warm-start demonstrations when `path` is null. "
+        "Less noise: the sampled policy plays closer to the demonstrators, and RL moves greedy play sooner.",
+    )
     max_context_tokens: int = option(
         1024, ge=64, help="Longest context (prompt + all turns) a task may reach, in tokens."
     )

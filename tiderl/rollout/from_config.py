@@ -24,7 +24,7 @@ def model_dir(job: JobConfig) -> Path:
 
     m = job.model
     spec = TinyModelSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name else {},
-                         train_steps=m.init_train_steps)
+                         train_steps=m.init_train_steps, demo_noise=m.init_demo_noise)
     return init_model(spec_model_dir(spec), spec)
 
 
