@@ -6,6 +6,13 @@
       weights/v{N}/          published weights version N (safetensors, config, tokenizer, checksum)
       ckpt/step{N}/          optimizer checkpoints
       logs/                  one log file per process (control.log, rank{R}.log, env{I}.log)
+      rendezvous/v{N}        the trainer group's rendezvous file for plan version N
+      rendezvous/v{N}.data-ready   the leader's marker that version N's step input is ready
+      env{I}.port            the port local environment server I listens on
+      env.token              the run's own environment token (0600) when the job names none
+
+Directories under weights/ and ckpt/ are numbered by :func:`version_dir` and :func:`checkpoint_dir`
+(the publisher and the checkpointer take those roots, not a RunPaths).
 """
 
 from __future__ import annotations
@@ -25,6 +32,33 @@ T = TypeVar("T")
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+def version_dir(weights_root: Path, version: int) -> Path:
+    """Published weights version `version` under `weights_root`."""
+    return Path(weights_root) / f"v{version}"
+
+
+def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
+    """The optimizer checkpoint of step `step` under `ckpt_root`."""
+    return Path(ckpt_root) / f"step{step}"
+
+
+def _numbered(root: Path, pattern: re.Pattern[str]) -> list[int]:
+    if not Path(root).is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in Path(root).iterdir() if (m := pattern.match(p.name)) and p.is_dir())
+
+
+def weight_versions_in(weights_root: Path) -> list[int]:
+    """Committed weight versions under `weights_root`, ascending (half-written `.vN.tmp-*` excluded)."""
+    return _numbered(weights_root, _VERSION_DIR)
+
+
+def checkpoint_steps_in(ckpt_root: Path) -> list[int]:
+    """Committed checkpoint steps under `ckpt_root`, ascending."""
+    return _numbered(ckpt_root, _STEP_DIR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +85,28 @@ class RunPaths:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous"
+
+    @property
+    def env_token(self) -> Path:
+        return self.root / "env.token"
+
     def weights_version(self, version: int) -> Path:
-        return self.weights / f"v{version}"
+        return version_dir(self.weights, version)
 
     def checkpoint(self, step: int) -> Path:
-        return self.ckpt / f"step{step}"
+        return checkpoint_dir(self.ckpt, step)
+
+    def rendezvous_version(self, version: int) -> Path:
+        return self.rendezvous / f"v{version}"
+
+    def data_ready(self, version: int) -> Path:
+        return self.rendezvous / f"v{version}.data-ready"
+
+    def env_port(self, index: int) -> Path:
+        return self.root / f"env{index}.port"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
@@ -68,10 +119,7 @@ class RunPaths:
 
     def weight_versions(self) -> list[int]:
         """Published weight versions on disk, ascending (half-written `*.tmp` dirs excluded)."""
-        if not self.weights.is_dir():
-            return []
-        found = (_VERSION_DIR.match(p.name) for p in self.weights.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return weight_versions_in(self.weights)
 
     def create(self) -> "RunPaths":
         for d in (self.root, self.weights, self.ckpt, self.logs):

@@ -20,9 +20,8 @@ from pathlib import Path
 from tiderl.config.env import EnvConfig
 from tiderl.envs.client import EnvPool
 from tiderl.envs.protocol import TOKEN_ENV_VAR
-from tiderl.paths import atomic_write_text
+from tiderl.paths import RunPaths, atomic_write_text
 
-RUN_TOKEN_FILE = "env.token"  # the launcher's per-run token, 0600, in the run directory
 
 
 class EnvServerStartError(RuntimeError):
@@ -76,8 +75,8 @@ def token_file_of(cfg: EnvConfig, run_dir: Path | None = None) -> Path | None:
     where the launcher made one (`ensure_run_token`)."""
     if cfg.token_file:
         return Path(cfg.token_file)
-    if run_dir is not None and (Path(run_dir) / RUN_TOKEN_FILE).is_file():
-        return Path(run_dir) / RUN_TOKEN_FILE
+    if run_dir is not None and RunPaths(Path(run_dir)).env_token.is_file():
+        return RunPaths(Path(run_dir)).env_token
     return None
 
 
@@ -102,7 +101,7 @@ def read_token_file(path: Path) -> str:
 
 def ensure_run_token(run_dir: Path) -> Path:
     """`RUN_DIR/env.token`: a random token only its owner can read, made once per run (a resume keeps it)."""
-    path = Path(run_dir) / RUN_TOKEN_FILE
+    path = RunPaths(Path(run_dir)).env_token
     if not path.is_file():
         atomic_write_text(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
     return path

@@ -112,7 +112,7 @@ def start_env_server(launch: Launch, env: dict[str, str] | None, i: int, *, port
     """Env server `i` of the run (on `port`; 0: a free one) and its URL, once it listens."""
     from tiderl.envs.launch import server_argv, wait_for_url
 
-    port_file = launch.paths.root / f"env{i}.port"
+    port_file = launch.paths.env_port(i)
     port_file.unlink(missing_ok=True)
     child = procs.spawn(f"env{i}", server_argv(launch.config.env, port_file, token_file=_token_file(launch), port=port),
                         launch.paths.env_log(i), env=env, marker=note or launch_note(launch))
@@ -212,7 +212,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         state, message = _watch(store, children, out, eval_tasks, launched_at,
                                 restart=restarter(launch, tag, start_ranks, urls),
                                 restart_limit=cfg.launch.restarts,
-                                rendezvous=paths.root / "rendezvous" if start_ranks is start_local_ranks else None)
+                                rendezvous=paths.rendezvous if start_ranks is start_local_ranks else None)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -273,7 +273,7 @@ def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
         if rank["state"] in (RankState.STOPPED.value, RankState.FAILED.value):
             store.set_rank_state(rank["rank"], RankState.RUNNING)
     store.reclaim_expired(0.0)
-    shutil.rmtree(paths.root / "rendezvous", ignore_errors=True)
+    shutil.rmtree(paths.rendezvous, ignore_errors=True)
 
 
 def _let_ranks_leave(children: list[procs.Child], grace_s: float) -> None:

@@ -276,7 +276,7 @@ def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[
     from tiderl.trainer.group import init_trainer_group, leave_trainer_group
 
     index = actors.index(ctx.rank) if ctx.rank in actors else len(actors) + refs.index(ctx.rank)
-    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.root / "rendezvous" / f"v{plan.version}",
+    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.rendezvous_version(plan.version),
                               timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
     try:
         return body(comm)
@@ -311,7 +311,7 @@ def _ref(ctx: RankContext) -> RefRank:
 
 
 def _step_marker(ctx: RankContext, version: int) -> Path:
-    return ctx.paths.root / "rendezvous" / f"v{version}.data-ready"
+    return ctx.paths.data_ready(version)
 
 
 async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from tiderl.paths import version_dir
 from tiderl.rollout.engine import EngineError
 from tiderl.store.runstore import RunStore
 from tiderl.trainer.publish import ChecksumError, verify
@@ -49,7 +50,7 @@ class WeightsSource:
     base_dir: Path
 
     def path(self, version: int) -> Path:
-        return self.base_dir if version == 0 else self.weights_root / f"v{version}"
+        return self.base_dir if version == 0 else version_dir(self.weights_root, version)
 
     def resolve(self, version: int) -> Weights:
         """The verified weights of `version`, or of the newest published version where `version` was

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tiderl.paths import when_room
+from tiderl.paths import checkpoint_dir, checkpoint_steps_in, version_dir, weight_versions_in, when_room
 from tiderl.trainer.backend import ActorBackend
 
 CHECKSUM_FILE = "SHA256SUMS"
@@ -35,8 +35,6 @@ MODEL_STATE = "model.pt"
 # Files of a model directory that are weights or config (written by the backend), not tokenizer.
 _MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|.*\.safetensors\.index\.json|"
                           r".*\.bin|" + CHECKSUM_FILE + r"|tiderl-model\.json)$")
-_VERSION = re.compile(r"^v(\d+)$")
-_STEP = re.compile(r"^step(\d+)$")
 
 
 class ChecksumError(RuntimeError):
@@ -114,12 +112,6 @@ def _commit_dir(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def versions_in(root: Path, pattern: re.Pattern[str] = _VERSION) -> list[int]:
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir())
-
-
 class WeightPublisher:
     """Writes ``weights/v{N}/`` after each optimizer step and prunes old versions."""
 
@@ -143,7 +135,7 @@ class WeightPublisher:
         return published
 
     def _publish(self, actor: ActorBackend, version: int) -> PublishedVersion:
-        final = self.root / f"v{version}"
+        final = version_dir(self.root, version)
         tmp = _atomic_dir(final)
         try:
             actor.save_weights(tmp)
@@ -158,10 +150,10 @@ class WeightPublisher:
 
     def prune(self) -> list[int]:
         """Delete all but the newest ``keep_versions`` versions and stale tmp dirs; returns the deleted."""
-        versions = versions_in(self.root)
+        versions = weight_versions_in(self.root)
         doomed = versions[: max(0, len(versions) - self.keep_versions)]
         for v in doomed:
-            shutil.rmtree(self.root / f"v{v}", ignore_errors=True)
+            shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
         # This publisher is the run's only writer of weights/ and has just committed its own: any
         # temporary directory left is that of a publish that was interrupted (a killed trainer).
         for tmp in self.root.glob(".v*.tmp-*"):
@@ -196,12 +188,12 @@ class Checkpointer:
         ``disk_full_wait_s``), then drop all but the newest ``keep``."""
         final = when_room(lambda: self._save(actor, step, version, extra), wait_s=self.disk_full_wait_s,
                           what=f"checkpoint step {step} in {self.root}")
-        for old in versions_in(self.root, _STEP)[: -self.keep]:
-            shutil.rmtree(self.root / f"step{old}", ignore_errors=True)
+        for old in checkpoint_steps_in(self.root)[: -self.keep]:
+            shutil.rmtree(checkpoint_dir(self.root, old), ignore_errors=True)
         return final
 
     def _save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None) -> Path:
-        final = self.root / f"step{step}"
+        final = checkpoint_dir(self.root, step)
         tmp = _atomic_dir(final)
         try:
             state = actor.checkpoint_state()
@@ -218,8 +210,8 @@ class Checkpointer:
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose files match their checksums (a damaged one is skipped)."""
-        for step in reversed(versions_in(self.root, _STEP)):
-            path = self.root / f"step{step}"
+        for step in reversed(checkpoint_steps_in(self.root)):
+            path = checkpoint_dir(self.root, step)
             try:
                 verify(path)
             except ChecksumError:

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Protocol
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.paths import version_dir, weight_versions_in
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
 from tiderl.trainer.plan import StepPlan, drop_flat_groups, plan_step
-from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify, versions_in
+from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify
 from tiderl.trainer.step import LossConfig, StepStats
 
 
@@ -82,8 +83,8 @@ def find_resume_point(base_model: Path, weights_root: Path, ckpt_root: Path, kee
     redone, so no trajectory is trained twice).
     """
     ckpt = Checkpointer(ckpt_root, every=1, keep=keep_checkpoints).latest()
-    for v in reversed(versions_in(weights_root)):
-        path = weights_root / f"v{v}"
+    for v in reversed(weight_versions_in(weights_root)):
+        path = version_dir(weights_root, v)
         try:
             verify(path)
         except ChecksumError:
