@@ -10,7 +10,9 @@ prefill), and send one report: finished trajectories, failures, releases,
 metrics, task whereabouts and the claim of enough new tasks that the worker
 holds up to `rollout.max_concurrency` unfinished ones (it admits them by its
 scheduler: CTB by KV token budget, probes and priorities). An evaluation runs on
-the weights it evaluates (see `run_rollout`).
+the weights it evaluates. Each tick observes, asks the pure decisions of
+:mod:`tiderl.run.rollout_tick` (which weights to hold, what to claim, how to count
+the tick), then acts.
 RWT (`rwt_s`) counts the seconds the rank had free slots but nothing to claim
 (the feeder holds tasks back for staleness, or the buffer is full), even while
 it played other tasks; `rollout_idle_s` counts the seconds it had no task at
@@ -35,6 +37,7 @@ from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker, WorkerReport
 from tiderl.run.context import RankContext, RunStopped
+from tiderl.run.rollout_tick import Versions, WeightsStep, claim_kinds, tick_metric
 from tiderl.store.types import (ClaimRequest, EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport,
                                 Role, TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
 
@@ -219,78 +222,70 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     if engine.weights_version < plan.version:
         await _reload(ctx, engine, plan.version, report)
     role = RolloutRole(cfg, ctx.rank, engine, _pool(ctx), _chat(ctx))
-    # The weights the engine holds: newer than the plan where the planned ones had been pruned, older
-    # where they were rejected (damaged files).
-    version = engine.weights_version
-    planned = plan.version  # the newest version this rank has reached the boundary of
-    rejected: set[int] = set()  # planned versions whose weights failed their checksums
-    # An evaluation runs on the weights it evaluates: a rank holding evaluation tasks keeps its
-    # weights past boundaries (claiming only evaluation tasks of that version; its training tasks
-    # go back once too stale) until they finish, then it reloads. An evaluation is a fixed number
-    # of bounded tasks, so the rank is back within one evaluation's time.
-    kept_for = -1
+    # Which weights to hold, what to claim: tiderl.run.rollout_tick (an evaluation runs on the weights
+    # it evaluates). The engine may hold weights newer than the plan (the planned ones were pruned) or
+    # older (rejected: damaged files).
+    v = Versions(held=engine.weights_version, planned=plan.version)
     stats = RolloutStats(ctx.rank)
     last = time.monotonic()
     try:
         while True:
             await asyncio.sleep(cfg.rollout.report_interval_s)
+            # Observe: the tick's time, the worker's results, the boundary.
             now = time.monotonic()
             tick_s, last = now - last, now
-            if role.worker.num_unfinished == 0:  # nothing at all to play: the rank (its GPU) idled
-                report.metrics.append(MetricPoint("rollout_idle_s", tick_s, version, "rollout"))
-            elif role.worker.num_generating:  # the engine had work (sampled once a tick): ERS's supply rate
-                report.metrics.append(MetricPoint("rollout_busy_s", tick_s, version, "rollout"))
+            metric = tick_metric(role.worker.num_unfinished, role.worker.num_generating)
+            if metric is not None:
+                report.metrics.append(MetricPoint(metric.value, tick_s, v.held, "rollout"))
             role.drain(report)
             stats.observe(role)
-            nxt = ctx.boundary(planned)
+            nxt = ctx.boundary(v.planned)
             if nxt is not None:
                 if nxt.roles.get(ctx.rank) is not Role.ROLLOUT:
                     await role.release(report, handoff=True)  # carried on by the ranks still rolling out
                     role.drain(report)
                     report.events.append(EventRecord("role_switch", f"rank {ctx.rank}: rollout -> "
                                                      f"{nxt.roles[ctx.rank].value} at version {nxt.version}"))
-                    await stats.add_to(report, role, engine, version)
+                    await stats.add_to(report, role, engine, v.held)
                     _send(ctx, report, nxt.version, nxt.roles[ctx.rank])
                     return nxt
-                planned = nxt.version
-                await role.release(report, role.stale(planned - ctx.system.max_staleness))
+                v = v.at_boundary(nxt.version)
+                await role.release(report, role.stale(v.stale_bound(ctx.system.max_staleness)))
                 role.drain(report)
-            if version < planned and role.holds_evaluation(version):
-                if kept_for != planned:
-                    kept_for = planned
-                    report.events.append(EventRecord("weights_kept", f"rank {ctx.rank} keeps weights v{version} "
-                                                     f"past v{planned} for its evaluation tasks"))
-            elif version < planned and planned not in rejected:
+            # Decide and act: the weights.
+            step, v = v.weights_step(role.holds_evaluation(v.held))
+            if step is WeightsStep.KEEP:
+                report.events.append(EventRecord("weights_kept", f"rank {ctx.rank} keeps weights v{v.held} "
+                                                 f"past v{v.planned} for its evaluation tasks"))
+            elif step is WeightsStep.RELOAD:
                 t0 = time.monotonic()
-                loaded = await _reload(ctx, engine, planned, report)
-                if loaded is None:
-                    rejected.add(planned)  # rolls out on the weights it has until a version loads
-                else:
+                loaded = await _reload(ctx, engine, v.planned, report)
+                v = v.reloaded(loaded)
+                if loaded is not None:
                     report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, loaded, "rollout"))
                     evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
                     await role.release(report, evals)  # they may only run on the weights they evaluate
-                    version = loaded
                     role.worker.poke()  # new weights, fewer tasks: the scheduler decides again
                     role.drain(report)
+            # The claim, in the tick's one transaction, after its releases.
             free = cfg.rollout.max_concurrency - role.worker.num_unfinished
-            if free > 0:  # claimed in the tick's one transaction, after its releases
-                kinds = (TaskKind.EVAL,) if version < planned and planned not in rejected else tuple(TaskKind)
-                report.claim = ClaimRequest(limit=free, kinds=kinds, weights_version=version, spread=True)
+            if free > 0:
+                report.claim = ClaimRequest(limit=free, kinds=claim_kinds(v), weights_version=v.held, spread=True)
             if stats.due(now):
-                await stats.add_to(report, role, engine, version)
-            claims = _send(ctx, report, version, Role.ROLLOUT)
+                await stats.add_to(report, role, engine, v.held)
+            claims = _send(ctx, report, v.held, Role.ROLLOUT)
             starved = report.claim is not None and not claims
             if claims:
                 role.add(claims)
-            report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=version)
+            report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=v.held)
             if starved:  # free slots and nothing to claim: the rank waited this tick
-                report.metrics.append(MetricPoint("rwt_s", tick_s, version, "rollout"))
+                report.metrics.append(MetricPoint("rwt_s", tick_s, v.held, "rollout"))
     except RunStopped:
         await role.release(report)
         role.drain(report)
-        await stats.add_to(report, role, engine, version)
+        await stats.add_to(report, role, engine, v.held)
         if not report.is_empty():
-            _send(ctx, report, version, Role.ROLLOUT)
+            _send(ctx, report, v.held, Role.ROLLOUT)
         return None
     finally:
         await role.close()
