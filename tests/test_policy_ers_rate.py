@@ -49,7 +49,8 @@ def count(roles, role) -> int:
     return sum(1 for r in roles if r is role)
 
 
-@pytest.mark.parametrize("limits", [LIMITS, ELASTIC, replace(LIMITS, max_moves_per_step=2)])
+@pytest.mark.parametrize("limits", [LIMITS, ELASTIC, replace(LIMITS, max_moves_per_step=2),
+                                    replace(ELASTIC, max_rollout_moves_per_step=3)])
 @pytest.mark.parametrize("roles", MAPS)
 @pytest.mark.parametrize("sig", ALL)
 def test_1_the_general_invariants_hold(roles, sig, limits):
@@ -62,7 +63,9 @@ def test_1_the_general_invariants_hold(roles, sig, limits):
     else:
         model = estimate(sig, limits)
         allowed = {(R, F), (F, R), (R, A), (A, R)}
-        if p.moves and (len(p.moves) > limits.max_moves_per_step or count(p.roles, R) == count(roles, R)):
+        to_rollout = sum(1 for m in p.moves if m.to_role is R)
+        beyond = to_rollout > limits.rollout_moves or len(p.moves) - to_rollout > limits.max_moves_per_step
+        if p.moves and (beyond or count(p.roles, R) == count(roles, R)):
             # Invariant 9: beyond the limit only to leave a valley, where a rank may pass through rollout
             # between ref and actor.
             assert predict_tok_s(split_of(p.roles), model)[2] >= predict_tok_s(split_of(roles), model)[2]
@@ -287,3 +290,18 @@ def test_10_a_walk_moves_within_the_margin_and_the_move_limit():
     assert plan(roles, walking(MEASURED_2_4, +1), replace(ELASTIC, rate_margin=10.0)).moves == ()
     two = plan(roles, walking(MEASURED_2_4, +1), replace(ELASTIC, max_moves_per_step=2))
     assert len(two.moves) == 2 and count(two.roles, R) == 5
+
+
+def test_3_moves_to_rollout_may_have_their_own_limit():
+    """`max_rollout_moves_per_step` bounds the moves to rollout apart from the trainer's scale-up (the paper
+    bounds only the latter to one rank a step)."""
+    roles = (R, R, R, A, A, A)
+    one = plan(roles, walking(MEASURED_2_4, +1), ELASTIC)
+    assert len(one.moves) == 1
+    two = plan(roles, walking(MEASURED_2_4, +1), replace(ELASTIC, max_rollout_moves_per_step=2))
+    assert len(two.moves) == 2 and {m.to_role for m in two.moves} == {R} and count(two.roles, R) == 5
+    # The trainer's scale-up keeps max_moves_per_step.
+    q = plan((R, R, R, R, A, A), SLOW_TRAINER, replace(ELASTIC, max_rollout_moves_per_step=3))
+    assert q.reason is ErsReason.RATE_TO_TRAINER and len(q.moves) == 1
+    with pytest.raises(ValueError, match="max_rollout_moves_per_step"):
+        replace(ELASTIC, max_rollout_moves_per_step=0)

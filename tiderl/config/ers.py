@@ -37,6 +37,14 @@ class ErsConfig:
         "start and evaluation is exempt: it only adds rollout capacity; so is the rate planner's trainer "
         "re-partition between actor and ref: it keeps the rollout side and regroups the actors once).",
     )
+    max_rollout_moves_per_step: int | None = option(
+        None,
+        ge=1,
+        help="Most ranks that move to rollout (from ref, actor or idle) at one sync boundary, counted apart "
+        "from `max_moves_per_step`, which then bounds only the moves that scale the trainer up (and to idle). "
+        "null: the same bound for every move. The paper bounds only the trainer's scale-up to one rank a step; "
+        "a rank given back to rollout costs no weight transfer (it joins the broadcast).",
+    )
     min_rollout_ranks: int = option(1, ge=1, help="Fewest rollout ranks ERS keeps.")
     min_actor_ranks: int = option(1, ge=1, help="Fewest actor ranks ERS keeps.")
     elastic_actors: bool = option(

@@ -60,7 +60,8 @@ Invariants (each has a test in tests/test_policy_ers.py)
    (``host``, tiderl.policy.ers_rate), and ACTOR <-> REF in a rate plan's
    trainer re-partition or valley escape (``elastic_actors``); ``moves`` lists exactly the
    ranks whose role changed.
-3. At most ``max_moves_per_step`` moves, except a preemptive plan, its
+3. At most ``max_moves_per_step`` moves (with ``max_rollout_moves_per_step`` set, at most that many
+   moves to rollout and ``max_moves_per_step`` others), except a preemptive plan, its
    return at the evaluation's end, a trainer re-partition (it leaves the rollout side as it is and costs one
    regroup of the actors however many ranks it moves) and a rate plan leaving a valley (a split on the
    way predicted slower than the current one: tiderl.policy.ers_rate, invariant 9).
@@ -144,6 +145,8 @@ class ErsLimits:
     enabled: bool = True
     hol_tau: float = 1.0
     max_moves_per_step: int = 1
+    max_rollout_moves_per_step: int | None = None
+    """Most moves to rollout at one boundary (None: max_moves_per_step bounds every move)."""
     min_rollout_ranks: int = 1
     min_actor_ranks: int = 1
     max_ref_ranks: int | None = None
@@ -175,6 +178,13 @@ class ErsLimits:
             raise ValueError(f"rank_tasks: must be >= 1, got {self.rank_tasks}")
         if self.group_size < 1:
             raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
+        if self.max_rollout_moves_per_step is not None and self.max_rollout_moves_per_step < 1:
+            raise ValueError(f"max_rollout_moves_per_step: must be >= 1 or None, got {self.max_rollout_moves_per_step}")
+
+    @property
+    def rollout_moves(self) -> int:
+        """Most moves to rollout at one boundary."""
+        return self.max_moves_per_step if self.max_rollout_moves_per_step is None else self.max_rollout_moves_per_step
 
     @classmethod
     def from_config(cls, ers: object, groups_min: int, groups_ideal: int, max_staleness: int = 1,
@@ -197,6 +207,7 @@ class ErsLimits:
             enabled=ers.enabled,  # type: ignore[attr-defined]
             hol_tau=ers.hol_tau,  # type: ignore[attr-defined]
             max_moves_per_step=ers.max_moves_per_step,  # type: ignore[attr-defined]
+            max_rollout_moves_per_step=ers.max_rollout_moves_per_step,  # type: ignore[attr-defined]
             min_rollout_ranks=ers.min_rollout_ranks,  # type: ignore[attr-defined]
             min_actor_ranks=ers.min_actor_ranks,  # type: ignore[attr-defined]
             max_ref_ranks=ers.max_ref_ranks,  # type: ignore[attr-defined]
@@ -380,7 +391,7 @@ def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits
         return finish_plan(current, tuple(new), fetch, ErsReason.CONSUMPTION_DEFICIT)
 
     if signals.ready_groups < limits.groups_ideal:
-        budget = limits.max_moves_per_step if signals.rollout_idle_ranks < 1.0 else 0
+        budget = limits.rollout_moves if signals.rollout_idle_ranks < 1.0 else 0
         from_ref = min(budget, num_ref)
         new = move_roles(current, Role.REF, Role.ROLLOUT, from_ref)
         if limits.elastic_actors:

@@ -68,8 +68,10 @@ Decision: the best split over every split the limits allow (rollout ranks
 up to the count that keeps up with the actors, and within max_ref_ranks,
 idle ranks only with a shared host);
 ties go to the current split, then to fewer moves. The plan moves toward it,
-at most ``max_moves_per_step`` ranks, and only if the predicted gain of the
-best split over the current one exceeds ``rate_margin`` (hysteresis).
+at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
+moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
+and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
+(hysteresis).
 
 Invariants (each has a test in tests/test_policy_ers_rate.py)
 1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
@@ -412,19 +414,21 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
     new = current
     split = now
-    moves = 0
+    moves = {True: 0, False: 0}  # moves to rollout, other moves: each kind within its limit
+    limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
     measured = dict(model.gen_curve)  # rollout counts measured: a valley is crossed only toward one
     while split != best:
-        # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
-        # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
-        if moves >= limits.max_moves_per_step and (predict_tok_s(split, model)[2] >= now_g
-                                                     or best.rollout not in measured):
-            break
         step = _one_move(new, split, best, limits, model.stage_times)
         if step is None:
             break
+        grows = step[1].rollout > split.rollout
+        # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
+        # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
+        if moves[grows] >= limit[grows] and (predict_tok_s(split, model)[2] >= now_g
+                                             or best.rollout not in measured):
+            break
         new, split = step
-        moves += 1
+        moves[grows] += 1
     if trial is None and predict_tok_s(split, model)[2] < now_g:
         return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
     if split.idle > now.idle:
