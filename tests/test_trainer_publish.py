@@ -29,14 +29,15 @@ class Source:
         return StepInput(version, tuple(random_samples(2, 4, version=version, seed=100 + version)), self.mode)
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.results: list[PublishedStep] = []
-
-    def publish(self, result: PublishedStep) -> None:
-        # the version directory is complete before the version row is committed
-        verify(result.published.path)
-        self.results.append(result)
+def run(rank: ActorRank, num_steps: int) -> list[PublishedStep]:
+    """Train `num_steps` steps from the rank's version, as tiderl.run.trainer_role does one at a time."""
+    out = []
+    for _ in range(num_steps):
+        result = rank.train_step(Source().next_step(rank.version))
+        assert isinstance(result, PublishedStep)
+        verify(result.published.path)  # the version directory is complete when the step returns
+        out.append(result)
+    return out
 
 
 def _rank(base: Path, run: Path, **cfg) -> ActorRank:
@@ -47,14 +48,13 @@ def _rank(base: Path, run: Path, **cfg) -> ActorRank:
 
 def test_publish_each_step_keep_last_n_and_load_with_transformers(base, tmp_path):
     rank = _rank(base, tmp_path, keep_versions=2, checkpoint_every=2)
-    sink = Sink()
-    rank.run(Source(), sink, num_steps=3)
-    assert [r.published.version for r in sink.results] == [1, 2, 3]
+    results = run(rank, 3)
+    assert [r.published.version for r in results] == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3"]
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step2"]
-    assert [r.checkpoint is not None for r in sink.results] == [False, True, False]
+    assert [r.checkpoint is not None for r in results] == [False, True, False]
     v3 = tmp_path / "weights" / "v3"
-    assert verify(v3) == sink.results[-1].published.checksum
+    assert verify(v3) == results[-1].published.checksum
     model = AutoModelForCausalLM.from_pretrained(v3)
     tok = AutoTokenizer.from_pretrained(v3)
     ids = tok("guess 42 higher")["input_ids"]
@@ -65,25 +65,25 @@ def test_publish_each_step_keep_last_n_and_load_with_transformers(base, tmp_path
     # training moved the weights away from the base model
     base_model = AutoModelForCausalLM.from_pretrained(base)
     assert not torch.equal(base_model.lm_head.weight, model.lm_head.weight)
-    stats = sink.results[-1].stats
+    stats = results[-1].stats
     assert stats.num_sequences == 8 and stats.num_swaps == 2 and stats.staleness_max <= 1
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(base, tmp_path):
     straight = _rank(base, tmp_path / "a", checkpoint_every=1)
-    straight.run(Source(), None, num_steps=3)
+    run(straight, 3)
     first = _rank(base, tmp_path / "b", checkpoint_every=1)
-    first.run(Source(), None, num_steps=2)
+    run(first, 2)
     resumed = _rank(base, tmp_path / "b", checkpoint_every=1)
     assert resumed.version == 2 and resumed.resumed_from.is_exact
-    resumed.run(Source(), None, num_steps=1)
+    run(resumed, 1)
     a, b = straight.actor.model.state_dict(), resumed.actor.model.state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
 def test_resume_with_an_older_checkpoint_keeps_the_newest_weights(base, tmp_path):
     first = _rank(base, tmp_path, checkpoint_every=2)
-    first.run(Source(), None, num_steps=3)
+    run(first, 3)
     point = find_resume_point(base, tmp_path / "weights", tmp_path / "ckpt")
     assert point.version == 3 and point.checkpoint.version == 2 and not point.is_exact
     resumed = _rank(base, tmp_path, checkpoint_every=2)
@@ -93,7 +93,7 @@ def test_resume_with_an_older_checkpoint_keeps_the_newest_weights(base, tmp_path
 
 def test_damaged_version_is_detected_and_skipped(base, tmp_path):
     rank = _rank(base, tmp_path, keep_versions=3)
-    rank.run(Source(), None, num_steps=2)
+    run(rank, 2)
     v2 = tmp_path / "weights" / "v2"
     weights = next(v2.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
@@ -119,7 +119,7 @@ def test_failed_publish_leaves_no_version_and_no_temporary(base, tmp_path):
 
 def test_verify_refuses_empty_malformed_and_incomplete_sums(base, tmp_path):
     rank = _rank(base, tmp_path, keep_versions=3)
-    rank.run(Source(), None, num_steps=1)
+    run(rank, 1)
     v1 = tmp_path / "weights" / "v1"
     sums = v1 / CHECKSUM_FILE
     good = sums.read_text()
@@ -142,9 +142,9 @@ def test_verify_refuses_empty_malformed_and_incomplete_sums(base, tmp_path):
 
 def test_prune_removes_the_temporaries_of_interrupted_publishes(base, tmp_path):
     rank = _rank(base, tmp_path, keep_versions=2)
-    rank.run(Source(), None, num_steps=1)
+    run(rank, 1)
     left = tmp_path / "weights" / ".v2.tmp-killed"  # a trainer killed while it wrote v2
     left.mkdir()
     (left / "model.safetensors").write_bytes(b"\0" * 16)
-    rank.run(Source(), None, num_steps=2)
+    run(rank, 1)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2"]

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from tiderl.paths import atomic_write_text, when_room
+from tiderl.policy.ra2p import ready_at_start, time_per_ready_microbatch_s
 from tiderl.run.context import RankContext
 from tiderl.run.systems import FetchPolicy
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
@@ -147,12 +148,10 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
     wait_s = time.monotonic() - start
     if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
         arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
-    tprm = None
-    if len(arrivals) >= 2:
-        tprm = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
-    elif arrivals:
-        tprm = arrivals[0]
-    return claimed, ras or 0, tprm, dropped
+    # Each micro-batch's ready time relative to the step start (<= 0: ready at the start), read by RA2P's own
+    # definitions of RAS and TPRM.
+    ready = [0.0] * (ras or 0) + [max(a, 1e-9) for a in arrivals]
+    return claimed, ready_at_start(ready), time_per_ready_microbatch_s(ready), dropped
 
 
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:

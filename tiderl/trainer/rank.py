@@ -1,15 +1,14 @@
-"""Trainer ranks: the actor and ref loops, fed by a step source and publishing through a sink.
+"""Trainer ranks: one step of an actor rank or of a ref rank, given the step's input.
 
-One step on an actor rank: take the step's input from the source (every
-rank of the trainer group gets the same input), plan it (deterministic, so
-all ranks agree), run this rank's share in the step's RA2P mode, optimizer
-step; then actor 0 publishes weights version k+1, hands the result to the
-sink (the run store commits the version row) and checkpoints every M steps.
-A ref rank (decoupled mode) plans the same step and serves ref_logprobs.
+One step on an actor rank (`ActorRank.train_step`): plan the step's input
+(deterministic, so every rank of the trainer group agrees), run this rank's
+share in the step's RA2P mode, optimizer step; then actor 0 publishes weights
+version k+1 and checkpoints every M steps. A ref rank (`RefRank.serve_step`,
+decoupled mode) plans the same step and serves ref_logprobs.
 
-The source and the sink are the only contact with the rest of the run, so
-the run store plugs in with a few lines (claim ready groups -> StepInput;
-PublishedStep -> version row).
+The run drives them from tiderl.run.trainer_role (claims from the run store in,
+the version row committed after the publish); tools/bench_ra2p.py through
+tiderl.trainer.local (a `StepSource` broadcast to the group).
 """
 
 from __future__ import annotations
@@ -48,18 +47,13 @@ class StepSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PublishedStep:
-    """What the leader returns for a step whose weights version it published (and hands to the sink)."""
+    """What the leader returns for a step whose weights version it published."""
 
     stats: StepStats
     published: PublishedVersion
     trajectory_ids: tuple[int | str, ...]
     mode: Ra2pMode
     checkpoint: Path | None
-
-
-class VersionSink(Protocol):
-    def publish(self, result: PublishedStep) -> None:
-        """Record a published version (e.g. commit its version row)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +214,7 @@ class ActorRank:
         self.version, self.exact = best  # type: ignore[misc]
         return True
 
-    def train_step(self, inp: StepInput, sink: VersionSink | None = None) -> PublishedStep | StepStats:
+    def train_step(self, inp: StepInput) -> PublishedStep | StepStats:
         """Train one step; the leader publishes and returns a PublishedStep, the others their StepStats."""
         if inp.version != self.version:
             raise ValueError(f"step input trains version {inp.version}, this rank holds version {self.version}")
@@ -247,18 +241,7 @@ class ActorRank:
             mode=inp.mode,
             checkpoint=ckpt,
         )
-        if sink is not None:
-            sink.publish(result)
         return result
-
-    def run(self, source: StepSource, sink: VersionSink | None, num_steps: int) -> list[PublishedStep | StepStats]:
-        out = []
-        while self.steps_done < num_steps:
-            inp = source.next_step(self.version)
-            if inp is None:
-                break
-            out.append(self.train_step(inp, sink))
-        return out
 
 
 class RefRank:
@@ -272,14 +255,3 @@ class RefRank:
 
     def serve_step(self, inp: StepInput) -> RefStats:
         return run_ref(build_plan(inp, self.config, self.comm), self.ref, self.comm)
-
-    def run(self, source: StepSource, start_version: int, num_steps: int) -> list[RefStats]:
-        out = []
-        version = start_version
-        for _ in range(num_steps):
-            inp = source.next_step(version)
-            if inp is None:
-                break
-            out.append(self.serve_step(inp))
-            version += 1
-        return out
