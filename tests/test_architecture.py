@@ -166,3 +166,13 @@ def test_the_checks_see_a_duplicate_and_a_cycle(tmp_path: Path):
     assert "pkg.e" in import_graph(modules)["pkg.sub.x"]
     assert find_cycle(import_graph(modules)) is None
     assert find_cycle(package_graph(import_graph(modules))) == ["pkg.sub", "pkg.e", "pkg.d", "pkg.sub"]
+
+
+def test_the_run_package_names_its_types():
+    """No `Any` in tiderl/run (issue 17): the rank and control processes pass typed records; the status
+    document's formatting lives with it in tiderl/status.py."""
+    import re
+
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in sorted((PACKAGE / "run").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bAny\b", line)]
+    assert found == []

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from tiderl.run import procs
-from tiderl.run.launcher import eval_trend, progress_line, rank_env
+from tiderl.run.launcher import rank_env
+from tiderl.status import eval_trend, progress_line
 
 
 def _doc(evals: list[dict]) -> dict:

@@ -334,3 +334,56 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             return code
     finally:
         store.close()
+
+
+# The launcher's progress line and end-of-run summary, `tiderl submit --wait`'s too.
+
+def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:
+    """One line of progress; an evaluation shows once its `eval_tasks` tasks are all done; `engines`
+    (up, wanted) while the launch waits for its rollout engines."""
+    steps = doc["steps"]
+    last = steps[-1] if steps else {}
+    evals = [e for e in doc["eval"] if e["success_rate"] is not None and e["num_tasks"] >= eval_tasks]
+    roles: dict[str, int] = {}
+    for r in doc["ranks"]:
+        roles[r["role"]] = roles.get(r["role"], 0) + 1
+    b = doc["buffer"]
+    return (f"v{doc['version']}  reward {_f(last.get('reward_mean'), 2)}  success {_f(last.get('success_rate'), 2)}"
+            + (f"  eval {_f(evals[-1]['success_rate'], 2)}@v{evals[-1]['eval_version']}" if evals else "")
+            + (f"  goodput {doc['goodput_tok_s']:.0f} tok/s" if steps else "  goodput -")  # none before a step
+            + "  roles "
+            + " ".join(f"{k}:{v}" for k, v in sorted(roles.items()))
+            + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}"
+            + (f"  engines {engines[0]}/{engines[1]} up" if engines is not None and engines[0] < engines[1] else "")
+            + "   ")
+
+
+def summary(store: Any) -> str:
+    """The end-of-run summary: the status and the evaluation trend."""
+    doc = collect(store)
+    lines = [render(doc)]
+    trend = eval_trend(doc["eval"])
+    if trend:
+        lines.append(trend)
+    return "\n".join(lines)
+
+
+def eval_trend(evals: list[dict[str, Any]]) -> str | None:
+    """The first and last evaluation's success rate, whether the change is beyond noise (95%), and the best
+    later one if it beats the last."""
+    from tiderl.evalstats import compare
+
+    done = [e for e in evals if e["success_rate"] is not None and e["num_tasks"]]
+    if len(done) < 2:
+        return None
+    first, last = done[0], done[-1]
+    best = max(done[1:], key=lambda e: e["success_rate"])
+    line = (f"eval success rate: {first['success_rate']:.2f} at version {first['eval_version']} -> "
+            f"{last['success_rate']:.2f} at version {last['eval_version']}")
+    c = compare(round(first["success_rate"] * first["num_tasks"]), first["num_tasks"],
+                round(last["success_rate"] * last["num_tasks"]), last["num_tasks"])
+    line += (f": {c.change:+.2f}, {'beyond' if c.beyond_noise else 'within'} noise (95%, z {c.z:+.1f}, "
+             f"{first['num_tasks']} and {last['num_tasks']} tasks)")
+    if best["success_rate"] > last["success_rate"]:
+        line += f" (best {best['success_rate']:.2f} at version {best['eval_version']})"
+    return line

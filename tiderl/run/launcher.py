@@ -16,7 +16,6 @@ children and leaves the run resumable.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -25,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths
@@ -238,6 +237,8 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
                   f"(up to {procs.STOP_GRACE_S:.0f} s)", file=out, flush=True)
         procs.stop(children)
         try:
+            from tiderl.status import summary
+
             _mark_ranks_stopped(store)
             print(file=out)
             print(summary(store), file=out, flush=True)
@@ -309,7 +310,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
     """Show progress until the run ends; restart what died where allowed (`rendezvous`: the trainer
     group's rendezvous directory where its ranks are this launcher's own children, which lets an actor or
     ref rank that died restart with its group)."""
-    from tiderl.status import collect
+    from tiderl.status import collect, progress_line
 
     restarts: dict[str, int] = {}
     is_tty = out.isatty()
@@ -350,67 +351,3 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             return RunState(doc["state"]), doc["message"] or ""
 
 
-def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:
-    """One line of progress; an evaluation shows once its `eval_tasks` tasks are all done; `engines`
-    (up, wanted) while the launch waits for its rollout engines."""
-    steps = doc["steps"]
-    last = steps[-1] if steps else {}
-    evals = [e for e in doc["eval"] if e["success_rate"] is not None and e["num_tasks"] >= eval_tasks]
-    roles: dict[str, int] = {}
-    for r in doc["ranks"]:
-        roles[r["role"]] = roles.get(r["role"], 0) + 1
-    b = doc["buffer"]
-    return (f"v{doc['version']}  reward {_f(last.get('reward_mean'))}  success {_f(last.get('success_rate'))}"
-            + (f"  eval {_f(evals[-1]['success_rate'])}@v{evals[-1]['eval_version']}" if evals else "")
-            + (f"  goodput {doc['goodput_tok_s']:.0f} tok/s" if steps else "  goodput -")  # none before a step
-            + "  roles "
-            + " ".join(f"{k}:{v}" for k, v in sorted(roles.items()))
-            + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}"
-            + (f"  engines {engines[0]}/{engines[1]} up" if engines is not None and engines[0] < engines[1] else "")
-            + "   ")
-
-
-def summary(store: RunStore) -> str:
-    from tiderl.status import collect, render
-
-    doc = collect(store)
-    lines = [render(doc)]
-    trend = eval_trend(doc["eval"])
-    if trend:
-        lines.append(trend)
-    return "\n".join(lines)
-
-
-def eval_trend(evals: list[dict[str, Any]]) -> str | None:
-    """The first and last evaluation's success rate, whether the change is beyond noise (95%), and the best
-    later one if it beats the last."""
-    from tiderl.evalstats import compare
-
-    done = [e for e in evals if e["success_rate"] is not None and e["num_tasks"]]
-    if len(done) < 2:
-        return None
-    first, last = done[0], done[-1]
-    best = max(done[1:], key=lambda e: e["success_rate"])
-    line = (f"eval success rate: {first['success_rate']:.2f} at version {first['eval_version']} -> "
-            f"{last['success_rate']:.2f} at version {last['eval_version']}")
-    c = compare(round(first["success_rate"] * first["num_tasks"]), first["num_tasks"],
-                round(last["success_rate"] * last["num_tasks"]), last["num_tasks"])
-    line += (f": {c.change:+.2f}, {'beyond' if c.beyond_noise else 'within'} noise (95%, z {c.z:+.1f}, "
-             f"{first['num_tasks']} and {last['num_tasks']} tasks)")
-    if best["success_rate"] > last["success_rate"]:
-        line += f" (best {best['success_rate']:.2f} at version {best['eval_version']})"
-    return line
-
-
-def _f(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def status_json(run_dir: Path) -> dict[str, Any]:
-    from tiderl.status import collect
-
-    _, store = open_run(run_dir, read_only=True)
-    try:
-        return json.loads(json.dumps(collect(store), default=str))
-    finally:
-        store.close()
