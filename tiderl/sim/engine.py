@@ -227,6 +227,13 @@ class SimEngine:
         if tokens is not None:
             dst[task] = tokens
 
+    def truncate_cache(self, task: Any, tokens: float) -> None:
+        """Keep at most the first `tokens` of the task's cached context (the rest no longer matches it)."""
+        kept = task in self._kept
+        cached = self._cache.get(task, 0.0) or self._kept.get(task, 0.0)
+        if cached > tokens:
+            self._put_cache(task, tokens, kept)
+
     def flush(self, t: float, stall_s: float) -> list[tuple[Any, int, int]]:
         """Weight sync: interrupt every request (returned as (task, context, tokens left)),
         drop the whole cache, stall for `stall_s`."""

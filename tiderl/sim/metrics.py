@@ -47,14 +47,8 @@ def _generation_gpu_s(tasks: list[SimTask], costs: Costs, decode_s_per_token: fl
     total = 0.0
     for task in tasks:
         plan = task.plan
-        total += costs.prefill_s(plan.prompt_tokens, 0.0)
-        pos = plan.prompt_tokens
-        for i, gen in enumerate(plan.gen_tokens):
-            total += gen * decode_s_per_token
-            pos += gen
-            if i < len(plan.obs_tokens):
-                total += costs.prefill_s(plan.obs_tokens[i], pos)
-                pos += plan.obs_tokens[i]
+        total += sum(costs.prefill_s(new, cached) for new, cached in plan.turn_prefills())
+        total += sum(plan.gen_tokens) * decode_s_per_token
     return total
 
 
@@ -67,7 +61,7 @@ def upper_bound_tok_s(sim: Simulation) -> float:
     mean_ctx = sum(t.plan.total_tokens / 2 for t in everything) / len(everything)
     per_token = costs.best_decode_s_per_token(mean_ctx)
     rollout_s = _generation_gpu_s(everything, costs, per_token)
-    train_s = sum(costs.train_s(t.plan.total_tokens) for t in consumed)
+    train_s = sum(costs.train_s(n) for t in consumed for n in t.plan.segments)
     tokens = sum(t.plan.total_tokens for t in consumed)
     seconds = (rollout_s + train_s) / sim.num_gpus
     if costs.host_compute_slots is not None:
@@ -99,15 +93,10 @@ def task_min_latency_s(plan: TaskPlan, costs: Costs, engine_free_s: float = 0.0)
     c = costs
     stretch = 1.0 / c.host_speed(1, 0)
     total = max(plan.start_latency_s, engine_free_s)
-    ctx = plan.prompt_tokens
-    new = plan.prompt_tokens
-    for i, gen in enumerate(plan.gen_tokens):
+    for i, (gen, (new, cached)) in enumerate(zip(plan.gen_tokens, plan.turn_prefills())):
+        ctx = cached + new
         engine = turn_prefill_min_s(c, new, ctx) + gen * c.decode_iteration_s(1, ctx, 0.0)
         total += (engine + c.turn_overhead_s) * stretch + plan.env_latency_s[i]
-        ctx += gen
-        if i < len(plan.obs_tokens):
-            new = plan.obs_tokens[i]
-            ctx += new
     return total
 
 
@@ -116,7 +105,7 @@ def train_tail_min_s(plans: list[TaskPlan], costs: Costs) -> float:
     sequence's actor forward (or reference forward, whichever is longer: the backward needs both) and
     backward on one rank, then the optimizer step."""
     c = costs
-    longest = max(p.total_tokens for p in plans)
+    longest = max(n for p in plans for n in p.segments)
     compute = c.forward_s(longest) * (max(1.0, c.ref_ratio) + c.backward_ratio) / c.host_speed(0, 1)
     return compute + min(c.optimizer_s_single_node, c.optimizer_s_multi_node)
 

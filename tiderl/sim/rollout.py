@@ -72,7 +72,7 @@ class SimGroup:
 
     @property
     def seq_tokens(self) -> list[int]:
-        return [t.plan.total_tokens for t in self.tasks]
+        return [n for t in self.tasks for n in t.plan.segments]
 
     @property
     def gen_tokens(self) -> int:
@@ -364,6 +364,12 @@ class RolloutSide:
             self._finish(t, task)
             return
         task.ctx += plan.obs_tokens[task.turn]
+        cut = plan.prune_tokens[task.turn] if task.turn < len(plan.prune_tokens) else 0
+        if cut:  # the image window pruned the oldest images: only the prompt's text still matches the cache
+            task.ctx -= cut
+            task.prefix = 0
+            if task.rank is not None:
+                task.rank.engine.truncate_cache(task, plan.kept_prefix_tokens)
         task.turn += 1
         task.gen_left = plan.gen_tokens[task.turn]
         self._set_footprint(task, task.ctx + task.reserve)

@@ -59,13 +59,17 @@ class TaskType:
     turns_min: int = option(1, ge=1, help="Fewest turns of a task.")
     turns_max: int = option(ge=1, help="Turn limit of a task.")
     tokens_mean: Drift = option(
-        help="Mean tokens of a whole trajectory (prompt + generated + observations) over training."
+        help="Mean text tokens of a whole trajectory (prompt + generated + observations) over training; "
+        "images (`image_tokens`) come on top."
     )
     gen_tokens_per_turn: float = option(gt=0, help="Mean tokens the model generates in one turn.")
     gen_tokens_sigma: float = option(0.5, ge=0, help="Lognormal sigma of the generated tokens per turn.")
     obs_tokens_sigma: float = option(0.5, ge=0, help="Lognormal sigma of the observation tokens per turn.")
     env_latency: LatencyDist = option(help="Latency of one environment step (`/observation`).")
     env_start: LatencyDist = option(help="Latency of starting an environment session (`/start`).")
+    image_tokens: int = option(
+        0, ge=0, help="Context tokens of one image (a screenshot): the first prompt and every observation carry "
+        "one (0: text only). The workload's `max_images` / `keep_images` window prunes them.")
 
     def __post_init__(self) -> None:
         if self.turns_max < self.turns_min:
@@ -146,10 +150,17 @@ class WorkloadSpec:
         help="Changes of the workload during the run (environment latency, task mix), each from a step "
         "on, in increasing `from_step` order. Empty: the workload is the same throughout (up to the drift).",
     )
+    max_images: int | None = option(
+        None, ge=2, help="The sliding image window (the run's `rollout.max_images`): once a task's context "
+        "holds this many images, the oldest are pruned down to `keep_images` and the trajectory is split there "
+        "(each part is trained with the context the engine saw). null: images are never pruned.")
+    keep_images: int = option(1, ge=1, help="Images a pruned context keeps, the most recent (with `max_images`).")
 
     def __post_init__(self) -> None:
         if not self.task_types:
             raise ValueError("task_types: at least one task type is required")
+        if self.max_images is not None and not self.keep_images < self.max_images:
+            raise ValueError(f"keep_images: must be < max_images ({self.max_images}), got {self.keep_images}")
         names = [t.name for t in self.task_types]
         if len(set(names)) != len(names):
             raise ValueError(f"task_types: task type names must be unique, got {names}")

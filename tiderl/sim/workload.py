@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiderl.sim.spec import TaskType, WorkloadSpec
 
@@ -35,14 +35,54 @@ class TaskPlan:
     env_latency_s: list[float]
     """Environment latency after each turn (the last one returns the reward)."""
     start_latency_s: float
+    prune_tokens: list[int] = field(default_factory=list)
+    """Context tokens the image window prunes once each observation is in (empty: never)."""
+    kept_prefix_tokens: int = 0
+    """Tokens before the first image (the prompt's text): a pruned context still starts with them cached."""
 
     @property
     def num_turns(self) -> int:
         return len(self.gen_tokens)
 
     @property
+    def segments(self) -> list[int]:
+        """Tokens of each trained sequence: the whole trajectory, or its parts split where the image window
+        pruned the context (each part holds the context the engine saw for its turns)."""
+        ctx = self.prompt_tokens
+        out = []
+        for i, g in enumerate(self.gen_tokens):
+            ctx += g
+            if i < len(self.obs_tokens):
+                if i < len(self.prune_tokens) and self.prune_tokens[i]:
+                    out.append(ctx)  # the part ends before the observation that filled the window
+                    ctx -= self.prune_tokens[i]
+                ctx += self.obs_tokens[i]
+        out.append(ctx)
+        return out
+
+    def turn_prefills(self) -> list[tuple[int, int]]:
+        """Per turn, at best (every prefix cached): (tokens to prefill, context already cached before
+        them). The prompt, then each observation; after the image window pruned the context, everything
+        after the prompt's text (the kept images moved: their cache no longer matches)."""
+        out = [(self.prompt_tokens, 0)]
+        ctx = self.prompt_tokens
+        for i, g in enumerate(self.gen_tokens[:-1]):
+            ctx += g
+            if i >= len(self.obs_tokens):
+                break
+            cut = self.prune_tokens[i] if i < len(self.prune_tokens) else 0
+            if cut:
+                ctx += self.obs_tokens[i] - cut
+                out.append((ctx - self.kept_prefix_tokens, self.kept_prefix_tokens))
+            else:
+                out.append((self.obs_tokens[i], ctx))
+                ctx += self.obs_tokens[i]
+        return out
+
+    @property
     def total_tokens(self) -> int:
-        return self.prompt_tokens + sum(self.gen_tokens) + sum(self.obs_tokens)
+        """Tokens trained: every part's (the trajectory's own length when nothing was pruned)."""
+        return sum(self.segments)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,9 +160,12 @@ class TaskSampler:
         obs_mean = max(obs_mean, 1.0)
         lat_mu, lat_sigma = tt.env_latency.lognormal_params()
         start_mu, start_sigma = tt.env_start.lognormal_params()
-        ctx = tt.prompt_tokens
+        img = tt.image_tokens
+        ctx = tt.prompt_tokens + img
+        images = 1 if img else 0
         gen: list[int] = []
         obs: list[int] = []
+        prune: list[int] = []
         lat: list[float] = []
         for i in range(turns):
             g = max(1, round(_lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
@@ -136,15 +179,23 @@ class TaskSampler:
             ctx += g
             gen.append(g)
             lat.append(latency)
-            if i == turns - 1 or ctx + o >= w.max_context_tokens:
+            o += img
+            cut = 0
+            if img and w.max_images is not None and images + 1 >= w.max_images:
+                cut = (images + 1 - w.keep_images) * img  # the oldest images leave; the newest stay
+            if i == turns - 1 or ctx + o - cut >= w.max_context_tokens:
                 break
-            ctx += o
+            ctx += o - cut
+            images = images + 1 - cut // img if img else 0
             obs.append(o)
+            prune.append(cut)
         return TaskPlan(
             task_type=tt.name,
-            prompt_tokens=tt.prompt_tokens,
+            prompt_tokens=tt.prompt_tokens + img,
             gen_tokens=gen,
             obs_tokens=obs,
             env_latency_s=lat,
             start_latency_s=start_scale * rng.lognormvariate(start_mu, start_sigma),
+            prune_tokens=prune if any(prune) else [],
+            kept_prefix_tokens=tt.prompt_tokens if img else 0,
         )
