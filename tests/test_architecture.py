@@ -176,3 +176,11 @@ def test_the_run_package_names_its_types():
     found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in sorted((PACKAGE / "run").glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bAny\b", line)]
     assert found == []
+
+
+def test_a_module_over_450_lines_says_why_at_its_top():
+    """Issue 17: no file over 450 lines without a sentence at its top saying why."""
+    long = {name: path for name, path in module_files().items() if len(path.read_text().splitlines()) > 450}
+    silent = [name for name, path in long.items()
+              if "Over 450 lines" not in (ast.get_docstring(ast.parse(path.read_text())) or "")]
+    assert silent == []

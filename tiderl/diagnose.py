@@ -1,5 +1,8 @@
 """Who waits for what in a run: a store snapshot in, plain-words findings out.
 
+(Over 450 lines: one finding rule per way a run can wait, each with its plain-words message, read
+together by `diagnose`; split apart they would repeat the snapshot's walk.)
+
 Pure: no database, no clock, no HTTP, no processes. `tiderl.status` builds a
 :class:`Snapshot` from the run store (every time is an age in seconds relative to
 the moment of the snapshot) and calls :func:`diagnose`; the tests build

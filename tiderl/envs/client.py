@@ -1,5 +1,8 @@
 """Async client of the env service, used by rollout ranks.
 
+(Over 450 lines: the client of one server and the pool over many share the retry rules, the
+error mapping and the session bookkeeping, which must agree call by call.)
+
 One `aiohttp.ClientSession` (a pooled connector) per client; every call has a
 timeout; errors are `EnvServiceError`s naming the server URL and the session.
 

@@ -2,6 +2,9 @@
 of `tiderl.envs.protocol`, on aiohttp: the application, its middlewares and handlers,
 and `start_server`.
 
+(Over 450 lines: every handler and the middlewares that bound misbehaving clients must be read
+together to see that each input is answered 4xx; the protocol and the work queue are apart.)
+
 One process serves many concurrent sessions from one event loop. Environments
 marked `blocking` run their reset/step in a thread pool so a slow step never
 stalls the other sessions; such calls wait for a thread in a bounded queue

@@ -2,6 +2,10 @@
 the next version, planned at a sync boundary from readiness signals (paper
 section 5.2).
 
+(Over 450 lines: the role map's rules (cold start, evaluation, the paper's thresholds), the signals and
+limits every planner reads, and the invariants they all keep are one contract; the rate planner lives
+in tiderl.policy.ers_rate.)
+
 Pure: no torch, no database, no HTTP, no processes. The control plane (and
 the simulator) calls :func:`plan` after the actor update of step k and before
 the weights of version k+1 are published; the plan takes effect at that

@@ -1,6 +1,9 @@
 """The rollout side of the simulation: tasks, groups, rollout ranks, the
 feeder (staleness bound) and the two task schedulers.
 
+(Over 450 lines: the task lifecycle events, placement and the two schedulers act on the same
+per-rank accounting, which must stay consistent across every event.)
+
 - ``vanilla`` (request level): a task goes to the rollout rank with the
   fewest tasks, up to the engine's ``max_num_seqs``; the engine's own cache
   policy decides what stays resident.

@@ -1,5 +1,8 @@
 """The discrete-event simulation of one system on one workload and cluster.
 
+(Over 450 lines: the step boundary ties the trainer, the rollout side, ERS and the evaluation
+rounds together in one event order; the rollout side and the trainer are modules of their own.)
+
 One event heap (time, sequence, callback). The rollout side
 (:mod:`tiderl.sim.rollout`) and the trainer (:mod:`tiderl.sim.trainer`)
 schedule their own events; this module owns the step boundaries:

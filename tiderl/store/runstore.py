@@ -1,5 +1,9 @@
 """The run store: every process of a run coordinates through it.
 
+(Over 450 lines: every read and write transaction of a run, on one schema and one lock discipline,
+is in this module so that the exactly-once rules below are checkable in one place; the schema and
+views, the engine and its retries, the codec and the record types are modules of their own.)
+
 Exactly-once rules (each enforced inside one write transaction):
 - a task is owned by at most one rank: `claim_tasks` moves pending -> running
   under `BEGIN IMMEDIATE`; a finished trajectory is accepted only from the
