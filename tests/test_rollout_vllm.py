@@ -142,3 +142,26 @@ def test_the_trainer_scores_tokens_at_the_engines_temperature(engine, fmt: ChatF
     engine_lp = torch.tensor(g.logprobs)
     assert torch.allclose(at_t, engine_lp, atol=2e-3), (at_t, engine_lp)
     assert not torch.allclose(plain, engine_lp, atol=2e-3)  # T = 1 on the trainer's side would be off
+
+
+def test_long_seeded_prompts_over_the_step_budget_run_whole(model_dir: Path, fmt: ChatFormat) -> None:
+    """Eight seeded requests whose prompts together pass a step's token budget (4,096 on CPU). With
+    vLLM's chunked prefill one of them was cut, its sampled token discarded, and the rewind of its seeded
+    generator killed the engine on CPU ("CPU Generator does not use offset"); the engine now prefills
+    whole prompts only."""
+    from tiderl.rollout.vllm_engine import VllmEngine
+
+    eng = VllmEngine(model_dir, num_kv_blocks=256, block_size=32, max_model_len=992, max_num_seqs=8)
+    try:
+        base = long_prompt(fmt)
+        # Distinct from their first token on: no prefix-cache hit shortens a prefill.
+        prompts = [(fmt.encode(str(i)) + base * (900 // len(base) + 1))[:900] for i in range(8)]
+
+        async def eight():
+            specs = [SamplingSpec(max_new_tokens=4, temperature=1.0, seed=i) for i in range(8)]
+            return await asyncio.gather(*(eng.generate(p, s) for p, s in zip(prompts, specs)))
+
+        gens = run(eight())
+        assert len(gens) == 8 and all(g.num_prompt_tokens == 900 and g.token_ids for g in gens)
+    finally:
+        eng.close()

@@ -34,6 +34,8 @@ _COUNTERS = {
 }
 
 
+CPU_BATCHED_TOKENS = 4096  # vLLM's default step token budget on CPU
+
 class VllmEngine(Engine):
     def __init__(
         self,
@@ -78,6 +80,13 @@ class VllmEngine(Engine):
                 disable_log_stats=False,
                 # Logprobs of the distribution actually sampled from (after temperature).
                 logprobs_mode="processed_logprobs",
+                # Whole prefills only: a prompt cut by the step's token budget has its sampled token
+                # discarded, and vLLM then rewinds the request's seeded generator, which a CPU generator
+                # cannot do (RuntimeError "CPU Generator does not use offset": the engine dies). Every
+                # request is seeded (a replayed task samples the same turns), so chunking is off and a
+                # step holds at least one whole context.
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, CPU_BATCHED_TOKENS),
                 **kwargs,
             )
         except Exception as e:  # vLLM raises many types at start-up; name the model either way
