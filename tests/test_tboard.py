@@ -98,3 +98,60 @@ def test_a_full_disk_skips_a_write_and_the_next_tick_catches_up(tmp_path: Path, 
     _step(s, 3)
     with pytest.raises(PermissionError):  # any other error still raises
         again.tick(force=True)
+
+
+class _FakeWandbRun:
+    """A stand-in for a wandb run (the wandb package is not a dependency): records what it is given."""
+
+    def __init__(self, **kwargs) -> None:
+        self.init = kwargs
+        self.defined: list[tuple[str, str | None]] = []
+        self.logged: list[dict] = []
+        self.finished = False
+
+    def define_metric(self, name: str, step_metric: str | None = None) -> None:
+        self.defined.append((name, step_metric))
+
+    def log(self, data: dict) -> None:
+        self.logged.append(data)
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def _fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[_FakeWandbRun]:
+    import importlib.machinery
+    import sys
+    import types
+
+    runs: list[_FakeWandbRun] = []
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    module.init = lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_wandb_gets_the_same_scalars_offline_against_the_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _fake_wandb(monkeypatch)
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", ["monitor.wandb=true", "monitor.tensorboard=false"])
+    paths, s = create_run(config, tmp_path / "r")
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ACTOR)
+    s.register_rank(1, Role.ROLLOUT)
+    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
+    s.set_run_state(RunState.RUNNING)
+    _step(s, 1)
+    board = TensorBoardLog.start(paths.root, s, config)
+    assert board is not None
+    board.close()
+    (run,) = runs
+    assert run.init["mode"] == "offline" and run.init["dir"] == str(paths.root) and run.init["name"] == "quickstart"
+    assert ("*", "version") in run.defined and run.finished
+    assert {"train/success_rate": 0.5, "version": 1} in run.logged
+    assert {"trainer/clip_frac": 0.25, "version": 1} in run.logged
+    assert not _scalars(paths.root / "tensorboard", "train/success_rate")  # TensorBoard off: no event file
+    # Asked for but not installed: a warning, and no writer at all when TensorBoard is off too.
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert TensorBoardLog.start(paths.root, s, config) is None

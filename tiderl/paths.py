@@ -6,6 +6,8 @@
       weights/v{N}/          published weights version N (safetensors, config, tokenizer, checksum)
       ckpt/step{N}/          optimizer checkpoints
       logs/                  one log file per process (control.log, rank{R}.log, env{I}.log)
+      tensorboard/           TensorBoard event files (monitor.tensorboard), written.json
+      wandb/                 the offline Weights & Biases run (monitor.wandb)
       rendezvous/v{N}        the trainer group's rendezvous file for plan version N
       rendezvous/v{N}.data-ready   the leader's marker that version N's step input is ready
       env{I}.port            the port local environment server I listens on

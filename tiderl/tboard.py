@@ -1,4 +1,5 @@
-"""TensorBoard event files of a run, written by the control plane (`monitor.tensorboard`).
+"""TensorBoard event files of a run, written by the control plane (`monitor.tensorboard`), and the same
+scalars to a Weights & Biases run in offline mode (`monitor.wandb`, when the `wandb` package is installed).
 
 One writer per run: the control plane reads the run store every `monitor.metrics_interval_s` and
 writes what is new to `RUN_DIR/tensorboard/` (`tensorboard --logdir RUN_DIR/tensorboard`). The step
@@ -15,6 +16,7 @@ Scalars: `train/` (success rate, reward, trained tokens, step seconds, RAS, TPRM
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import time
@@ -40,15 +42,20 @@ WAITS = ("rwt_s", "twt_s")
 class TensorBoardLog:
     """`tick()` it from the control loop; `close()` it at the end."""
 
-    def __init__(self, run_dir: Path, store: Any, *, interval_s: float, eval_tasks: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(self, run_dir: Path, store: Any, *, interval_s: float, eval_tasks: int,
+                 tensorboard: bool = True, wandb: bool = False, run_name: str = "run") -> None:
         self.dir = Path(run_dir) / TB_DIR
         self.store = store
         self.interval_s = interval_s
         self.eval_tasks = eval_tasks
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=str(self.dir))
+        self.writers: list[Any] = []
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writers.append(SummaryWriter(log_dir=str(self.dir)))
+        if wandb:
+            self.writers.append(WandbWriter(Path(run_dir), run_name))
         state = self._load()
         self.version = int(state.get("version", 0))  # steps of versions up to this one are written
         self.metric_id = int(state.get("metric_id", 0))
@@ -58,16 +65,23 @@ class TensorBoardLog:
 
     @classmethod
     def start(cls, run_dir: Path, store: Any, config: Any) -> "TensorBoardLog | None":
-        if not config.monitor.tensorboard:
-            return None
-        try:
-            import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-        except ImportError:
+        tensorboard, wandb = config.monitor.tensorboard, config.monitor.wandb
+        if tensorboard and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter needs it
             log.warning("monitor.tensorboard is on but the tensorboard package is not installed: no event files")
+            tensorboard = False
+        if wandb and importlib.util.find_spec("wandb") is None:
+            log.warning("monitor.wandb is on but the wandb package is not installed (pip install wandb): no W&B run")
+            wandb = False
+        if not (tensorboard or wandb):
             return None
         r = config.rollout
         return cls(run_dir, store, interval_s=config.monitor.metrics_interval_s,
-                   eval_tasks=r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size))
+                   eval_tasks=r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size),
+                   tensorboard=tensorboard, wandb=wandb, run_name=config.name)
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        for w in self.writers:
+            w.add_scalar(tag, value, step)
 
     def _load(self) -> dict[str, Any]:
         try:
@@ -98,42 +112,71 @@ class TensorBoardLog:
             if row["name"] in WAITS:
                 self.waits[row["name"]] += float(row["value"])
             elif v is not None:  # the actor's metrics of the step that trained version v: that step published v + 1
-                self.writer.add_scalar(f"trainer/{row['name']}", float(row["value"]), int(v) + 1)
+                self._scalar(f"trainer/{row['name']}", float(row["value"]), int(v) + 1)
         for s in self.store.steps():
             v = int(s["version"])
             if v <= self.version:
                 continue
             for key, tag in STEP_SCALARS.items():
                 if s.get(key) is not None:
-                    self.writer.add_scalar(tag, float(s[key]), v)
+                    self._scalar(tag, float(s[key]), v)
             for name, value in self.waits.items():
-                self.writer.add_scalar(f"wait/{name}", value, v)
+                self._scalar(f"wait/{name}", value, v)
             plan = self.store.plan_at(v)
             if plan is not None:
                 counts: dict[str, int] = defaultdict(int)
                 for role in plan.roles.values():
                     counts[role.value] += 1
                 for role in ("rollout", "actor", "ref", "idle"):
-                    self.writer.add_scalar(f"roles/{role}", counts.get(role, 0), v)
+                    self._scalar(f"roles/{role}", counts.get(role, 0), v)
             self.version = v
         for e in self.store.view("eval_summary"):
             v, n = int(e["eval_version"]), int(e["num_tasks"] or 0)
             if v in self.evals or e["success_rate"] is None or n < self.eval_tasks:
                 continue
             low, high = wilson_interval(round(e["success_rate"] * n), n)
-            self.writer.add_scalar("eval/success_rate", float(e["success_rate"]), v)
-            self.writer.add_scalar("eval/success_rate_low95", low, v)
-            self.writer.add_scalar("eval/success_rate_high95", high, v)
+            self._scalar("eval/success_rate", float(e["success_rate"]), v)
+            self._scalar("eval/success_rate_low95", low, v)
+            self._scalar("eval/success_rate_high95", high, v)
             self.evals.add(v)
-        self.writer.flush()
+        for w in self.writers:
+            w.flush()
         atomic_write_text(self.dir / "written.json", json.dumps(
             {"version": self.version, "metric_id": self.metric_id, "evals": sorted(self.evals)} | self.waits))
 
     def close(self) -> None:
         self.tick(force=True)
         try:
-            self.writer.close()
+            for w in self.writers:
+                w.close()
         except OSError as e:
             if e.errno not in DISK_FULL_ERRNOS:
                 raise
             log.warning("TensorBoard event file not closed cleanly, the disk is full: %s", e)
+
+
+class WandbWriter:
+    """TensorBoard's `add_scalar` to a Weights & Biases run in offline mode, under RUN_DIR/wandb/ (upload later
+    with `wandb sync` on the offline run there). Every scalar is plotted against `version`, the weights
+    version of its step; the run's id is the run directory's, so a restarted control plane resumes it."""
+
+    def __init__(self, run_dir: Path, name: str) -> None:
+        import hashlib
+
+        import wandb
+
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(mode="offline", dir=str(run_dir), project="tiderl", name=name, id=run_id,
+                              resume="allow")
+        self.run.define_metric("version")
+        self.run.define_metric("*", step_metric="version")
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run.log({tag: value, "version": step})
+
+    def flush(self) -> None:
+        """W&B writes its offline files itself."""
+
+    def close(self) -> None:
+        self.run.finish()

@@ -34,6 +34,12 @@ class MonitorConfig:
         "RWT/TWT, roles, evaluations) as TensorBoard event files in RUN_DIR/tensorboard/ "
         "(`tensorboard --logdir RUN_DIR/tensorboard`), every `metrics_interval_s`.",
     )
+    wandb: bool = option(
+        False,
+        help="Also log those figures to Weights & Biases in offline mode, under RUN_DIR/wandb/ (upload later: "
+        "`wandb sync` on the offline run it holds), when the `wandb` package is installed (it is not a "
+        "dependency: `pip install wandb`).",
+    )
     metrics_interval_s: float = option(
         2.0, gt=0, help="Seconds between two refreshes of the Prometheus metrics from the run store."
     )
