@@ -51,6 +51,8 @@ def check_trajectories(role: RolloutRole, version: int = 0) -> None:
         for m, lp, v in zip(traj.loss_mask, traj.logprobs, traj.token_versions):
             assert (v == version and lp == -0.5) if m else (v == -1 and lp == 0.0)
         assert traj.success == (traj.reward > 0)
+        assert traj.finish in ("done", "max_turns", "max_context")  # the store keeps how it ended
+        assert traj.finish != "max_turns" or traj.num_turns == 4
 
 
 @pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])

@@ -43,7 +43,7 @@ def _ctx(tmp_path: Path, base: Path, max_staleness: int) -> RankContext:
                        env_urls=[], poll_s=0.01)
 
 
-def _feed(ctx: RankContext, seeds: range, version: int) -> None:
+def _feed(ctx: RankContext, seeds: range, version: int, finish: str | None = None) -> None:
     """Groups of 4 tasks played to the end by the rollout rank, their tokens sampled at `version`."""
     rng = random.Random(seeds.start)
     ctx.store.add_groups([NewGroup(TaskKind.TRAIN, s, 4) for s in seeds])
@@ -54,7 +54,8 @@ def _feed(ctx: RankContext, seeds: range, version: int) -> None:
         finished.append(FinishedTrajectory(
             task_id=c.task_id, token_ids=[rng.randrange(3, 300) for _ in range(k)], loss_mask=mask,
             logprobs=[-1.5 * m for m in mask], token_versions=[version if m else -1 for m in mask],
-            num_turns=2, reward=float(c.index_in_group % 2), success=bool(c.index_in_group % 2)))
+            num_turns=2, reward=float(c.index_in_group % 2), success=bool(c.index_in_group % 2),
+            finish=finish if finish is None or c.index_in_group < 2 else "done"))
     ctx.store.report(RankReport(rank=ROLLOUT, finished=finished))
 
 
@@ -96,3 +97,17 @@ def test_groups_beyond_the_staleness_bound_are_dropped_not_trained(tmp_path: Pat
     assert buf["traj_consumed"] == 16 and buf["groups_ready"] == 0 and buf["traj_claimed"] == 0
     (event,) = ctx.store.recent_events(kinds=["stale_dropped"])
     assert "1 groups dropped" in event["message"]
+
+
+def test_how_a_task_ended_reaches_the_trainer(tmp_path: Path, base: Path) -> None:
+    """A trajectory cut by its turn or context limit is marked so in the store and in its training sample
+    (`trainer.mask_truncated` leaves such samples out of the step: tests/test_trainer_plan.py)."""
+    from tiderl.trainer.store_io import sample_from_ready
+
+    ctx = _ctx(tmp_path, base, max_staleness=1)
+    _feed(ctx, range(1), version=0, finish="max_turns")
+    got = ctx.store.claim_ready_groups(0, 1)
+    assert sorted(t.finish for t in got) == ["done", "done", "max_turns", "max_turns"]
+    assert sorted(sample_from_ready(t).truncated for t in got) == [False, False, True, True]
+    assert ctx.store.tx.read(lambda c: [r[0] for r in c.exec_driver_sql(
+        "SELECT finish FROM trajectories ORDER BY id")]) == [t.finish for t in sorted(got, key=lambda t: t.id)]

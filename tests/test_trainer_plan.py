@@ -91,3 +91,28 @@ def test_the_step_plan_leaves_flat_groups_out_of_the_token_mean_when_asked():
     signal = build_plan(inp, TrainerConfig(skip_flat_groups=True), comm).normalizer
     assert everything == sum(s.num_model_tokens for s in samples)
     assert signal == sum(s.num_model_tokens for s in samples[:2]) < everything
+
+
+def test_overlong_masking_leaves_cut_trajectories_out_unless_every_one_was_cut():
+    """`trainer.mask_truncated` (DAPO's overlong masking): a trajectory its turn or context limit cut trains
+    none of its tokens; a step of cut trajectories only trains them all."""
+    import dataclasses
+
+    from tiderl.config.trainer import TrainerConfig
+    from tiderl.trainer.modes import TrainerComm
+    from tiderl.trainer.plan import drop_truncated
+    from tiderl.trainer.rank import StepInput, build_plan
+
+    base = random_samples(2, 2, seed=5)
+    samples = [dataclasses.replace(s, truncated=i in (1, 2)) for i, s in enumerate(base)]
+    kept, ready, dropped = drop_truncated(samples, [0.0, 1.0, 2.0, 3.0])
+    assert kept == [samples[0], samples[3]] and ready == [0.0, 3.0] and dropped == 2
+    cut = [dataclasses.replace(s, truncated=True) for s in base]
+    assert drop_truncated(cut) == (cut, None, 0)
+    inp = StepInput(version=0, samples=tuple(samples), mode=Ra2pMode.COLOCATED)
+    comm = TrainerComm(rank=0, actor_ranks=(0,))
+    assert build_plan(inp, TrainerConfig(), comm).normalizer == sum(s.num_model_tokens for s in samples)
+    masked = build_plan(inp, TrainerConfig(mask_truncated=True), comm)
+    assert masked.normalizer == samples[0].num_model_tokens + samples[3].num_model_tokens
+    assert sorted(t for mb in masked.micro_batches for t in mb.trajectory_ids) == sorted(
+        [samples[0].trajectory_id, samples[3].trajectory_id])

@@ -60,6 +60,13 @@ class TrainerConfig:
         "tokens would count in the token mean and the KL act on them; DAPO's filter). Its trajectories are "
         "still consumed. A step whose every group is flat trains them as before.",
     )
+    mask_truncated: bool = option(
+        False,
+        help="Overlong masking (DAPO): train none of the tokens of a trajectory its task's turn or context limit "
+        "cut (`env.max_turns`, `model.max_context_tokens`); its reward still counts in its group's advantages, "
+        "and it is consumed. Off: a cut trajectory trains like any other, with the reward it got. A step whose "
+        "every trajectory was cut trains them as before.",
+    )
     is_cap: float = option(2.0, gt=1, help="`off_policy: decoupled`: the cap C of the importance weight min(pi / mu, C).")
     kl_coef: float = option(0.01, ge=0, help="Weight of the KL penalty against the reference model.")
     kl_estimator: Literal["k1", "k3"] = option("k3", help="KL estimator: `k1` (log-ratio) or `k3` (unbiased, non-negative).")

@@ -149,6 +149,7 @@ trajectories = Table(
     Column("max_version", Integer, nullable=False),
     Column("finished_at", Float, nullable=False),
     Column("env_s", Float),  # seconds the task waited on its environment (session start and steps)
+    Column("finish", String),  # how the task ended: done | max_turns | max_context (null: not recorded)
     Column("ready_at", Float),
     Column("claim_owner", Integer),
     Column("claim_token", String),

@@ -105,6 +105,7 @@ class FinishedTrajectory:
     reward: float
     success: bool
     env_s: float | None = None  # seconds the task waited on its environment (start and steps); None: not measured
+    finish: str | None = None  # how the task ended: "done", or cut by "max_turns" / "max_context"; None: not recorded
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -201,6 +202,8 @@ class ReadyTrajectory:
     num_generated: int
     min_version: int
     ready_at: float
+    finish: str | None = None
+    """How the task ended (FinishedTrajectory.finish)."""
 
 
 @dataclass(frozen=True, slots=True)

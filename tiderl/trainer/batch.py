@@ -28,6 +28,8 @@ class TrainSample:
     token_versions: tuple[int, ...]
     advantage: float
     reward: float = 0.0
+    truncated: bool = False
+    """The task was cut by its turn or context limit (trainer.mask_truncated may leave it out)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

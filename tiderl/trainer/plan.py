@@ -74,6 +74,18 @@ def drop_flat_groups(samples: Sequence[TrainSample], sample_ready_s: Sequence[fl
     return [samples[i] for i in keep], ready, sum(flat.values())
 
 
+def drop_truncated(samples: Sequence[TrainSample], sample_ready_s: Sequence[float] | None = None
+                   ) -> tuple[list[TrainSample], list[float] | None, int]:
+    """The samples without those their task's turn or context limit cut (overlong masking: none of their
+    tokens is trained; their rewards already shaped their groups' advantages), their ready times alike,
+    and how many were left out. A step whose every sample was cut keeps them all."""
+    keep = [i for i, s in enumerate(samples) if not s.truncated]
+    if not keep:
+        return list(samples), None if sample_ready_s is None else list(sample_ready_s), 0
+    ready = None if sample_ready_s is None else [sample_ready_s[i] for i in keep]
+    return [samples[i] for i in keep], ready, len(samples) - len(keep)
+
+
 def plan_step(
     samples: Sequence[TrainSample],
     *,

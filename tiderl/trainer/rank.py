@@ -25,7 +25,7 @@ from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
-from tiderl.trainer.plan import StepPlan, drop_flat_groups, plan_step
+from tiderl.trainer.plan import StepPlan, drop_flat_groups, drop_truncated, plan_step
 from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify
 from tiderl.trainer.step import LossConfig, StepStats
 
@@ -111,6 +111,8 @@ def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id:
     samples, ready = list(inp.samples), inp.sample_ready_s
     if config.skip_flat_groups:
         samples, ready, _ = drop_flat_groups(samples, ready)
+    if config.mask_truncated:
+        samples, ready, _ = drop_truncated(samples, ready)
     return plan_step(
         samples,
         version=inp.version,

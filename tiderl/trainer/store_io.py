@@ -15,6 +15,9 @@ from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.rank import StepInput, StepSource
 
 
+TRUNCATED = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a cut task
+
+
 def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
     return TrainSample(
         trajectory_id=t.id,
@@ -25,6 +28,7 @@ def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
         token_versions=tuple(t.token_versions),
         advantage=t.advantage,
         reward=t.reward,
+        truncated=t.finish in TRUNCATED,
     )
 
 
