@@ -32,6 +32,17 @@ def _step(s, version: int) -> None:
     s.plan_roles(version, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
 
 
+def _running(config, tmp_path: Path):
+    """A running run of `config`: version 0, an actor, a rollout rank and an idle one."""
+    paths, s = create_run(config, tmp_path / "r")
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ACTOR)
+    s.register_rank(1, Role.ROLLOUT)
+    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
+    s.set_run_state(RunState.RUNNING)
+    return paths, s
+
+
 def _scalars(d: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(d))
     acc.Reload()
@@ -39,12 +50,7 @@ def _scalars(d: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_per_step_scalars_are_written_once_and_a_restart_carries_on(tmp_path: Path) -> None:
-    paths, s = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
-    s.register_initial_version("weights/v0", "c0")
-    s.register_rank(0, Role.ACTOR)
-    s.register_rank(1, Role.ROLLOUT)
-    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
-    s.set_run_state(RunState.RUNNING)
+    paths, s = _running(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path)
     _step(s, 1)
     board = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
     board.close()
@@ -68,12 +74,7 @@ def test_a_full_disk_skips_a_write_and_the_next_tick_catches_up(tmp_path: Path, 
 
     import tiderl.tboard
 
-    paths, s = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
-    s.register_initial_version("weights/v0", "c0")
-    s.register_rank(0, Role.ACTOR)
-    s.register_rank(1, Role.ROLLOUT)
-    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
-    s.set_run_state(RunState.RUNNING)
+    paths, s = _running(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path)
     _step(s, 1)
     written = tiderl.tboard.atomic_write_text
 
@@ -135,12 +136,7 @@ def _fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[_FakeWandbRun]:
 def test_wandb_gets_the_same_scalars_offline_against_the_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runs = _fake_wandb(monkeypatch)
     config = load_job(ROOT / "jobs" / "quickstart.yaml", ["monitor.wandb=true", "monitor.tensorboard=false"])
-    paths, s = create_run(config, tmp_path / "r")
-    s.register_initial_version("weights/v0", "c0")
-    s.register_rank(0, Role.ACTOR)
-    s.register_rank(1, Role.ROLLOUT)
-    s.plan_roles(0, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
-    s.set_run_state(RunState.RUNNING)
+    paths, s = _running(config, tmp_path)
     _step(s, 1)
     board = TensorBoardLog.start(paths.root, s, config)
     assert board is not None

@@ -149,7 +149,7 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
     if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
         arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
     # Each micro-batch's ready time relative to the step start (<= 0: ready at the start), read by RA2P's own
-    # definitions of RAS and TPRM.
+    # definitions of RAS and TPRM; an arrival is after the start even where the clock's tick rounds it to 0.
     ready = [0.0] * (ras or 0) + [max(a, 1e-9) for a in arrivals]
     return claimed, ready_at_start(ready), time_per_ready_microbatch_s(ready), dropped
 

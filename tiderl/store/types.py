@@ -94,6 +94,9 @@ class StepWindow:
     evaluation: bool = False  # an evaluation group was open during the step
 
 
+CUT_FINISHES = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a task its limits cut
+
+
 @dataclass(frozen=True, slots=True)
 class FinishedTrajectory:
     task_id: int
@@ -105,7 +108,7 @@ class FinishedTrajectory:
     reward: float
     success: bool
     env_s: float | None = None  # seconds the task waited on its environment (start and steps); None: not measured
-    finish: str | None = None  # how the task ended: "done", or cut by "max_turns" / "max_context"; None: not recorded
+    finish: str | None = None  # how the task ended: "done", or cut (CUT_FINISHES); None: not recorded
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

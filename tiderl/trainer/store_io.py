@@ -11,11 +11,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from tiderl.store import ReadyTrajectory
+from tiderl.store.types import CUT_FINISHES
 from tiderl.trainer.batch import TrainSample
 from tiderl.trainer.rank import StepInput, StepSource
-
-
-TRUNCATED = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a cut task
 
 
 def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
@@ -28,7 +26,7 @@ def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
         token_versions=tuple(t.token_versions),
         advantage=t.advantage,
         reward=t.reward,
-        truncated=t.finish in TRUNCATED,
+        truncated=t.finish in CUT_FINISHES,
     )
 
 
