@@ -60,12 +60,24 @@ def run_info(run_dir: Path) -> dict:
         store.close()
 
 
-def wait_for(what: str, check, timeout_s: float, poll_s: float = 1.0) -> None:  # type: ignore[no-untyped-def]
+def wait_for(what: str, check, timeout_s: float, poll_s: float = 1.0,  # type: ignore[no-untyped-def]
+             explain=None) -> None:
+    """Poll `check` until it holds; past `timeout_s`, fail with `explain()` (what the cluster and the run said)."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll_s)
+
+
+def job_story(slurm_cluster: SlurmCluster, job_id: str, run_dir: Path) -> str:
+    """What Slurm says of the job (queue state and reason, accounting of every attempt) and the run's logs."""
+    parts = [f"queue: {slurm_cluster.queue_reasons([job_id])}", f"accounting: {slurm_cluster.accounting([job_id])}"]
+    try:
+        parts.append(f"run: {run_info(run_dir)}")
+    except Exception as e:  # the story is told on a failure already: a store that cannot be read is part of it
+        parts.append(f"run store: {type(e).__name__}: {e}")
+    return "\n".join(parts + [logs_of(run_dir)])
 
 
 def logs_of(run_dir: Path) -> str:
@@ -151,6 +163,7 @@ def test_cancel_ends_the_job_and_marks_the_run(slurm_cluster: SlurmCluster, run_
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(1500)
 def test_time_limit_signal_requeues_and_the_next_attempt_resumes(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     out = submit(run_dir, 50)
     assert out.returncode == 0, out.stderr
@@ -161,13 +174,15 @@ def test_time_limit_signal_requeues_and_the_next_attempt_resumes(slurm_cluster: 
     # What `--signal=B:USR2@N` sends before the time limit: SIGUSR2 to the batch step only.
     slurm_cluster.cancel([job_id], signal="USR2", batch_only=True)
     # The run's processes stop, submitit requeues the job, the next attempt resumes the same run.
-    wait_for("a second attempt", lambda: batch_log.exists() and "(resumed)" in batch_log.read_text(), 300)
+    # On a loaded 2-core machine the stop (every child, vLLM's engine cores) and the requeue take minutes.
+    wait_for("a second attempt", lambda: batch_log.exists() and "(resumed)" in batch_log.read_text(), 600,
+             explain=lambda: job_story(slurm_cluster, job_id, run_dir))
     log = batch_log.read_text()
     assert log.count(f"tiderl: job {job_id} on ") == 2, log
     assert "stopped by Slurm (SIGUSR2)" in log
     assert f"Requeued job {job_id}" in log  # submitit's handler did it, after the run's processes stopped
     wait_for("the resumed run", lambda: (run_info(run_dir)["state"], run_info(run_dir)["message"]) ==
-             ("running", "resumed"), 300)
+             ("running", "resumed"), 300, explain=lambda: job_story(slurm_cluster, job_id, run_dir))
     assert tiderl("cancel", str(run_dir)).returncode == 0
     assert slurm_cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED
 
