@@ -21,7 +21,11 @@ Settings (one JSON line each, `--setting` picks; default both):
   groups of 4, an 8,192-token cache: re-prefilling a context costs a visible share
   of the run, as with a large model on a GPU.
 
-    .venv/bin/python tools/bench_ctb.py [--setting tiny] [--setting prefill] [--seed 0]
+`--overcommit 2,4` adds runs of `ctb` with a fixed budget of that many times the
+engine's capacity (`rollout.kv_budget_tokens`), keys `*_ctb_x2`, `*_ctb_x4`: where the
+budget trades cached contexts for decoding sequences.
+
+    .venv/bin/python tools/bench_ctb.py [--setting tiny] [--setting prefill] [--seed 0] [--overcommit 2,4]
 """
 
 from __future__ import annotations
@@ -92,11 +96,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--setting", action="append", choices=list(SETTINGS), help="Setting to run (repeatable; default all).")
     p.add_argument("--tasks", type=int, default=None, help="Tasks per scheduler run (default: the setting's).")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overcommit", type=_factors, default=(),
+                   help="Comma-separated budget factors: also run ctb with a fixed budget of F x the KV capacity.")
     return p.parse_args()
 
 
+def _factors(text: str) -> tuple[float, ...]:
+    try:
+        factors = tuple(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--overcommit: comma-separated numbers, got {text!r}") from None
+    if not factors or any(f < 1 for f in factors):
+        raise argparse.ArgumentTypeError(f"--overcommit: factors must be >= 1, got {text!r}")
+    return factors
+
+
+def run_name(factor: float) -> str:
+    return f"ctb_x{factor:g}"
+
+
 async def one_run(engine: Engine, fmt: ChatFormat, run: str, setting: Setting, first_seed: int,
-                  num_tasks: int, seed: int, env_url: str | None) -> dict[str, Any]:
+                  num_tasks: int, seed: int, env_url: str | None, budget_tokens: int | None = None) -> dict[str, Any]:
     groups = [
         make_group(f"{run}-{first_seed + i}", setting.env, seed=first_seed + i % setting.distinct_games,
                    group_size=setting.group_size, options=setting.options)
@@ -107,7 +127,7 @@ async def one_run(engine: Engine, fmt: ChatFormat, run: str, setting: Setting, f
                         max_context_tokens=min(engine.kv_capacity_tokens, setting.model.max_position_embeddings))
     adaptive = BudgetLimits(floor_tokens=engine.kv_capacity_tokens) if run == "ctb_adaptive" else None
     worker = RolloutWorker(engine, env, fmt, make_scheduler("vanilla" if run == "vanilla" else "ctb"), limits,
-                           max_resident_tasks=setting.concurrency, budget_limits=adaptive)
+                           max_resident_tasks=setting.concurrency, budget_limits=adaptive, budget_tokens=budget_tokens)
     worker.add_groups(groups)
     before = await engine.stats()
     started = time.monotonic()
@@ -148,11 +168,13 @@ async def bench(engine: Engine, fmt: ChatFormat, model_dir: Path, setting: Setti
     num_tasks = args.tasks or setting.tasks
     await one_run(engine, fmt, "vanilla", setting, 10**6, 2 * setting.group_size, args.seed, env_url)  # warm-up
     result: dict[str, Any] = {"setting": setting.name}
-    for run in RUNS:
+    runs = {run: None for run in RUNS} | {run_name(f): round(f * engine.kv_capacity_tokens) for f in args.overcommit}
+    for run, budget in runs.items():
         await engine.reload_weights(model_dir, version=engine.weights_version + 1)  # drops the prefix cache
-        figures = await one_run(engine, fmt, run, setting, args.seed * 10**4, num_tasks, args.seed, env_url)
+        figures = await one_run(engine, fmt, run, setting, args.seed * 10**4, num_tasks, args.seed, env_url,
+                                budget_tokens=budget)
         result.update({f"{k}_{run}": v for k, v in figures.items()})
-    for run in RUNS[1:]:
+    for run in list(runs)[1:]:
         suffix = run[len("ctb"):]
         for key in ("hit_rate", "gen_tok_s", "tasks_s"):
             base = result[f"{key}_vanilla"]
