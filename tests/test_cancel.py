@@ -34,7 +34,7 @@ def test_cancel_a_run_without_slurm_jobs_marks_it_once(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"run {paths.root}: cancelled (was starting)\n"
     _, store = open_run(paths.root)
-    assert (store.run_info()["state"], store.run_info()["message"]) == ("cancelled", "cancelled by `tiderl cancel`")
+    assert (store.run_info().state, store.run_info().message) == ("cancelled", "cancelled by `tiderl cancel`")
     store.close()
     again = tiderl("cancel", str(paths.root))
     assert again.returncode == 0 and again.stdout == f"run {paths.root}: already cancelled\n"

@@ -54,7 +54,7 @@ def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path)
     plane.tick()
     info = store.run_info()
     # Version 2 is the last; its evaluation group is still open, so the run is not finished yet.
-    assert info["version"] == 2 and info["state"] != RunState.FINISHED.value
+    assert info.version == 2 and info.state is not RunState.FINISHED
 
 
 def test_restarted_control_plane_carries_on_without_duplicates(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_sync_feeds_one_batch_at_a_time(tmp_path: Path) -> None:
     assert store.buffer_state()["tasks_pending"] == 2 * config.rollout.group_size
     _train_one_step(store, 1)
     assert not plane.tick()  # two steps done, no evaluation: finished
-    assert store.run_info()["state"] == RunState.FINISHED.value
+    assert store.run_info().state is RunState.FINISHED
 
 
 def test_a_version_published_while_the_feeder_counts_does_not_overfeed(tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ def test_engines_up_counts_this_launchs_engines_of_rollout_ranks(tmp_path: Path)
         store.register_rank(r, role)
     store.set_rank_state(1, RankState.FAILED)
     _mark_ranks_stopped(store)  # after the launch stopped every process
-    assert {r["rank"]: r["state"] for r in store.ranks()} == {0: "stopped", 1: "failed"}
+    assert {r.rank: r.state for r in store.ranks()} == {0: "stopped", 1: "failed"}
 
 
 def test_each_child_log_starts_a_launch_with_a_marker(tmp_path: Path) -> None:
@@ -209,7 +209,7 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     out, restarts = io.StringIO(), {}
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh
     assert started == ["rank1"] and restarts == {"rank1": 1} and "restarting it (1 of 2)" in out.getvalue()
-    assert {r["rank"]: r["state"] for r in store.ranks()}[1] == "dead"
+    assert {r.rank: r.state for r in store.ranks()}[1] == "dead"
     assert store.buffer_state()["tasks_running"] == 0 and store.buffer_state()["tasks_pending"] == 2
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh  # 2 of 2
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is None  # the limit: the run fails

@@ -35,7 +35,7 @@ def _launch(*args: str) -> subprocess.Popen[str]:
 def _version(run_dir: Path) -> int:
     store = RunStore.for_run_dir(run_dir)
     try:
-        return int(store.run_info()["version"])
+        return store.run_info().version
     finally:
         store.close()
 
@@ -43,7 +43,7 @@ def _version(run_dir: Path) -> int:
 def _rank_pids(run_dir: Path, role: str | None = None) -> list[int]:
     store = RunStore.for_run_dir(run_dir)
     try:
-        return [r["pid"] for r in store.ranks() if r["pid"] and role in (None, r["role"])]
+        return [r.pid for r in store.ranks() if r.pid and role in (None, r.role)]
     finally:
         store.close()
 

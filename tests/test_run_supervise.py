@@ -51,7 +51,7 @@ def test_past_the_limit_or_as_actor_the_task_ends_with_the_ranks_code(tmp_path: 
 
 
 def test_restart_policy() -> None:
-    assert restartable("rank3", "rollout", 0, 3) and not restartable("rank3", "rollout", 3, 3)
-    assert not restartable("rank3", "actor", 0, 3) and not restartable("rank3", "ref", 0, 3)
+    assert restartable("rank3", Role.ROLLOUT, 0, 3) and not restartable("rank3", Role.ROLLOUT, 3, 3)
+    assert not restartable("rank3", Role.ACTOR, 0, 3) and not restartable("rank3", Role.REF, 0, 3)
     assert restartable("control", None, 2, 3) and restartable("env1", None, 0, 3)
     assert not restartable("ranks", None, 0, 3)  # the srun step as a whole: its tasks supervise themselves

@@ -70,7 +70,7 @@ def test_a_step_claims_the_batch_trains_and_publishes_the_version(tmp_path: Path
     _feed(ctx, range(3), version=0)
     asyncio.run(run_actor_step(ctx, _plan(0)))
     info = ctx.store.run_info()
-    assert info["version"] == 1
+    assert info.version == 1
     (step,) = ctx.store.steps()
     assert step["num_trajectories"] == 8 and step["ras"] >= 1  # 2 groups of 4; the data was there at the start
     assert step["ra2p_mode"] == "colocated"
@@ -90,7 +90,7 @@ def test_groups_beyond_the_staleness_bound_are_dropped_not_trained(tmp_path: Pat
     _feed(ctx, range(2, 3), version=0)  # sampled on v0: too stale for step 1 at staleness 0
     _feed(ctx, range(3, 5), version=1)
     asyncio.run(run_actor_step(ctx, _plan(1)))
-    assert ctx.store.run_info()["version"] == 2
+    assert ctx.store.run_info().version == 2
     second = ctx.store.steps()[-1]
     assert second["num_trajectories"] == 8
     buf = ctx.store.buffer_state()

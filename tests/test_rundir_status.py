@@ -24,7 +24,7 @@ def test_create_run_lays_out_the_directory(tmp_path: Path) -> None:
     for p in (paths.db, paths.config, paths.weights, paths.ckpt, paths.logs):
         assert p.exists(), p
     assert load_job(paths.config) == cfg
-    assert store.run_info()["state"] == "starting"
+    assert store.run_info().state is RunState.STARTING
     with pytest.raises(RunDirError, match="already holds a run"):
         create_run(cfg, tmp_path / "r")
 

@@ -25,7 +25,7 @@ def test_claims_of_stopped_and_running_ranks_return_to_the_pool(tmp_path: Path) 
         end_previous_launch(store, paths)
         assert store.buffer_state()["tasks_running"] == 0
         assert store.buffer_state()["tasks_pending"] == 4
-        assert {r["rank"]: r["state"] for r in store.ranks()} == {1: "dead", 2: "dead"}
+        assert {r.rank: r.state for r in store.ranks()} == {1: "dead", 2: "dead"}
         # The next launch's rank 1 claims them afresh.
         store.register_rank(1, Role.ROLLOUT)
         assert len(store.claim_tasks(1, 4)) == 4

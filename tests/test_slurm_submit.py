@@ -21,7 +21,7 @@ from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.cancel import live_job_ids
 from tiderl.slurm.runjobs import recorded_jobs, slurm_jobs_of_run
 from tiderl.slurm.states import JobState
-from tiderl.store import RunStore
+from tiderl.store import Role, RunRecord, RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 # A short run: 2 ranks (actor + rollout) on one node of the dev cluster.
@@ -52,7 +52,7 @@ def submit(run_dir: Path, steps: int, *extra: str, wait: bool = False) -> subpro
                   *(["--wait"] if wait else []), timeout_s=RUN_TIMEOUT_S if wait else 120)
 
 
-def run_info(run_dir: Path) -> dict:
+def run_info(run_dir: Path) -> RunRecord:
     store = RunStore.for_run_dir(run_dir)
     try:
         return store.run_info()
@@ -136,7 +136,7 @@ def test_submit_wait_runs_to_the_end(slurm_cluster: SlurmCluster, run_dir: Path)
     records = slurm_cluster.accounting([job["job_id"]])
     # The ranks ran as one step of two tasks beside the batch step.
     assert records[f"{job['job_id']}.0"].state is JobState.COMPLETED
-    assert run_info(run_dir)["state"] == "finished"
+    assert run_info(run_dir).state == "finished"
     assert check_run(run_dir, max_staleness=1)["versions"] == 2
     assert slurm_jobs_of_run(run_dir) == [{"job_id": job["job_id"], "state": "COMPLETED", "reason": None}]
     rank0 = tiderl("logs", str(run_dir), "--rank", "0", "-n", "5")
@@ -150,13 +150,13 @@ def test_cancel_ends_the_job_and_marks_the_run(slurm_cluster: SlurmCluster, run_
     assert out.returncode == 0, out.stderr
     [job] = recorded_jobs(run_dir)
     # Cancel once the job runs the run (env server and control plane up, ranks starting).
-    wait_for("the run running", lambda: run_info(run_dir)["state"] == "running", 300)
+    wait_for("the run running", lambda: run_info(run_dir).state == "running", 300)
     cancel = tiderl("cancel", str(run_dir))
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     assert f"job {job['job_id']} CANCELLED" in cancel.stdout
     assert slurm_cluster.wait(job["job_id"], timeout_s=60) is JobState.CANCELLED
     info = run_info(run_dir)
-    assert (info["state"], info["message"]) == ("cancelled", "cancelled by `tiderl cancel`")
+    assert (info.state, info.message) == ("cancelled", "cancelled by `tiderl cancel`")
     # Cancelling again changes nothing and says so.
     again = tiderl("cancel", str(run_dir))
     assert again.returncode == 0 and "already cancelled" in again.stdout
@@ -170,7 +170,7 @@ def test_time_limit_signal_requeues_and_the_next_attempt_resumes(slurm_cluster: 
     [job] = recorded_jobs(run_dir)
     job_id = job["job_id"]
     batch_log = run_dir / "logs" / f"slurm-{job_id}.out"
-    wait_for("the run running", lambda: run_info(run_dir)["state"] == "running", 300)
+    wait_for("the run running", lambda: run_info(run_dir).state == "running", 300)
     # What `--signal=B:USR2@N` sends before the time limit: SIGUSR2 to the batch step only.
     slurm_cluster.cancel([job_id], signal="USR2", batch_only=True)
     # The run's processes stop, submitit requeues the job, the next attempt resumes the same run.
@@ -181,7 +181,7 @@ def test_time_limit_signal_requeues_and_the_next_attempt_resumes(slurm_cluster: 
     assert log.count(f"tiderl: job {job_id} on ") == 2, log
     assert "stopped by Slurm (SIGUSR2)" in log
     assert f"Requeued job {job_id}" in log  # submitit's handler did it, after the run's processes stopped
-    wait_for("the resumed run", lambda: (run_info(run_dir)["state"], run_info(run_dir)["message"]) ==
+    wait_for("the resumed run", lambda: (run_info(run_dir).state, run_info(run_dir).message) ==
              ("running", "resumed"), 300, explain=lambda: job_story(slurm_cluster, job_id, run_dir))
     assert tiderl("cancel", str(run_dir)).returncode == 0
     assert slurm_cluster.wait(job_id, timeout_s=60) is JobState.CANCELLED
@@ -202,8 +202,8 @@ def trajectories(run_dir: Path) -> dict[int, str]:
 
 def reached(run_dir: Path, version: int) -> bool:
     info = run_info(run_dir)
-    assert info["state"] in ("starting", "running"), f"the run ended before version {version}: {info}"
-    return info["version"] >= version
+    assert info.state in ("starting", "running"), f"the run ended before version {version}: {info}"
+    return info.version >= version
 
 
 @pytest.mark.slurm
@@ -221,13 +221,13 @@ def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster
     slurm_cluster.requeue([job_id])
     # Slurm ends the running attempt (SIGTERM to every process of the job), holds the job back, starts it again.
     slurm_cluster.wait(job_id, timeout_s=120, until=lambda s: s is JobState.PENDING)
-    requeued_at = run_info(run_dir)["version"]
+    requeued_at = run_info(run_dir).version
     assert requeued_at < steps, f"the run reached version {requeued_at} before the requeue"
     before = trajectories(run_dir)
     final = slurm_cluster.wait(job_id, timeout_s=RUN_TIMEOUT_S)
     assert final is JobState.COMPLETED, logs_of(run_dir)
     info = run_info(run_dir)
-    assert info["state"] == "finished", info
+    assert info.state == "finished", info
     # Exactly once across the requeue, and every trajectory finished before it is still there.
     assert check_run(run_dir, max_staleness=1)["versions"] == steps
     after = trajectories(run_dir)
@@ -251,23 +251,23 @@ def test_a_rollout_rank_killed_in_the_step_is_restarted_and_the_job_finishes(slu
     # restarts it while the step and the actor carry on.
     out = submit(run_dir, 4, "env.latency=fixed:0.3")
     assert out.returncode == 0, out.stderr
-    wait_for("version 1", lambda: (run_dir / "run.db").exists() and run_info(run_dir)["version"] >= 1,
+    wait_for("version 1", lambda: (run_dir / "run.db").exists() and run_info(run_dir).version >= 1,
              RUN_TIMEOUT_S)
     store = RunStore.for_run_dir(run_dir)
     try:
-        victim = next(r for r in store.ranks() if r["role"] == "rollout" and r["pid"])
+        victim = next(r for r in store.ranks() if r.role is Role.ROLLOUT and r.pid)
     finally:
         store.close()
-    os.kill(victim["pid"], signal.SIGKILL)
-    wait_for("the run ended", lambda: run_info(run_dir)["state"] in ("finished", "failed", "cancelled"),
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for("the run ended", lambda: run_info(run_dir).state in ("finished", "failed", "cancelled"),
              RUN_TIMEOUT_S)
-    assert run_info(run_dir)["state"] == "finished", logs_of(run_dir)
+    assert run_info(run_dir).state == "finished", logs_of(run_dir)
     assert check_run(run_dir, max_staleness=1)["versions"] == 4
     store = RunStore.for_run_dir(run_dir)
     try:
         restarted = store.recent_events(50, kinds=["restarted"])
     finally:
         store.close()
-    assert [e["rank"] for e in restarted] == [victim["rank"]]
+    assert [e["rank"] for e in restarted] == [victim.rank]
     [job] = recorded_jobs(run_dir)
     assert slurm_cluster.wait(job["job_id"], timeout_s=120) is JobState.COMPLETED

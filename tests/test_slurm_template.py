@@ -26,7 +26,7 @@ def run_state(run_dir: Path) -> tuple[str, str | None] | None:
     store = RunStore.for_run_dir(run_dir)
     try:
         info = store.run_info()
-        return str(info["state"]), info["message"]
+        return info.state.value, info.message
     finally:
         store.close()
 

@@ -114,7 +114,7 @@ def test_publish_consumes_exactly_once_and_records_step(tmp_path: Path, store_ur
     with pytest.raises(ClaimLostError):
         s.publish_version(VersionRecord(version=2, path="weights/v2", checksum="y", trajectory_ids=ids,
                                         step_started_at=0.0, duration_s=1.0), owner=2)
-    assert s.run_info()["version"] == 1
+    assert s.run_info().version == 1
 
 
 def test_version_must_follow_the_last(tmp_path: Path, store_url: str | None) -> None:
@@ -245,7 +245,7 @@ def test_a_retry_after_a_cut_off_commit_claims_and_publishes_nothing_twice(tmp_p
     record = VersionRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=[t.id for t in got],
                            step_started_at=0.0, duration_s=1.0)
     s.publish_version(record, owner=2)
-    assert s.run_info()["version"] == 1 and len(s.version_rows()) == 2
+    assert s.run_info().version == 1 and len(s.version_rows()) == 2
     buf = s.buffer_state()
     assert buf["traj_consumed"] == 2 and buf["tasks_running"] == 2 and buf["tasks_pending"] == 0
     s.close()

@@ -128,7 +128,7 @@ def test_views_give_plain_numbers_and_text_keeps_nul(pg_server, tmp_path: Path) 
 def test_runs_sharing_a_database_do_not_see_each_other(pg_server, tmp_path: Path) -> None:
     a = story(tmp_path / "a", pg_server.url)
     _, b = create_run(load_job(QUICKSTART, [f"store.url={pg_server.url}"]), tmp_path / "b")
-    assert b.run_info()["version"] == 0 and a.run_info()["version"] == 1
+    assert b.run_info().version == 0 and a.run_info().version == 1
     assert b.buffer_state()["tasks_pending"] == 0
     assert run_schema(tmp_path / "a") != run_schema(tmp_path / "b")
     with pytest.raises(RunDirError, match="already holds a run"):
@@ -140,7 +140,7 @@ def test_runs_sharing_a_database_do_not_see_each_other(pg_server, tmp_path: Path
 def test_the_commands_that_only_look_cannot_write(pg_server, tmp_path: Path) -> None:
     story(tmp_path / "r", pg_server.url).close()
     _, ro = open_run(tmp_path / "r", read_only=True)
-    assert ro.run_info()["state"] == "running"
+    assert ro.run_info().state is RunState.RUNNING
     with pytest.raises(StoreError, match="read-only transaction"):
         ro.set_run_state(RunState.FAILED)
     ro.close()

@@ -154,11 +154,11 @@ def _run(plane: ControlPlane, store: RunStore, clock: Clock, seconds: float, bea
 
 
 def _states(store: RunStore) -> dict[int, str]:
-    return {int(r["rank"]): r["state"] for r in store.ranks()}
+    return {r.rank: r.state.value for r in store.ranks()}
 
 
 def _beat_at(store: RunStore, rank: int) -> float:
-    return float(next(r["heartbeat_at"] for r in store.ranks() if r["rank"] == rank))
+    return next(r.heartbeat_at for r in store.ranks() if r.rank == rank)
 
 
 def test_a_stalled_watcher_declares_no_rank_dead(plane: tuple[ControlPlane, RunStore, Clock]) -> None:

@@ -38,9 +38,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import AnyStr, TextIO
+from typing import TYPE_CHECKING, AnyStr, TextIO
 
 from tiderl.roles import Role
+
+if TYPE_CHECKING:
+    from tiderl.store import RunStore
 
 FOLLOW_POLL_S = 0.5
 ROLES_EVERY_S = 2.0
@@ -348,8 +351,8 @@ def _reader_gone(out: TextIO) -> bool:
     return any(events & (select_io.POLLERR | select_io.POLLHUP) for _, events in poller.poll(0))
 
 
-def _roles(store: object) -> dict[int, str]:
-    return {int(r["rank"]): str(r["role"]) for r in store.ranks()}  # type: ignore[attr-defined]
+def _roles(store: RunStore) -> dict[int, str]:
+    return {r.rank: r.role.value for r in store.ranks()}
 
 
 def _num_ranks(config: Path, seen: Iterable[int]) -> int | None:
@@ -371,12 +374,11 @@ def _selection_name(args: argparse.Namespace) -> str:
     return "the control plane's log" if args.control else "the run's logs"
 
 
-def _run_over(run_dir: Path, store: object) -> bool:
+def _run_over(run_dir: Path, store: RunStore) -> bool:
     from tiderl.slurm.cancel import live_job_ids
     from tiderl.slurm.runjobs import slurm_jobs_of_run
-    from tiderl.store.types import RunState
 
-    if not RunState(store.run_info()["state"]).is_terminal:  # type: ignore[attr-defined]
+    if not store.run_info().state.is_terminal:
         return False
     return not live_job_ids(slurm_jobs_of_run(run_dir))
 

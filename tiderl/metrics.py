@@ -92,17 +92,17 @@ class RunCollector(Collector):
         fams: list[Metric] = []
 
         run = InfoMetricFamily("tiderl_run", "The run: name and system.")
-        run.add_metric([], {"name": str(info["name"]), "system": str(info["system"])})
+        run.add_metric([], {"name": info.name, "system": info.system})
         state = GaugeMetricFamily("tiderl_run_state", "1 for the run's current state.", labels=["state"])
         for s in RUN_STATES:
-            state.add_metric([s], 1.0 if info["state"] == s else 0.0)
-        fams += [run, state, _gauge("tiderl_version", "Last published weights version.", info["version"])]
-        end = info["finished_at"] or now
+            state.add_metric([s], 1.0 if info.state.value == s else 0.0)
+        fams += [run, state, _gauge("tiderl_version", "Last published weights version.", info.version)]
+        end = info.finished_at or now
         consumed = sum(s["consumed_tokens"] or 0 for s in steps)
         fams.append(CounterMetricFamily("tiderl_consumed_tokens", "Generated tokens the trainer consumed (trained).",
                                         value=consumed))
         fams.append(_gauge("tiderl_goodput_tokens_per_second", "Goodput of the whole run: trained generated tokens "
-                           "per second of wall time.", consumed / max(end - info["created_at"], 1e-9)))
+                           "per second of wall time.", consumed / max(end - info.created_at, 1e-9)))
         fams.append(_gauge("tiderl_seconds_since_progress", "Seconds since the last new weights version (or the "
                            "run's start).", snap.since_progress_s))
         fams.append(_gauge("tiderl_stalled", "1 when no version was published for longer than "

@@ -50,8 +50,8 @@ def collect(store: Any) -> dict[str, Any]:
     """The status document of a run (what --json prints, without the diagnosis)."""
     info = store.run_info()
     steps = store.steps()
-    end = info["finished_at"] or time.time()
-    elapsed_s = max(end - info["created_at"], 1e-9)
+    end = info.finished_at or time.time()
+    elapsed_s = max(end - info.created_at, 1e-9)
     consumed = sum(s["consumed_tokens"] or 0 for s in steps)
     wait: dict[str, float] = {}
     for row in store.metric_sums(["rwt_s", "twt_s"]):
@@ -60,11 +60,11 @@ def collect(store: Any) -> dict[str, Any]:
     for row in store.metric_sums(CTB_SUMS):
         rollout[row["name"]] += float(row["value"])
     return {
-        "name": info["name"],
-        "system": info["system"],
-        "state": info["state"],
-        "message": info["message"],
-        "version": info["version"],
+        "name": info.name,
+        "system": info.system,
+        "state": info.state.value,
+        "message": info.message,
+        "version": info.version,
         "elapsed_s": round(elapsed_s, 3),
         "consumed_tokens": consumed,
         "goodput_tok_s": consumed / elapsed_s,
@@ -103,9 +103,9 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
     from tiderl.store.types import GroupState, TaskKind
 
     info = store.run_info()
-    version = int(info["version"])
+    version = info.version
     last = [v for v in store.version_rows() if v["version"] == version]
-    progress_at = max([info["created_at"], info["updated_at"]] + ([last[0]["created_at"]] if last else []))
+    progress_at = max([info.created_at, info.updated_at] + ([last[0]["created_at"]] if last else []))
     groups = store.outstanding_groups()
     running: dict[int, int] = {}
     for g in groups:
@@ -119,17 +119,17 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
     claims = {c["rank"]: c for c in store.trainer_claims() if c["rank"] is not None}
     planned = {r["rank"]: r["planned_role"] for r in store.view("rank_roles")}
     ranks = tuple(dg.RankStatusView(
-        rank=r["rank"], role=r["role"], state=r["state"], version=r["version"],
-        heartbeat_age_s=now - r["heartbeat_at"], planned_role=planned.get(r["rank"]),
-        running_tasks=running.get(r["rank"], 0), rwt_recent_s=rwt.get(r["rank"], 0.0),
-        claimed_groups=int(claims[r["rank"]]["groups"]) if r["rank"] in claims else 0,
-        claimed_age_s=now - claims[r["rank"]]["latest_claimed_at"] if r["rank"] in claims else None,
-        up_s=now - r["started_at"])
+        rank=r.rank, role=r.role.value, state=r.state.value, version=r.version,
+        heartbeat_age_s=now - r.heartbeat_at, planned_role=planned.get(r.rank),
+        running_tasks=running.get(r.rank, 0), rwt_recent_s=rwt.get(r.rank, 0.0),
+        claimed_groups=int(claims[r.rank]["groups"]) if r.rank in claims else 0,
+        claimed_age_s=now - claims[r.rank]["latest_claimed_at"] if r.rank in claims else None,
+        up_s=now - r.started_at)
         for r in store.ranks())
     plan = store.plan_at(version)
     return dg.Snapshot(
-        state=info["state"], version=version, message=info["message"], since_progress_s=max(0.0, now - progress_at),
-        control_age_s=now - info["control_seen_at"] if info.get("control_seen_at") else None,
+        state=info.state.value, version=version, message=info.message, since_progress_s=max(0.0, now - progress_at),
+        control_age_s=now - info.control_seen_at if info.control_seen_at else None,
         limits=limits, ranks=ranks,
         groups=tuple(dg.GroupView(
             group_id=g["id"], kind=g["kind"], state=g["state"], size=g["size"], num_done=g["num_done"],

@@ -124,7 +124,7 @@ def claimer(spec: LoadSpec, rank: int, out: str) -> None:
         ids = [t.id for t in got]
         claimed += ids
         while True:  # two trainers race for the next version number; the loser retries with the next one
-            version = s.run_info()["version"] + 1
+            version = s.run_info().version + 1
             try:
                 s.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="x",
                                                 trajectory_ids=ids, step_started_at=start, duration_s=0.01),
@@ -383,7 +383,7 @@ def control_worker(spec: RankLoadSpec, rank: int, ready, go, t0_box, out: str) -
         _sleep_until(next_tick)
         try:
             if not watching:
-                watching = all(r["heartbeat_at"] >= t0 for r in s.ranks() if r["rank"] < spec.num_ranks)
+                watching = all(r.heartbeat_at >= t0 for r in s.ranks() if r.rank < spec.num_ranks)
                 log.reads += 1
             s.position()
             s.latest_planned_version()

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiderl.store.types import RunRecord
+
 # Metrics the figures read (names as the ranks record them).
 WAIT_METRICS = ("rwt_s", "twt_s")
 CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
@@ -25,7 +27,7 @@ class RoleSpan:
 
 @dataclass
 class ReportData:
-    info: dict[str, Any]
+    info: RunRecord
     t0: float  # run start (Unix seconds); every `*_s` time below is relative to it
     end_s: float  # the run's end, or now
     versions: list[dict[str, Any]]  # published versions > 0 with `t_s` (publish time since start)
@@ -45,8 +47,8 @@ class ReportData:
 
 def load(store: Any, *, now: float | None = None) -> ReportData:
     info = store.run_info()
-    t0 = float(info["created_at"])
-    end = float(info["finished_at"] or (now if now is not None else time.time()))
+    t0 = info.created_at
+    end = info.finished_at or (now if now is not None else time.time())
     versions = [v | {"t_s": v["created_at"] - t0} for v in store.version_rows() if v["version"] > 0]
     publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
     points = [p | {"t_s": p["ts"] - t0}
@@ -59,7 +61,7 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
         cache=[p for p in points if p["name"] in CACHE_METRICS],
         staleness=store.staleness_counts(), ctb=ctb_by_version(points),
         roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
-                         restarted_s={r["rank"]: r["started_at"] - t0 for r in store.ranks()}))
+                         restarted_s={r.rank: r.started_at - t0 for r in store.ranks()}))
 
 
 def ctb_by_version(points: list[dict[str, Any]]) -> dict[int, dict[str, float]]:

@@ -18,13 +18,13 @@ def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: di
         waits[p["name"]] += p["value"]
     modes = Counter(v["ra2p_mode"] or "unknown" for v in data.versions)
     lines = [
-        f"# Run report: {info['name']}",
+        f"# Run report: {info.name}",
         "",
         "| | |",
         "| --- | --- |",
-        f"| system | `{info['system']}` |",
-        f"| state | {info['state']}" + (f" ({info['message']})" if info["message"] else "") + " |",
-        f"| versions published | {info['version']} |",
+        f"| system | `{info.system}` |",
+        f"| state | {info.state.value}" + (f" ({info.message})" if info.message else "") + " |",
+        f"| versions published | {info.version} |",
         f"| wall time | {elapsed:.0f} s |",
         f"| trained generated tokens | {total} |",
         f"| goodput (whole run) | {total / elapsed:.1f} tokens/s |",

@@ -38,15 +38,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if launch.resumed:
         info = launch.store.run_info()
-        if info["state"] == RunState.FINISHED.value:
+        if info.state is RunState.FINISHED:
             # Nothing to do, and nothing touched: no process started, no figure rewritten.
             launch.store.close()
-            print(f"tiderl run: {args.resume} finished at version {info['version']} of "
+            print(f"tiderl run: {args.resume} finished at version {info.version} of "
                   f"{launch.config.trainer.num_steps}: nothing to resume", file=sys.stderr)
             return 0
-        print(f"tiderl run: resuming {args.resume} at version {info['version']} of "
-              f"{launch.config.trainer.num_steps} (it was {info['state']}"
-              + (f": {info['message']}" if info["message"] else "") + ")", file=sys.stderr)
+        print(f"tiderl run: resuming {args.resume} at version {info.version} of "
+              f"{launch.config.trainer.num_steps} (it was {info.state.value}"
+              + (f": {info.message}" if info.message else "") + ")", file=sys.stderr)
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id is None:
         return run_launch(launch)

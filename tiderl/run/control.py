@@ -120,8 +120,7 @@ class ControlPlane:
         than an evaluation's version, nobody can run its pending tasks. Returns how many failed."""
         if not self._evals_open():
             return 0
-        held = [int(r["version"]) for r in self.store.ranks()
-                if r["role"] == Role.ROLLOUT.value and r["state"] == RankState.RUNNING.value]
+        held = [r.version for r in self.store.ranks() if r.role is Role.ROLLOUT and r.state is RankState.RUNNING]
         if not held:
             return 0
         expired = self.store.expire_evaluations(min(held))

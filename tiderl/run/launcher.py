@@ -95,7 +95,7 @@ def launch_note(launch: Launch) -> str:
     """What each child's log is told at the start of this launch (procs.launch_marker)."""
     if not launch.resumed:
         return f"launch of run {launch.paths.root.name}"
-    return f"resume of run {launch.paths.root.name} at version {launch.store.run_info()['version']}"
+    return f"resume of run {launch.paths.root.name} at version {launch.store.run_info().version}"
 
 
 def _token_file(launch: Launch) -> Path:
@@ -224,7 +224,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         # leave ranks running behind a launcher that died on its own bookkeeping.
         current: RunState | None = None
         try:
-            current = RunState(store.run_info()["state"])
+            current = store.run_info().state
             if current is RunState.FINISHED and state is RunState.FINISHED:
                 _let_ranks_leave(children, finish_grace_s)
             elif not (current.is_terminal and state is RunState.RUNNING) and current is not RunState.CANCELLED:
@@ -242,7 +242,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
             _mark_ranks_stopped(store)
             print(file=out)
             print(summary(store), file=out, flush=True)
-            current = RunState(store.run_info()["state"])
+            current = store.run_info().state
         except StoreError as e:
             print(f"the run store could not be read for the summary: {e}", file=out, flush=True)
         if state is not RunState.FINISHED and current is not RunState.FINISHED:
@@ -255,8 +255,8 @@ def _mark_ranks_stopped(store: RunStore) -> None:
     """Every process of this launch is gone: a rank still recorded as live (killed before it could say
     so, or the actor still in its step at Ctrl-C) is stopped, not running."""
     for rank in store.ranks():
-        if rank["state"] in (RankState.RUNNING.value, RankState.STARTING.value):
-            store.set_rank_state(rank["rank"], RankState.STOPPED)
+        if rank.state in (RankState.RUNNING, RankState.STARTING):
+            store.set_rank_state(rank.rank, RankState.STOPPED)
 
 
 def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
@@ -271,8 +271,8 @@ def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
     # stopped by a signal (Ctrl-C, Slurm's SIGTERM at a requeue) recorded itself `stopped` with its claims
     # still held, and `reclaim_expired` only takes claims from ranks it finds running.
     for rank in store.ranks():
-        if rank["state"] in (RankState.STOPPED.value, RankState.FAILED.value):
-            store.set_rank_state(rank["rank"], RankState.RUNNING)
+        if rank.state in (RankState.STOPPED, RankState.FAILED):
+            store.set_rank_state(rank.rank, RankState.RUNNING)
     store.reclaim_expired(0.0)
     shutil.rmtree(paths.rendezvous, ignore_errors=True)
 
@@ -315,7 +315,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
     restarts: dict[str, int] = {}
     is_tty = out.isatty()
     last_line, last_print = "", 0.0
-    first_version = int(store.run_info()["version"])
+    first_version = store.run_info().version
     while True:
         time.sleep(PROGRESS_S)
         doc = collect(store)
@@ -336,9 +336,9 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
             if code is not None and (child is not control or code != 0):
                 # Ranks leave on their own once the run is over: that is no failure, even if it happened
                 # after `doc` was read.
-                now = RunState(store.run_info()["state"])
+                now = store.run_info().state
                 if now.is_terminal:
-                    return now, store.run_info()["message"] or ""
+                    return now, store.run_info().message or ""
                 replacement = replace_child(store, child, code, restart, restarts, restart_limit, out)
                 if replacement is not None:
                     children[i] = replacement

@@ -38,25 +38,25 @@ CHILD_ENV = "TIDERL_SUPERVISED"  # set in the rank a supervisor runs: that one i
 POLL_S = 0.5
 
 
-def restartable(name: str, role: str | None, restarts: int, limit: int) -> bool:
+def restartable(name: str, role: Role | None, restarts: int, limit: int) -> bool:
     """Whether a child that died is restarted in place: the control plane and env servers always (up to
     `limit` times each), a rank only while rolling out (its tasks return to the pool and any rank may
     run them); an actor or ref is inside a step with others, which a lone newcomer cannot join."""
     if restarts >= limit:
         return False
     if name.startswith("rank"):
-        return role == Role.ROLLOUT.value
+        return role is Role.ROLLOUT
     return name == "control" or name.startswith("env")
 
 
 TRAINER_GROUP = "trainer"  # the restart count of the trainer group (its actor and ref ranks together)
 
 
-def group_restartable(role: str | None, restarts: int, limit: int) -> bool:
+def group_restartable(role: Role | None, restarts: int, limit: int) -> bool:
     """Whether an actor or ref rank that died is restarted with its whole trainer group (every actor and
     ref rank stopped, their claims back, all started again from the last published version; the local
     launcher only): the step in flight is lost, nothing it trained was committed."""
-    return role in (Role.ACTOR.value, Role.REF.value) and restarts < limit
+    return role in (Role.ACTOR, Role.REF) and restarts < limit
 
 
 def quarantine(store: RunStore, rank: int, code: int, n: int, limit: int, where: str) -> str:
@@ -120,7 +120,7 @@ def _supervise(run_dir: Path, rank: int, argv: list[str], limit: int, poll_s: fl
         store = RunStore.for_run_dir(run_dir)
         try:
             state, _ = store.position()
-            role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None)
+            role = next((r.role for r in store.ranks() if r.rank == rank), None)
             if state is not RunState.RUNNING or not restartable(f"rank{rank}", role, restarts, limit):
                 return code
             restarts += 1
@@ -139,7 +139,7 @@ def replace_child(store: RunStore, child: procs.Child, code: int, restart: Resta
     if restart is None:
         return None
     rank = int(child.name[4:]) if child.name.startswith("rank") and child.name[4:].isdigit() else None
-    role = next((r["role"] for r in store.ranks() if r["rank"] == rank), None) if rank is not None else None
+    role = next((r.role for r in store.ranks() if r.rank == rank), None) if rank is not None else None
     if not restartable(child.name, role, restarts.get(child.name, 0), limit):
         return None
     restarts[child.name] = n = restarts.get(child.name, 0) + 1
@@ -176,13 +176,13 @@ def restart_trainer_group(store: RunStore, children: list[procs.Child], dead: pr
     rank = rank_of(dead.name)
     if restart is None or rank is None:
         return False
-    roles = {r["rank"]: r["role"] for r in store.ranks()}
+    roles = {r.rank: r.role for r in store.ranks()}
     n = restarts.get(TRAINER_GROUP, 0)
     if not group_restartable(roles.get(rank), n, limit):
         return False
     restarts[TRAINER_GROUP] = n = n + 1
     members = [c for c in children if (r := rank_of(c.name)) is not None
-               and roles.get(r) in (Role.ACTOR.value, Role.REF.value)]
+               and roles.get(r) in (Role.ACTOR, Role.REF)]
     names = ", ".join(c.name for c in members)
     print(f"\n{dead.name} ({roles.get(rank)}) exited with code {code} inside a step: restarting the trainer "
           f"group ({names}; {n} of {limit}) from the last published version", file=out, flush=True)

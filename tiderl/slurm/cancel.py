@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl cancel: {e}", file=sys.stderr)
         return 2
     try:
-        state = RunState(store.run_info()["state"])
+        state = store.run_info().state
         if state.is_terminal:
             print(f"run {args.run_dir}: already {state.value}")
         else:

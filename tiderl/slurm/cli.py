@@ -214,7 +214,7 @@ def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float =
                 return EXIT_NOT_FINISHED
             time.sleep(poll_s)
             time.sleep(poll_s)
-        state = RunState(store.run_info()["state"])
+        state = store.run_info().state
         print(summary(store), file=out, flush=True)
     finally:
         store.close()

@@ -59,7 +59,7 @@ class SlurmRun(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         launch = prepare(None, [], None, Path(self.run_dir))
-        state = RunState(launch.store.run_info()["state"])
+        state = launch.store.run_info().state
         if state in (RunState.FINISHED, RunState.CANCELLED):
             launch.store.close()
             return f"run {self.run_dir} is already {state.value}: nothing to run"

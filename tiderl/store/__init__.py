@@ -11,11 +11,13 @@ from tiderl.store.types import (
     MetricPoint,
     NewGroup,
     PlanRecord,
+    RankRecord,
     RankReport,
     RankState,
     ReadyTrajectory,
     ReclaimResult,
     Role,
+    RunRecord,
     RunState,
     StoreTaskState,
     TaskClaim,
@@ -27,8 +29,8 @@ from tiderl.store.types import (
 )
 
 __all__ = [
-    "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankReport",
-    "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunState", "RunStore", "StoreBusyError",
+    "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankRecord", "RankReport",
+    "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunRecord", "RunState", "RunStore", "StoreBusyError",
     "StoreError", "StoreTaskState", "StoreURLError", "StoreUnreachableError", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
     "VersionRecord",
 ]

@@ -78,10 +78,12 @@ from tiderl.store.types import (
     NewGroup,
     PlanRecord,
     RankReport,
+    RankRecord,
     RankState,
     ReadyTrajectory,
     ReclaimResult,
     Role,
+    RunRecord,
     RunState,
     StoreTaskState,
     TaskClaim,
@@ -266,11 +268,13 @@ class RunStore:
             values["finished_at"] = now
         self.tx.write(lambda c: c.execute(update(runs).where(runs.c.id == 1).values(**values)))
 
-    def run_info(self) -> dict[str, Any]:
-        row = self.tx.read(lambda c: c.execute(select(runs).where(runs.c.id == 1)).mappings().first())
+    def run_info(self) -> RunRecord:
+        row = self.tx.read(lambda c: c.execute(select(runs).where(runs.c.id == 1)).first())
         if row is None:
             raise StoreError(f"run store {self.label}: no run recorded")
-        return dict(row)
+        return RunRecord(name=row.name, system=row.system, state=RunState(row.state), version=int(row.version),
+                         created_at=row.created_at, updated_at=row.updated_at, finished_at=row.finished_at,
+                         message=row.message, config_yaml=row.config_yaml, control_seen_at=row.control_seen_at)
 
     # ---- ranks and roles -----------------------------------------------------------------
     def register_rank(self, rank: int, role: Role, *, host: str | None = None, pid: int | None = None) -> None:
@@ -356,8 +360,11 @@ class RunStore:
             raise StoreError(f"run store {self.label}: no run recorded")
         return RunState(row.state), int(row.version)
 
-    def ranks(self) -> list[dict[str, Any]]:
-        return self.tx.read(lambda c: [dict(r) for r in c.execute(select(ranks).order_by(ranks.c.rank)).mappings()])
+    def ranks(self) -> list[RankRecord]:
+        return self.tx.read(lambda c: [
+            RankRecord(rank=r.rank, role=Role(r.role), state=RankState(r.state), version=int(r.version), host=r.host,
+                       pid=r.pid, started_at=r.started_at, heartbeat_at=r.heartbeat_at)
+            for r in c.execute(select(ranks).order_by(ranks.c.rank))])
 
     # ---- tasks ---------------------------------------------------------------------------
     def add_groups(self, groups: Sequence[NewGroup]) -> list[int]:

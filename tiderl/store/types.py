@@ -29,6 +29,43 @@ class RankState(str, enum.Enum):
     FAILED = "failed"  # ended on an error (the `rank_failed` event says which)
 
 
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """The run's row (`RunStore.run_info`)."""
+
+    name: str
+    system: str
+    state: RunState
+    version: int
+    """The last published weights version."""
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    message: str | None
+    config_yaml: str
+    control_seen_at: float | None
+    """The control plane's last tick (its heartbeat); None before its first."""
+
+    def as_dict(self) -> dict[str, object]:
+        """The row as JSON-ready values (the enum as its value)."""
+        return {f: getattr(self, f) for f in self.__slots__} | {"state": self.state.value}
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecord:
+    """One rank's row (`RunStore.ranks`)."""
+
+    rank: int
+    role: Role
+    state: RankState
+    version: int
+    """The weights version the rank runs."""
+    host: str | None
+    pid: int | None
+    started_at: float
+    heartbeat_at: float
+
+
 class TaskKind(str, enum.Enum):
     TRAIN = "train"
     EVAL = "eval"
