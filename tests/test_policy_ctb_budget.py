@@ -13,7 +13,7 @@ from tiderl.policy.ctb_budget import (
     BudgetTracker,
     CacheFeedback,
     adjust_budget,
-    gain_share,
+    gain_ratio,
     next_budget,
     prefix_kept,
     reprefill_cost,
@@ -85,7 +85,7 @@ def test_prefix_kept_judges_full_blocks_with_one_block_of_slack():
 
 @pytest.mark.parametrize("bad", [dict(floor_tokens=0), dict(max_factor=0.5), dict(grow_share=0), dict(shrink=1.0),
                                  dict(evicted_tolerance=1.0), dict(window_turns=0), dict(probe_cost_share=0),
-                                 dict(max_hold_windows=-1)])
+                                 dict(max_hold_windows=-1), dict(cost_smoothing=0), dict(cost_smoothing=1.5)])
 def test_bad_limits_are_refused_by_name(bad):
     args = dict(floor_tokens=1024) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -124,9 +124,9 @@ def costed_feedback(rng: random.Random) -> CacheFeedback:
                   rng.randint(0, 2000))
 
 
-def test_gain_share_and_reprefill_cost_by_hand():
-    assert gain_share(1024, 1024) == 0 and gain_share(1000, 1024) == 0
-    assert gain_share(1152, 1024) == 128 / 1152 and gain_share(4096, 1024) == 0.75
+def test_gain_ratio_and_reprefill_cost_by_hand():
+    assert gain_ratio(1024, 1024) == 0 and gain_ratio(1000, 1024) == 0
+    assert gain_ratio(1152, 1024) == 0.125 and gain_ratio(2048, 1024) == 1.0 and gain_ratio(4096, 1024) == 3.0
     # A 7B model on a GPU: 3e-5 s a prefilled token, 300 sequences decoding at 30 ms an iteration.
     assert reprefill_cost(3e-5, 0.03, 300) == pytest.approx(0.3)
     assert reprefill_cost(3e-5, 0.03, 0) == pytest.approx(0.001)  # an idle engine: one sequence waits
@@ -140,7 +140,7 @@ def nb(budget: int, hold: int, f: CacheFeedback, memory: int = 0) -> tuple[int, 
 
 
 def test_7_costly_re_prefills_put_the_budget_back_at_the_floor_and_hold_it():
-    # 1,152 = the floor + one step: g = 128 / 1,152 = 0.111. Re-prefills costing 200 of 1,000 generated
+    # 1,152 = the floor + one step: g = 128 / 1,024 = 0.125. Re-prefills costing 200 of 1,000 generated
     # tokens (k = 0.2) cost more than the overcommit could gain: the floor, and ceil(0.2 / 0.02) = 10 windows.
     assert nb(1152, 0, costed(14, 2, True, 200, 1000)) == (1024, 10, 10)
     assert nb(4096, 0, costed(0, 16, True, 16_000, 1000)) == (1024, 800, 800)
@@ -149,7 +149,11 @@ def test_7_costly_re_prefills_put_the_budget_back_at_the_floor_and_hold_it():
     assert nb(1152, 0, costed(14, 2, True, 200, 1000), memory=8) == (1024, 16, 16)  # failing again: doubled
     assert nb(1152, 0, costed(14, 2, True, 200, 1000), memory=3) == (1024, 10, 10)
     # k = 0.1 <= g: the overcommit pays for its re-prefills, even with half the turns evicted (the count
-    # rule would shrink): not lowered, and it rises (g(1,280) = 0.2 >= 0.1).
+    # rule would shrink): not lowered, and it rises (g(1,280) = 0.25 >= 0.1).
+    # At twice the floor the overcommit pays up to k = 1 (twice the tasks, each losing half its time):
+    # k = 0.9 keeps the budget and raises it, k = 1.1 is a failed probe.
+    assert nb(2048, 0, costed(2, 14, True, 900, 1000)) == (2176, 0, 0)
+    assert nb(2048, 0, costed(2, 14, True, 1100, 1000)) == (1024, 55, 55)
     assert nb(1152, 0, costed(8, 8, True, 100, 1000)) == (1280, 0, 0)
     assert nb(1152, 0, costed(8, 8, False, 100, 1000)) == (1152, 0, 0)
     rng = random.Random(7)
@@ -158,7 +162,7 @@ def test_7_costly_re_prefills_put_the_budget_back_at_the_floor_and_hold_it():
         after, hold_after, memory_after = nb(budget, hold, f, memory)
         if f.judged_turns < 16:
             continue
-        if budget > 1024 and f.cost_share > gain_share(budget, 1024):
+        if budget > 1024 and f.cost_share > gain_ratio(budget, 1024):
             new = min(4096, max(math.ceil(f.cost_share / 0.02), 2 * memory))
             assert (after, hold_after, memory_after) == (1024, max(hold, new), new)
         else:
@@ -166,10 +170,10 @@ def test_7_costly_re_prefills_put_the_budget_back_at_the_floor_and_hold_it():
 
 
 def test_8_growth_only_while_binding_unheld_and_paid_for():
-    # At the floor, one step up gains at most 128 / 1,152 = 0.111 of the generation.
+    # At the floor, one step up multiplies the generation by at most 1,152 / 1,024: g = 0.125.
     assert nb(1024, 0, costed(16, 0, True, 0, 1280)) == (1152, 0, 0)
-    assert nb(1024, 0, costed(15, 1, True, 111, 1000)) == (1152, 0, 0)  # k = 0.111 <= 0.1111
-    assert nb(1024, 0, costed(15, 1, True, 120, 1000)) == (1024, 0, 0)  # k = 0.12: not worth it
+    assert nb(1024, 0, costed(15, 1, True, 125, 1000)) == (1152, 0, 0)  # k = 0.125 <= 0.125
+    assert nb(1024, 0, costed(15, 1, True, 130, 1000)) == (1024, 0, 0)  # k = 0.13: not worth it
     assert nb(1024, 0, costed(16, 0, False, 0, 1280)) == (1024, 0, 0)  # never held a task back
     assert nb(1024, 3, costed(16, 0, True, 0, 1280)) == (1024, 2, 0)  # a hold: one window less
     # Re-prefills during a hold are the failed probe's aftermath: k = 0.25 charges floor(0.25 / 0.02) = 12 windows.
@@ -183,21 +187,21 @@ def test_8_growth_only_while_binding_unheld_and_paid_for():
         after, _, _ = nb(budget, hold, f, rng.randint(0, 5))
         assert 1024 <= after <= 4096  # invariant 1 under the cost rule
         if after > budget:
-            assert f.judged_turns >= 16 and f.budget_bound and hold == 0 and f.cost_share <= gain_share(after, 1024)
+            assert f.judged_turns >= 16 and f.budget_bound and hold == 0 and f.cost_share <= gain_ratio(after, 1024)
 
 
 def test_9_the_memory_of_a_failed_probe_fades_outside_holds_and_grows_only_with_failures_or_held_costs():
     assert nb(1024, 2, costed(16, 0, True, 0, 1280), memory=10) == (1024, 1, 10)  # in a hold: kept
     assert nb(1024, 0, costed(16, 0, True, 0, 1280), memory=10) == (1152, 0, 10)  # a probe from the floor: kept
     assert nb(1152, 0, costed(16, 0, True, 0, 1280), memory=10) == (1280, 0, 9)  # above, paid: one less
-    assert nb(1152, 0, costed(14, 2, True, 100, 1000), memory=10) == (1280, 0, 9)  # k = 0.1 <= 0.111: paid
+    assert nb(1152, 0, costed(14, 2, True, 100, 1000), memory=10) == (1280, 0, 9)  # k = 0.1 <= 0.125: paid
     assert nb(1152, 0, costed(16, 0, False, 0, 1280), memory=1) == (1152, 0, 0)
     assert nb(1152, 0, costed(16, 0, False, 0, 1280), memory=0) == (1152, 0, 0)  # never below 0
     rng = random.Random(13)
     for _ in range(3000):
         f, budget, hold, memory = costed_feedback(rng), rng.randint(1024, 4096), rng.randint(0, 5), rng.randint(0, 9)
         after, _, memory_after = nb(budget, hold, f, memory)
-        failed = f.judged_turns >= 16 and budget > 1024 and f.cost_share > gain_share(budget, 1024)
+        failed = f.judged_turns >= 16 and budget > 1024 and f.cost_share > gain_ratio(budget, 1024)
         charged = f.judged_turns >= 16 and hold > 0 and f.cost_share >= 0.02
         assert 0 <= memory_after <= 4096
         if not failed and not charged:
@@ -214,11 +218,14 @@ def test_the_tracker_weighs_what_evicted_contexts_cost():
     for _ in range(16):  # kept turns, 80 tokens generated each: nothing to re-prefill, k = 0
         tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
     assert tracker.budget_tokens == 1152 and tracker.hold == 0 and tracker.cost == 0.0 and tracker.generated == 0
-    for _ in range(15):
-        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
-    # One evicted 640-token context at 0.5 generated tokens a token: 320 of 1,280 generated, k = 0.25 > 0.111.
-    assert tracker.judge(640, 0, 16, generated_tokens=80, reprefill_cost=0.5) is False
-    assert tracker.budget_tokens == 1024 and tracker.hold == 13 and tracker.memory == 13 and tracker.lost_tokens == 640
+    for _ in range(14):
+        tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=1.0)
+    # Two evicted 640-token contexts at 1 generated token a token: 1,280 of 1,280 generated, k_w = 1; the
+    # average over windows is 0.75 x 0 + 0.25 x 1 = 0.25 > g = 0.125: the floor, for ceil(0.25 / 0.02) windows.
+    assert tracker.judge(640, 0, 16, generated_tokens=80, reprefill_cost=1.0) is False
+    assert tracker.judge(640, 0, 16, generated_tokens=80, reprefill_cost=1.0) is False
+    assert tracker.budget_tokens == 1024 and tracker.hold == 13 and tracker.memory == 13 and tracker.lost_tokens == 1280
+    assert tracker.cost_share == 0.25
     tracker.held_back(True)
     for _ in range(16):  # a clean window during the hold: no rise, 12 windows left
         tracker.judge(640, 640, 16, generated_tokens=80, reprefill_cost=0.5)
@@ -251,3 +258,16 @@ def test_the_cost_meter_fits_iteration_and_prefill_time_from_turns():
     for g, p in ((10, 0), (10, 100), (20, 50)):
         free.observe(0.01 * g, g, p, 4)
     assert free.cost() is None
+
+
+def test_10_k_is_averaged_over_windows_so_one_unlucky_window_does_not_end_an_overcommit_that_pays():
+    # At 1,536 tokens (g = 0.5) with an average k of 0.2: a window with k_w = 1.2 brings it to 0.45, within g.
+    state = next_budget(BudgetState(1536, cost_share=0.2), costed(6, 10, True, 1200, 1000), LIMITS)
+    assert state.budget_tokens == 1664 and state.cost_share == pytest.approx(0.45)
+    # A second such window takes it to 0.6375, past g(1,664) = 0.625: a failed probe.
+    state = next_budget(state, costed(6, 10, True, 1200, 1000), LIMITS)
+    assert state.budget_tokens == 1024 and state.cost_share == pytest.approx(0.6375)
+    # The first window with costs is taken as it is; the count rule leaves the average alone.
+    assert next_budget(BudgetState(1536), costed(6, 10, True, 1200, 1000), LIMITS).budget_tokens == 1024
+    assert next_budget(BudgetState(1536, cost_share=0.3), CacheFeedback(16, 0, True), LIMITS).cost_share == 0.3
+    assert next_budget(BudgetState(1536, cost_share=0.3), costed(6, 4, True, 1200, 1000), LIMITS).cost_share == 0.3

@@ -25,13 +25,25 @@ now; the simulator from its cost model, the rollout worker from its turns' wall 
 :class:`CostMeter`), the rule weighs it; when it does not, the rule counts evicted turns.
 
 Rule, once ``window_turns`` turns of resident tasks were judged. F is the floor (the fixed budget:
-the engine's capacity or ``rollout.kv_budget_tokens``), b the budget, g(x) = (x - F) / x the share of
-the resident tasks that only a budget x admits beyond the floor: an upper bound on the share of the
-generation the overcommit adds (it cannot add more than all of their tokens).
+the engine's capacity or ``rollout.kv_budget_tokens``), b the budget, g(x) = (x - F) / F the most the
+overcommit of a budget x can multiply the floor's generation by, less one: x / F times as many tasks
+resident, each generating at most as fast as at the floor.
+
+Why k weighs against g(b): k is the generation forgone while the engine re-prefills, as a share of the
+generation the window got, G. Without the re-prefills the N_b resident tasks would have generated
+G (1 + k) in the window's time; at the floor, N_F of them, at most G (1 + k) N_F / N_b. So the overcommit
+gains iff N_b / N_F > 1 + k, so only if k < g(b), as N_b / N_F <= b / F. The forgone generation is
+shared by every resident task, those only the overcommit admits included: weighing k against
+(b - F) / b, the overcommitted tasks' share of G, would count it twice (at b = 2F it would refuse the
+overcommit from k = 0.5 where it can pay up to k = 1; docs/RESULTS.md, ninth session).
 
 With costs (every judged turn of the window came with a ``reprefill_cost``): the window's cost
-share k = (sum over evicted turns of lost tokens x reprefill_cost) / (tokens the window's turns
-generate), lost tokens being those of the previous context's full blocks the engine did not serve.
+share k_w = (sum over evicted turns of lost tokens x reprefill_cost) / (tokens the window's turns
+generate), lost tokens being those of the previous context's full blocks the engine did not serve,
+and k its moving average, k = (1 - a) x k + a x k_w with a = ``cost_smoothing`` (k = k_w for the first
+window with costs): a window of 16 turns is a small sample, and one that happens to see many of its
+contexts evicted must not end an overcommit that pays on average (a costly one still shows within a
+few windows: a window costing 4 g(b) alone takes an average from 0 past g(b)).
 - k > g(b), b above the floor (the re-prefills cost more than the overcommit could gain): back to
   the floor, ``budget = F``, and no rise for the next h = max(ceil(k / ``probe_cost_share``), 2 x m)
   windows (at most ``max_hold_windows``), m being the memory of the last failed probe's hold: a
@@ -40,7 +52,7 @@ generate), lost tokens being those of the previous context's full blocks the eng
   (the hold doubles); m becomes h;
 - otherwise, while windows of the hold remain: the budget unchanged, one window less to hold, and
   the window's own re-prefills charged to the failed probe (they are mostly its aftermath: contexts
-  it damaged coming back): hold and m grow by floor(k / ``probe_cost_share``), at most
+  it damaged coming back): hold and m grow by floor(k_w / ``probe_cost_share``), at most
   ``max_hold_windows`` (costs below ``probe_cost_share`` do not stop a hold from ending);
 - otherwise, above the floor, m fades by one window (the overcommit paid for it: a failure is
   forgotten once the overcommit paid for as many windows as it held the budget down; probing from
@@ -70,11 +82,14 @@ Invariants (each has a test in tests/test_policy_ctb_budget.py)
    (at most ``max_hold_windows``; a longer hold pending stays); re-prefills that cost no more
    (k <= g(b)) never lower the budget.
 8. Cost rule: the budget rises only when it held a task back, no window of a hold remains, and
-   k <= g(budget after the rise); at the floor, only when k <= step / (F + step).
+   k <= g(budget after the rise); at the floor, only when k <= step / F.
 9. Cost rule: the memory m is the last failed probe's hold, plus the costs charged during it, less
    the windows since spent above the floor outside a hold, never below 0 nor above
    ``max_hold_windows``; it grows only with a failed probe or with re-prefill costs during a hold,
    and fades only in windows above the floor that paid for their re-prefills.
+10. Cost rule: k is the moving average of the windows' cost shares (``cost_smoothing`` the newest's
+   weight; the first window with costs is taken as it is); windows judged by the count rule, and
+   fewer than ``window_turns`` judged turns, leave it unchanged.
 """
 
 from __future__ import annotations
@@ -83,7 +98,7 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = ["BudgetLimits", "BudgetState", "BudgetTracker", "CacheFeedback", "CostMeter", "adjust_budget",
-           "gain_share", "next_budget", "prefix_kept", "reprefill_cost"]
+           "gain_ratio", "next_budget", "prefix_kept", "reprefill_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +118,8 @@ class BudgetLimits:
     probe_cost_share: float = 0.02
     """Cost rule: share of the generation a failed probe may cost, spread over the windows it holds the
     budget at the floor."""
+    cost_smoothing: float = 0.25
+    """Cost rule: weight of the newest window in k's moving average (a window of 16 turns is a small sample)."""
     max_hold_windows: int = 4096
     """Cost rule: the longest hold after a failed probe, in windows (conditions change: contexts shorten
     as training goes on)."""
@@ -122,6 +139,8 @@ class BudgetLimits:
             raise ValueError(f"window_turns: must be >= 1, got {self.window_turns}")
         if not 0 < self.probe_cost_share <= 1:
             raise ValueError(f"probe_cost_share: must be in (0, 1], got {self.probe_cost_share}")
+        if not 0 < self.cost_smoothing <= 1:
+            raise ValueError(f"cost_smoothing: must be in (0, 1], got {self.cost_smoothing}")
         if self.max_hold_windows < 0:
             raise ValueError(f"max_hold_windows: must be >= 0, got {self.max_hold_windows}")
 
@@ -173,10 +192,10 @@ def prefix_kept(prefix_tokens: int, cached_tokens: int, block_tokens: int) -> bo
     return cached_tokens >= full - block_tokens
 
 
-def gain_share(budget_tokens: int, floor_tokens: int) -> float:
-    """g(b) = (b - F) / b: the share of the resident tasks only the overcommit admits, an upper bound
-    on the share of the generation it adds (0 at the floor)."""
-    return max(0, budget_tokens - floor_tokens) / max(budget_tokens, 1)
+def gain_ratio(budget_tokens: int, floor_tokens: int) -> float:
+    """g(b) = (b - F) / F: at most, the generation the overcommit adds over the floor's, as a multiple of
+    the floor's (0 at the floor). A window's re-prefill cost share k must stay within it (module rule)."""
+    return max(0, budget_tokens - floor_tokens) / max(floor_tokens, 1)
 
 
 def reprefill_cost(prefill_s_per_token: float, iteration_s: float, decoding_sequences: int) -> float:
@@ -245,6 +264,8 @@ class BudgetState:
     """Windows the budget still stays at the floor after a failed probe (the cost rule)."""
     memory_windows: int = 0
     """m: the last failed probe's hold, fading by one per window above the floor that paid (the cost rule)."""
+    cost_share: float | None = None
+    """The cost rule's k, averaged over recent windows (None: no window judged with costs yet)."""
 
 
 def next_budget(state: BudgetState, feedback: CacheFeedback, limits: BudgetLimits) -> BudgetState:
@@ -253,27 +274,29 @@ def next_budget(state: BudgetState, feedback: CacheFeedback, limits: BudgetLimit
     budget = min(max(state.budget_tokens, floor), ceiling)
     hold, memory = max(0, state.hold_windows), max(0, state.memory_windows)
     if feedback.judged_turns < limits.window_turns:
-        return BudgetState(budget, hold, memory)
-    k = feedback.cost_share
-    if k is None:  # the count rule
+        return BudgetState(budget, hold, memory, state.cost_share)
+    window_k = feedback.cost_share
+    if window_k is None:  # the count rule (it leaves the average of k alone)
         if feedback.evicted_turns > limits.evicted_tolerance * feedback.judged_turns:
             budget = floor + math.floor((budget - floor) * limits.shrink)
         elif feedback.budget_bound:
             budget = min(ceiling, budget + limits.step_tokens)
-        return BudgetState(budget, hold, memory)
-    if budget > floor and k > gain_share(budget, floor):
+        return BudgetState(budget, hold, memory, state.cost_share)
+    k = window_k if state.cost_share is None else (
+        (1 - limits.cost_smoothing) * state.cost_share + limits.cost_smoothing * window_k)
+    if budget > floor and k > gain_ratio(budget, floor):
         new = min(limits.max_hold_windows, max(math.ceil(k / limits.probe_cost_share), 2 * memory))
-        return BudgetState(floor, max(hold, new), new)
+        return BudgetState(floor, max(hold, new), new, k)
     if hold > 0:
-        charge = math.floor(k / limits.probe_cost_share)
+        charge = math.floor(window_k / limits.probe_cost_share)
         return BudgetState(budget, min(limits.max_hold_windows, hold - 1 + charge),
-                           min(limits.max_hold_windows, memory + charge))
+                           min(limits.max_hold_windows, memory + charge), k)
     if budget > floor:
         memory = max(0, memory - 1)
     raised = min(ceiling, budget + limits.step_tokens)
-    if feedback.budget_bound and raised > budget and k <= gain_share(raised, floor):
-        return BudgetState(raised, 0, memory)
-    return BudgetState(budget, 0, memory)
+    if feedback.budget_bound and raised > budget and k <= gain_ratio(raised, floor):
+        return BudgetState(raised, 0, memory, k)
+    return BudgetState(budget, 0, memory, k)
 
 
 def adjust_budget(budget_tokens: int, feedback: CacheFeedback, limits: BudgetLimits) -> int:
@@ -303,6 +326,8 @@ class BudgetTracker:
     """Windows the budget still holds at the floor after a failed probe (the cost rule)."""
     memory: int = 0
     """The memory of the last failed probe's hold (the cost rule)."""
+    cost_share: float | None = None
+    """The cost rule's moving average of k."""
     lost_tokens: int = 0
     """Tokens of evicted contexts judged since the tracker started (for the metrics)."""
 
@@ -332,8 +357,10 @@ class BudgetTracker:
         if self.limits is not None and sum(self.window) >= self.limits.window_turns:
             feedback = CacheFeedback(kept_turns=self.window[0], evicted_turns=self.window[1], budget_bound=self.bound,
                                      reprefill_cost_tokens=self.cost, generated_tokens=self.generated)
-            state = next_budget(BudgetState(self.budget_tokens, self.hold, self.memory), feedback, self.limits)
+            state = next_budget(BudgetState(self.budget_tokens, self.hold, self.memory, self.cost_share), feedback,
+                                self.limits)
             self.budget_tokens, self.hold, self.memory = state.budget_tokens, state.hold_windows, state.memory_windows
+            self.cost_share = state.cost_share
             self.window = [0, 0]
             self.bound = False
             self.generated = 0
