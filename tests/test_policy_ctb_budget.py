@@ -258,6 +258,20 @@ def test_the_cost_meter_fits_iteration_and_prefill_time_from_turns():
     for g, p in ((10, 0), (10, 100), (20, 50)):
         free.observe(0.01 * g, g, p, 4)
     assert free.cost() is None
+    # Once a fit was positive, turns whose own fit is not (wall time falling with the prefill: noise) keep
+    # the last positive one: the cost rule goes on judging with the last cost the engine showed.
+    kept = CostMeter(min_turns=2, decay=0.5)
+    for g, p in ((10, 0), (20, 100), (5, 300)):
+        kept.observe(0.01 * g + 0.001 * p, g, p, 4)
+    assert kept.fit() == pytest.approx((0.01, 0.001))
+    for g, p in ((10, 100), (10, 0), (20, 50)) * 4:
+        kept.observe(0.01 * g - 0.0005 * p, g, p, 4)
+        kept.fit()
+    gg, gp, pp, wg, wp = kept.sums
+    assert (gg * wp - gp * wg) / (gg * pp - gp * gp) < 0  # the recent turns alone: a negative prefill time
+    last = kept.last_fit
+    assert last is not None and last[1] > 0 and kept.fit() == last
+    assert kept.cost() == pytest.approx(last[1] * 4 / last[0])
 
 
 def test_10_k_is_averaged_over_windows_so_one_unlucky_window_does_not_end_an_overcommit_that_pays():

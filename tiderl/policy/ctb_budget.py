@@ -213,8 +213,11 @@ class CostMeter:
     input to :func:`reprefill_cost`): a least-squares fit, without intercept and over recent turns
     (weights decaying by ``decay`` a turn), of each generation's wall time on its generated tokens (one
     engine iteration each: ``iteration_s``) and its prompt tokens not served from the cache (prefilled:
-    ``prefill_s_per_token`` each). :meth:`cost` is None until ``min_turns`` turns were seen, when the
-    two are too alike to tell apart, or when the fit is not positive (then the count rule judges)."""
+    ``prefill_s_per_token`` each). :meth:`cost` is None until ``min_turns`` turns were seen, and until a
+    fit is positive (then the count rule judges); once one was, a recent window of turns that cannot
+    tell the two apart (too alike, or a fit not positive) keeps the last positive fit: what a prefilled
+    token costs does not change between two turns, and a rank whose windows switched between the cost
+    rule and the count rule would be judged by two rules at once."""
 
     decay: float = 0.99
     min_turns: int = 32
@@ -224,6 +227,8 @@ class CostMeter:
     """Weighted sum of the sequences decoding when each turn started."""
     weight: float = 0.0
     turns: int = 0
+    last_fit: tuple[float, float] | None = None
+    """The last positive fit (iteration_s, prefill_s_per_token)."""
 
     def observe(self, wall_s: float, generated_tokens: int, prefilled_tokens: int, decoding_sequences: int) -> None:
         g, p, w = float(max(0, generated_tokens)), float(max(0, prefilled_tokens)), max(0.0, wall_s)
@@ -241,11 +246,12 @@ class CostMeter:
         gg, gp, pp, wg, wp = self.sums
         det = gg * pp - gp * gp
         if self.turns < self.min_turns or det <= 1e-6 * gg * pp:
-            return None
+            return self.last_fit
         iteration_s, prefill_s = (wg * pp - wp * gp) / det, (gg * wp - gp * wg) / det
         if iteration_s <= 0 or prefill_s <= 0:
-            return None
-        return iteration_s, prefill_s
+            return self.last_fit
+        self.last_fit = (iteration_s, prefill_s)
+        return self.last_fit
 
     def cost(self) -> float | None:
         """Generated tokens one re-prefilled token costs now (:func:`reprefill_cost`), or None."""
