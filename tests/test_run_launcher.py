@@ -106,6 +106,39 @@ def test_leftovers_of_a_killed_launch_are_reaped_and_nothing_else(tmp_path: Path
         procs.stop([rank, other], grace_s=2)  # their process groups, the other sleep included
 
 
+def test_leftovers_with_an_environment_of_their_own_are_reaped_by_their_dead_ranks_session(tmp_path: Path) -> None:
+    """vLLM's CPU engine core starts with an environment of its own (no TIDERL_RUN_DIR): what is left in the
+    session of a rank that died is reaped when the rank's pid is given; a live rank's session is not."""
+    run_dir = tmp_path / "run"
+    script = "env -i sleep 300 & echo $! > {}; wait"
+    pids = {name: tmp_path / f"{name}.pid" for name in ("dead", "live")}
+    # The live one belongs to another run (the resume would reap its tagged processes: they are leftovers too).
+    tags = {"dead": run_dir.resolve(), "live": (tmp_path / "other").resolve()}
+    ranks = {name: procs.spawn(f"rank-{name}", ["bash", "-c", script.format(pids[name])], tmp_path / f"{name}.log",
+                               env={procs.RUN_DIR_ENV: str(tags[name])})
+             for name in pids}
+    try:
+        deadline = time.time() + 10
+        while not all(p.exists() and p.read_text().strip() for p in pids.values()):
+            assert time.time() < deadline, "the test processes did not start"
+            time.sleep(0.05)
+        core = {name: int(p.read_text()) for name, p in pids.items()}
+        assert procs.RUN_DIR_ENV.encode() not in Path(f"/proc/{core['dead']}/environ").read_bytes()
+        ranks["dead"].proc.send_signal(signal.SIGKILL)
+        ranks["dead"].proc.wait()
+        assert _alive(core["dead"])
+        assert procs.reap_leftovers(run_dir) == []  # untagged: the environment alone does not find it
+        killed = procs.reap_leftovers(run_dir, [ranks["dead"].proc.pid, ranks["live"].proc.pid])
+        assert killed == [core["dead"]]
+        deadline = time.time() + 5
+        while _alive(core["dead"]):
+            assert time.time() < deadline, "the leftover was not killed"
+            time.sleep(0.05)
+        assert _alive(core["live"]) and _alive(ranks["live"].proc.pid), "a live rank's session was reaped"
+    finally:
+        procs.stop(list(ranks.values()), grace_s=2)
+
+
 def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
     from tiderl.cli import main
     from tiderl.config import load_job

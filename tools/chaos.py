@@ -132,7 +132,10 @@ def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals = signal.SIG
 
 
 def reap_run(run_dir: Path) -> list[int]:
-    """What is left of a run's processes (tagged with TIDERL_RUN_DIR): continued, then SIGKILLed."""
+    """What is left of a run's processes (tagged with TIDERL_RUN_DIR, or in the session of a rank that is
+    gone, as the launcher's resume finds them): continued, then SIGKILLed."""
+    import socket
+
     from tiderl.run.procs import reap_leftovers
 
     tag = f"TIDERL_RUN_DIR={run_dir.resolve()}".encode()
@@ -142,7 +145,12 @@ def reap_run(run_dir: Path) -> list[int]:
                 os.kill(int(entry.name), signal.SIGCONT)
         except (OSError, ProcessLookupError):
             continue
-    return reap_leftovers(run_dir)
+    db = run_dir / "run.db"
+    try:
+        sessions = [r[0] for r in _query(db, "SELECT pid, host FROM ranks") if r[0] and r[1] == socket.gethostname()]
+    except sqlite3.Error:
+        sessions = []  # no store (a trial that failed before the run started): the tags find what there is
+    return reap_leftovers(run_dir, sessions)
 
 
 # ---- the store, read-only ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import sys
 import time
 import urllib.parse
@@ -262,7 +263,8 @@ def _mark_ranks_stopped(store: RunStore) -> None:
 def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
     """Before a resume: kill what the previous launch left, and give every claim of its ranks back."""
     # A killed launcher's ranks died with it, but their vLLM engine cores may live on.
-    leftovers = procs.reap_leftovers(paths.root)
+    here = socket.gethostname()
+    leftovers = procs.reap_leftovers(paths.root, [r.pid for r in store.ranks() if r.pid and r.host == here])
     if leftovers:
         store.record_event("launcher", "leftovers_killed",
                            f"killed {len(leftovers)} processes left by the previous launch",

@@ -4,9 +4,14 @@ A child gets SIGKILL from the kernel if the launcher dies (PR_SET_PDEATHSIG),
 so a killed launcher leaves no rank behind; `stop` signals the whole process
 group of each child (a rank's vLLM engine-core process included). The
 grandchildren of a killed launcher (a rank's vLLM engine core) do not inherit
-PR_SET_PDEATHSIG: every child carries `TIDERL_RUN_DIR` in its environment,
-which its own children inherit, and `reap_leftovers` kills what is left of a
-run's processes before the run resumes.
+PR_SET_PDEATHSIG; `reap_leftovers` kills what is left of a run's processes
+before the run resumes, found two ways: every child carries `TIDERL_RUN_DIR`
+in its environment, which its own children inherit unless they are started
+with an environment of their own (vLLM's CPU engine core is: two were found
+alive, untagged, after a launcher was killed), and every child leads its own
+session, which its children keep whatever their environment, so a process
+whose session leader was a rank the run store recorded, and is gone, is a
+leftover too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,19 +93,39 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass  # already gone, with its whole group
 
 
-def reap_leftovers(run_dir: Path) -> list[int]:
-    """SIGKILL every process of this user still tagged with `run_dir` (left by a killed launcher)."""
+def reap_leftovers(run_dir: Path, sessions: Collection[int] = ()) -> list[int]:
+    """SIGKILL every process of this user left by a killed launcher of `run_dir`: tagged with it, or in
+    one of `sessions` (the pids of the run's ranks on this host, each its session's leader) whose leader
+    is gone (a live leader of that number is another process that reused the pid)."""
     tag = f"{RUN_DIR_ENV}={Path(run_dir).resolve()}".encode() + b"\0"
     me, uid = os.getpid(), os.getuid()
+    orphaned = {sid for sid in sessions if sid > 0 and not _running(Path(f"/proc/{sid}"))}
     killed = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            if entry.stat().st_uid != uid or tag not in (entry / "environ").read_bytes() + b"\0":
+            if entry.stat().st_uid != uid:
+                continue
+            if tag not in (entry / "environ").read_bytes() + b"\0" and _session(entry) not in orphaned:
                 continue
             os.kill(int(entry.name), signal.SIGKILL)
             killed.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
     return killed
+
+
+def _running(proc_dir: Path) -> bool:
+    """The process exists and is not a zombie waiting for its parent."""
+    try:
+        stat = (proc_dir / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def _session(proc_dir: Path) -> int:
+    """The session id of a process (field 6 of /proc/PID/stat, after the command name in parentheses)."""
+    stat = (proc_dir / "stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[3])
