@@ -60,10 +60,10 @@ def test_feeds_within_the_staleness_bound_and_plans_each_version(tmp_path: Path)
 def test_restarted_control_plane_carries_on_without_duplicates(tmp_path: Path) -> None:
     store, config = _store(tmp_path, "system=tiderl")
     ControlPlane(config, store).tick()
-    before = store.buffer_state()["tasks_pending"]
+    before = store.buffer_state().tasks_pending
     again = ControlPlane(config, RunStore(store.url))
     again.tick()
-    assert store.buffer_state()["tasks_pending"] == before
+    assert store.buffer_state().tasks_pending == before
     assert store.latest_planned_version() == 0
     # ERS cold start: every spare rank rolls out, colocated.
     plan = store.plan_at(0)
@@ -76,10 +76,10 @@ def test_sync_feeds_one_batch_at_a_time(tmp_path: Path) -> None:
     plane = ControlPlane(config, store)
     plane.tick()
     plane.tick()
-    assert store.buffer_state()["tasks_pending"] == 2 * config.rollout.group_size
+    assert store.buffer_state().tasks_pending == 2 * config.rollout.group_size
     _train_one_step(store, 0)
     plane.tick()
-    assert store.buffer_state()["tasks_pending"] == 2 * config.rollout.group_size
+    assert store.buffer_state().tasks_pending == 2 * config.rollout.group_size
     _train_one_step(store, 1)
     assert not plane.tick()  # two steps done, no evaluation: finished
     assert store.run_info().state is RunState.FINISHED

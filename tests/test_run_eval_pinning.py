@@ -122,7 +122,7 @@ def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(
 
     async def scenario() -> None:
         rank = asyncio.create_task(run_rollout(ctx, store.plan_at(0)))
-        while store.buffer_state()["tasks_running"] < 2:  # the rank holds both evaluation tasks
+        while store.buffer_state().tasks_running < 2:  # the rank holds both evaluation tasks
             await asyncio.sleep(0.02)
         for v in (1, 2, 3):  # the run moves on by more than the staleness bound meanwhile
             _publish(store, v, {0: Role.ROLLOUT, 1: Role.ACTOR}, paths.weights)

@@ -74,7 +74,7 @@ def test_a_rank_declared_dead_while_away_is_told_and_leaves_a_fresh_start_is_not
         s.heartbeat(1)
     with pytest.raises(RankDeclaredDeadError):  # nor does it claim: the whole tick is refused
         s.report(RankReport(rank=1, claim=ClaimRequest(limit=2)))
-    assert s.buffer_state()["tasks_pending"] == 2
+    assert s.buffer_state().tasks_pending == 2
     # A fresh start of the rank (another process) beats before it registers: not told, still dead.
     s.register_rank(2, Role.ROLLOUT, pid=os.getpid() + 1)
     s.declare_dead(2, "exited")

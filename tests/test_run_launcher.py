@@ -225,7 +225,7 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     store.register_rank(0, Role.ACTOR)
     store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
     claims = store.report(RankReport(rank=1, role=Role.ROLLOUT, claim=ClaimRequest(limit=2)))
-    assert len(claims["claims"]) == 2 and store.buffer_state()["tasks_running"] == 2
+    assert len(claims["claims"]) == 2 and store.buffer_state().tasks_running == 2
 
     def dead(name: str) -> procs.Child:
         child = procs.spawn(name, [sys.executable, "-c", "raise SystemExit(9)"], tmp_path / f"{name}.log")
@@ -243,7 +243,7 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh
     assert started == ["rank1"] and restarts == {"rank1": 1} and "restarting it (1 of 2)" in out.getvalue()
     assert {r.rank: r.state for r in store.ranks()}[1] == "dead"
-    assert store.buffer_state()["tasks_running"] == 0 and store.buffer_state()["tasks_pending"] == 2
+    assert store.buffer_state().tasks_running == 0 and store.buffer_state().tasks_pending == 2
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is fresh  # 2 of 2
     assert _replace(store, dead("rank1"), 9, restart, restarts, 2, out) is None  # the limit: the run fails
     assert _replace(store, dead("rank0"), 9, restart, {}, 2, out) is None  # an actor: the run fails
@@ -322,7 +322,7 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
         assert ref.proc.poll() is not None and children[1] is rollout and rollout.exit_code is None
         assert children[0].name == "rank0" and children[0].exit_code is None and children[2] is not ref
         assert not rendezvous.exists()  # no stale marker for the restarted step
-        assert store.buffer_state()["traj_ready"] == 2  # the step's data is back for the new actor
+        assert store.buffer_state().traj_ready == 2  # the step's data is back for the new actor
         assert "restarting the trainer group (rank0, rank2; 1 of 2)" in out.getvalue()
         assert [e["kind"] for e in store.recent_events(20, kinds=["trainer_restarted"])] == ["trainer_restarted"]
         # The limit, a rollout rank and a launch that cannot restart ranks are refused.

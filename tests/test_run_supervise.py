@@ -36,7 +36,7 @@ def test_a_rollout_rank_is_restarted_in_its_task_until_it_ends_well(tmp_path: Pa
     store = _run(tmp_path, Role.ROLLOUT)
     assert supervise(tmp_path / "run", 1, child_argv=_child(tmp_path, 2), limit=3, poll_s=0.01) == 0
     assert (tmp_path / "runs").read_text() == "3"
-    assert store.buffer_state()["tasks_running"] == 0  # its claims went back to the pool
+    assert store.buffer_state().tasks_running == 0  # its claims went back to the pool
     events = store.recent_events(50, kinds=["restarted"])
     assert len(events) == 2 and all(e["rank"] == 1 for e in events)
 

@@ -77,7 +77,7 @@ def test_a_step_claims_the_batch_trains_and_publishes_the_version(tmp_path: Path
     assert verify(ctx.paths.weights_version(1))  # published whole, with its checksums
     assert ctx.paths.checkpoint(1).is_dir()
     buf = ctx.store.buffer_state()
-    assert buf["traj_consumed"] == 8 and buf["groups_ready"] == 1  # the third group waits for the next step
+    assert buf.traj_consumed == 8 and buf.groups_ready == 1  # the third group waits for the next step
     points = {m["name"]: m for m in ctx.store.metric_rows(["kl", "train_s", "twt_s", "clip_frac"])}
     assert set(points) == {"kl", "train_s", "twt_s", "clip_frac"}
     assert points["train_s"]["value"] > 0 and points["kl"]["version"] == 0 and points["kl"]["role"] == "actor"
@@ -94,7 +94,7 @@ def test_groups_beyond_the_staleness_bound_are_dropped_not_trained(tmp_path: Pat
     second = ctx.store.steps()[-1]
     assert second["num_trajectories"] == 8
     buf = ctx.store.buffer_state()
-    assert buf["traj_consumed"] == 16 and buf["groups_ready"] == 0 and buf["traj_claimed"] == 0
+    assert buf.traj_consumed == 16 and buf.groups_ready == 0 and buf.traj_claimed == 0
     (event,) = ctx.store.recent_events(kinds=["stale_dropped"])
     assert "1 groups dropped" in event["message"]
 

@@ -21,10 +21,10 @@ def test_claims_of_stopped_and_running_ranks_return_to_the_pool(tmp_path: Path) 
         store.register_rank(2, Role.ROLLOUT)
         assert len(store.claim_tasks(1, 2)) == 2 and len(store.claim_tasks(2, 2)) == 2
         store.set_rank_state(1, RankState.STOPPED)  # left through its SIGTERM handler
-        assert store.buffer_state()["tasks_running"] == 4
+        assert store.buffer_state().tasks_running == 4
         end_previous_launch(store, paths)
-        assert store.buffer_state()["tasks_running"] == 0
-        assert store.buffer_state()["tasks_pending"] == 4
+        assert store.buffer_state().tasks_running == 0
+        assert store.buffer_state().tasks_pending == 4
         assert {r.rank: r.state for r in store.ranks()} == {1: "dead", 2: "dead"}
         # The next launch's rank 1 claims them afresh.
         store.register_rank(1, Role.ROLLOUT)

@@ -79,7 +79,7 @@ def test_claims_are_exclusive_and_group_becomes_ready_with_advantages(store_dir:
     assert s.claim_tasks(1, 3) == []
     finish(s, 0, a[:2], [1.0, 0.0])
     buf = s.buffer_state()
-    assert buf["traj_ready"] == 2 and buf["groups_ready"] == 1
+    assert buf.traj_ready == 2 and buf.groups_ready == 1
     got = s.claim_ready_groups(2, 10)
     assert sorted(t.reward for t in got) == [0.0, 1.0]
     adv = {t.reward: t.advantage for t in got}
@@ -93,7 +93,7 @@ def test_group_waits_for_all_tasks(tmp_path: Path, store_url: str | None) -> Non
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 3)])
     c = s.claim_tasks(0, 3)
     finish(s, 0, c[:2], [1.0, 0.0])
-    assert s.buffer_state()["traj_waiting_group"] == 2
+    assert s.buffer_state().traj_waiting_group == 2
     assert s.claim_ready_groups(2, 5) == []
     finish(s, 0, c[2:], [1.0])
     assert len(s.claim_ready_groups(2, 5)) == 3
@@ -142,7 +142,7 @@ def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path, stor
     # process that was declared dead is told so (the whole tick refused).
     with pytest.raises(RankDeclaredDeadError, match="rank 0 .*declared dead"):
         finish(s, 0, mine, [1.0, 1.0])
-    assert s.buffer_state()["tasks_pending"] == 2
+    assert s.buffer_state().tasks_pending == 2
     s.register_rank(1, Role.ROLLOUT)
     again = s.claim_tasks(1, 5)
     assert sorted(c.task_id for c in again) == sorted(c.task_id for c in mine)
@@ -164,7 +164,7 @@ def test_failed_task_retries_then_fails_its_group(tmp_path: Path, store_url: str
         s.report(RankReport(rank=0, failed=[TaskFailure(c.task_id, "env server http://x:1 said 500")]),
                  max_attempts=3)
     buf = s.buffer_state()
-    assert buf["tasks_failed"] == 2 and buf["tasks_pending"] == 0
+    assert buf.tasks_failed == 2 and buf.tasks_pending == 0
 
 
 def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Path, store_url: str | None,
@@ -194,7 +194,7 @@ def test_tasks_of_a_failed_group_never_go_back_to_pending(tmp_path: Path, store_
     s.report(RankReport(rank=0, failed=[TaskFailure(a.task_id, "boom")]), max_attempts=1)  # the group fails
     s.report(RankReport(rank=0, failed=[TaskFailure(b.task_id, "boom too")], released=[c.task_id]), max_attempts=3)
     buf = s.buffer_state()
-    assert buf["tasks_pending"] == 0 and buf["tasks_failed"] == 3
+    assert buf.tasks_pending == 0 and buf.tasks_failed == 3
     assert s.claim_tasks(1, 3) == []
 
 
@@ -247,7 +247,7 @@ def test_a_retry_after_a_cut_off_commit_claims_and_publishes_nothing_twice(tmp_p
     s.publish_version(record, owner=2)
     assert s.run_info().version == 1 and len(s.version_rows()) == 2
     buf = s.buffer_state()
-    assert buf["traj_consumed"] == 2 and buf["tasks_running"] == 2 and buf["tasks_pending"] == 0
+    assert buf.traj_consumed == 2 and buf.tasks_running == 2 and buf.tasks_pending == 0
     s.close()
 
 
@@ -334,5 +334,5 @@ def test_a_task_reported_twice_in_one_tick_counts_once(tmp_path: Path, store_url
     assert (out["accepted"], out["dropped"]) == (1, 0)
     out = s.report(RankReport(rank=1, finished=[traj(b.task_id, 0.0)]))  # not rank 1's task
     assert (out["accepted"], out["dropped"]) == (0, 1)
-    assert s.buffer_state()["tasks_running"] == 1
+    assert s.buffer_state().tasks_running == 1
     s.close()

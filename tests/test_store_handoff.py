@@ -49,7 +49,7 @@ def test_tasks_held_by_a_rank_that_left_rollout_come_back(tmp_path: Path, store_
     store.tx.write(lambda c: c.exec_driver_sql("update tasks set updated_at = updated_at - 100"))
     result = store.reclaim_expired(30.0)
     assert result.dead_ranks == [] and result.tasks_returned == 2  # the rank lives on as ref
-    assert store.buffer_state()["tasks_pending"] == 2
+    assert store.buffer_state().tasks_pending == 2
     assert [c.attempts for c in store.claim_tasks(0, 2)] == [1, 1]
 
 

@@ -129,7 +129,7 @@ def test_runs_sharing_a_database_do_not_see_each_other(pg_server, tmp_path: Path
     a = story(tmp_path / "a", pg_server.url)
     _, b = create_run(load_job(QUICKSTART, [f"store.url={pg_server.url}"]), tmp_path / "b")
     assert b.run_info().version == 0 and a.run_info().version == 1
-    assert b.buffer_state()["tasks_pending"] == 0
+    assert b.buffer_state().tasks_pending == 0
     assert run_schema(tmp_path / "a") != run_schema(tmp_path / "b")
     with pytest.raises(RunDirError, match="already holds a run"):
         create_run(load_job(QUICKSTART, [f"store.url={pg_server.url}"]), tmp_path / "a")
@@ -175,7 +175,7 @@ def test_a_dead_rank_comes_back_and_the_run_resumes_from_its_store(pg_server, tm
                                             trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=1.0),
                               owner=1)
     assert [v["version"] for v in store.version_rows()] == [0, 1, 2]
-    assert store.buffer_state()["traj_consumed"] == 4
+    assert store.buffer_state().traj_consumed == 4
     store.close()
 
 
@@ -247,7 +247,7 @@ def test_a_server_restart_mid_run_loses_nothing_and_status_reports_it(tmp_path: 
             while not (run_dir / "store.url").is_file():
                 time.sleep(0.05)
             watcher = RunStore.for_run_dir(run_dir, read_only=True)
-            while watcher.buffer_state()["traj_consumed"] < 20:  # mid-run: every worker has reached the store
+            while watcher.buffer_state().traj_consumed < 20:  # mid-run: every worker has reached the store
                 time.sleep(0.1)
             watcher.close()
             outage["at"] = time.time()  # the outage starts with the stop (a loaded machine stops slowly)

@@ -30,6 +30,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.registry import Collector
 
 from tiderl.store.engine import StoreError
+from tiderl.store.types import BufferState
 
 log = logging.getLogger(__name__)
 METRICS_DIR = "metrics"  # RUN_DIR/metrics/NAME.url: where each endpoint of the run listens
@@ -218,17 +219,18 @@ def _eval_families(evals: list[dict[str, Any]]) -> list[Metric]:
             _gauge("tiderl_eval_reward_mean", "Mean reward of the last evaluation.", last["reward_mean"])]
 
 
-def _buffer_families(b: dict[str, Any]) -> list[Metric]:
+def _buffer_families(b: BufferState) -> list[Metric]:
     tasks = GaugeMetricFamily("tiderl_tasks", "Tasks by state.", labels=["state"])
-    for s in ("pending", "running", "done", "failed"):
-        tasks.add_metric([s], b[f"tasks_{s}"])
+    for s, n in (("pending", b.tasks_pending), ("running", b.tasks_running), ("done", b.tasks_done),
+                 ("failed", b.tasks_failed)):
+        tasks.add_metric([s], n)
     traj = GaugeMetricFamily("tiderl_trajectories", "Trajectories by state (waiting: for the rest of its group).",
                              labels=["state"])
-    for s, key in (("waiting", "traj_waiting_group"), ("ready", "traj_ready"), ("claimed", "traj_claimed"),
-                   ("consumed", "traj_consumed")):
-        traj.add_metric([s], b[key])
-    return [tasks, traj, _gauge("tiderl_ready_tokens", "Tokens of ready (trainable) trajectories.", b["ready_tokens"]),
-            _gauge("tiderl_ready_groups", "Complete training groups waiting for the trainer.", b["groups_ready"])]
+    for s, n in (("waiting", b.traj_waiting_group), ("ready", b.traj_ready), ("claimed", b.traj_claimed),
+                 ("consumed", b.traj_consumed)):
+        traj.add_metric([s], n)
+    return [tasks, traj, _gauge("tiderl_ready_tokens", "Tokens of ready (trainable) trajectories.", b.ready_tokens),
+            _gauge("tiderl_ready_groups", "Complete training groups waiting for the trainer.", b.groups_ready)]
 
 
 def _staleness_histogram(rows: list[dict[str, Any]]) -> Metric:

@@ -10,6 +10,7 @@ opened read-only: a run directory one may only read can be inspected. `--watch` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -73,7 +74,7 @@ def collect(store: Any) -> dict[str, Any]:
         "ranks": [{"rank": r["rank"], "role": r["role"], "state": r["state"], "version": r["version"],
                    "planned_role": r["planned_role"], "heartbeat_age_s": r["heartbeat_age_s"]}
                   for r in store.view("rank_roles")],
-        "buffer": store.buffer_state(),
+        "buffer": dataclasses.asdict(store.buffer_state()),
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
         "eval": [e | {"eval": True} for e in store.view("eval_summary")],
         "trainer": store.latest_metrics(TRAINER_KEYS),

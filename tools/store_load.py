@@ -91,7 +91,7 @@ def writer(spec: LoadSpec, rank: int, out: str) -> None:
         held = got
         if not got:
             buf = s.buffer_state()
-            if buf["tasks_pending"] == 0 and buf["tasks_running"] == 0:
+            if buf.tasks_pending == 0 and buf.tasks_running == 0:
                 break
             time.sleep(0.05)
             continue
@@ -115,7 +115,7 @@ def claimer(spec: LoadSpec, rank: int, out: str) -> None:
         commits += 1
         if not got:
             buf = s.buffer_state()
-            if buf["traj_consumed"] >= total:
+            if buf.traj_consumed >= total:
                 break
             time.sleep(0.02)
             s.heartbeat(rank)
@@ -151,7 +151,7 @@ def reader(spec: LoadSpec, rank: int, out: str) -> None:
         s.view("rank_roles")
         s.steps()
         reads += 3
-        if buf["traj_consumed"] >= total:
+        if buf.traj_consumed >= total:
             break
         time.sleep(0.2)  # a status poller or dashboard, several times a second
     Path(out).write_text(json.dumps({"role": "reader", "reads": reads, "seconds": time.time() - start}))

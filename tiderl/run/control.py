@@ -177,7 +177,7 @@ class ControlPlane:
         snapshot = ErsSnapshot(
             roles=tuple(roles[r] for r in sorted(roles)),
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            ready_tokens=int(buf["ready_tokens"]), ready_groups=int(buf["groups_ready"]),
+            ready_tokens=buf.ready_tokens, ready_groups=buf.groups_ready,
             oldest_ready_age_s=max(0.0, time.time() - oldest) if oldest else None,
             steps=self._observations(version),
             # preemptive rollout for an evaluation that starts now or is still running

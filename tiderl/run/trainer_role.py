@@ -126,14 +126,14 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
     while len(groups) < need:
         ctx.position()
         buf = ctx.store.buffer_state()
-        tokens = int(buf["ready_tokens"]) + sum(t.num_tokens for t in claimed)
+        tokens = buf.ready_tokens + sum(t.num_tokens for t in claimed)
         if ras is None:
             ras = tokens // cfg.micro_batch_tokens
             seen_tokens = ras * cfg.micro_batch_tokens
         while tokens - seen_tokens >= cfg.micro_batch_tokens:
             seen_tokens += cfg.micro_batch_tokens
             arrivals.append(time.monotonic() - start)
-        if buf["groups_ready"] > 0:
+        if buf.groups_ready > 0:
             got = ctx.store.claim_ready_groups(ctx.rank, need - len(groups))
             stale = sorted({t.group_id for t in got if t.min_version < bound})
             if stale:

@@ -4,6 +4,7 @@ from tiderl.store.engine import StoreBusyError, StoreError, StoreUnreachableErro
 from tiderl.store.location import StoreURLError
 from tiderl.store.runstore import ClaimLostError, RankDeclaredDeadError, RunStore
 from tiderl.store.types import (
+    BufferState,
     ClaimRequest,
     EventRecord,
     FinishedTrajectory,
@@ -29,7 +30,7 @@ from tiderl.store.types import (
 )
 
 __all__ = [
-    "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankRecord", "RankReport",
+    "BufferState", "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunRecord", "RunState", "RunStore", "StoreBusyError",
     "StoreError", "StoreTaskState", "StoreURLError", "StoreUnreachableError", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
     "VersionRecord",

@@ -71,6 +71,7 @@ from tiderl.store.schema import (
     versions,
 )
 from tiderl.store.types import (
+    BufferState,
     StepWindow,
     FinishedTrajectory,
     GroupState,
@@ -730,8 +731,9 @@ class RunStore:
 
         return self.tx.read(read)
 
-    def buffer_state(self) -> dict[str, Any]:
-        return self.view("buffer_state")[0]
+    def buffer_state(self) -> BufferState:
+        row = self.view("buffer_state")[0]
+        return BufferState(**{f: int(row[f] or 0) for f in BufferState.__slots__})
 
     def steps(self) -> list[dict[str, Any]]:
         return self.view("step_summary")

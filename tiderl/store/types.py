@@ -52,6 +52,25 @@ class RunRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class BufferState:
+    """What the run's buffer holds now (`RunStore.buffer_state`, the `buffer_state` view)."""
+
+    tasks_pending: int
+    tasks_running: int
+    tasks_done: int
+    tasks_failed: int
+    traj_waiting_group: int
+    """Finished trajectories waiting for the rest of their group."""
+    traj_ready: int
+    traj_claimed: int
+    traj_consumed: int
+    ready_tokens: int
+    """Tokens of the ready (trainable) trajectories."""
+    groups_ready: int
+    """Complete training groups waiting for the trainer."""
+
+
+@dataclass(frozen=True, slots=True)
 class RankRecord:
     """One rank's row (`RunStore.ranks`)."""
 
