@@ -266,7 +266,6 @@ def test_the_cost_meter_fits_iteration_and_prefill_time_from_turns():
     assert kept.fit() == pytest.approx((0.01, 0.001))
     for g, p in ((10, 100), (10, 0), (20, 50)) * 4:
         kept.observe(0.01 * g - 0.0005 * p, g, p, 4)
-        kept.fit()
     gg, gp, pp, wg, wp = kept.sums
     assert (gg * wp - gp * wg) / (gg * pp - gp * gp) < 0  # the recent turns alone: a negative prefill time
     last = kept.last_fit

@@ -136,7 +136,7 @@ def _umask() -> int:
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
     except (OSError, ValueError):
-        pass
+        pass  # no readable /proc/self/status (not Linux): the usual default below
     return 0o022
 
 

@@ -134,9 +134,9 @@ def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals = signal.SIG
 def reap_run(run_dir: Path) -> list[int]:
     """What is left of a run's processes (tagged with TIDERL_RUN_DIR, or in the session of a rank that is
     gone, as the launcher's resume finds them): continued, then SIGKILLed."""
-    import socket
-
+    from tiderl.run.launcher import rank_sessions
     from tiderl.run.procs import reap_leftovers
+    from tiderl.store import RunStore, StoreError
 
     tag = f"TIDERL_RUN_DIR={run_dir.resolve()}".encode()
     for entry in Path("/proc").iterdir():  # a stopped process dies of SIGKILL too; continue it anyway
@@ -145,11 +145,17 @@ def reap_run(run_dir: Path) -> list[int]:
                 os.kill(int(entry.name), signal.SIGCONT)
         except (OSError, ProcessLookupError):
             continue
-    db = run_dir / "run.db"
-    try:
-        sessions = [r[0] for r in _query(db, "SELECT pid, host FROM ranks") if r[0] and r[1] == socket.gethostname()]
-    except sqlite3.Error:
-        sessions = []  # no store (a trial that failed before the run started): the tags find what there is
+    sessions: list[int] = []
+    if (run_dir / "run.db").is_file():  # else a trial that failed before the run started: the tags find it all
+        try:
+            store = RunStore.for_run_dir(run_dir, read_only=True)
+            try:
+                sessions = rank_sessions(store)
+            finally:
+                store.close()
+        except StoreError as e:
+            print(f"chaos: the ranks' sessions of {run_dir} could not be read ({e}): reaping by tag only",
+                  file=sys.stderr)
     return reap_leftovers(run_dir, sessions)
 
 

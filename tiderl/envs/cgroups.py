@@ -83,7 +83,7 @@ def enable_v2(base: Path, write: Callable[[Path, str], None] = write_control) ->
         write(base / "cgroup.subtree_control", "+memory +pids")
         return True
     except OSError:
-        pass
+        pass  # refused while this cgroup holds processes: the next step moves this one out first
     if (base / "cgroup.procs").read_text().split() != [str(os.getpid())]:
         return False  # other processes live here: moving only this one would not help
     leaf = base / "tiderl-server"
@@ -200,7 +200,7 @@ class RunCgroup:
                             try:
                                 os.kill(int(pid), signal.SIGKILL)
                             except ProcessLookupError:
-                                pass
+                                pass  # exited meanwhile
                     d.rmdir()
                 except FileNotFoundError:
                     break

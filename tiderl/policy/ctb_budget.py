@@ -240,17 +240,16 @@ class CostMeter:
         self.sequences = self.sequences * self.decay + max(1, decoding_sequences)
         self.weight = self.weight * self.decay + 1.0
         self.turns += 1
-
-    def fit(self) -> tuple[float, float] | None:
-        """(iteration_s, prefill_s_per_token), or None (see the class)."""
         gg, gp, pp, wg, wp = self.sums
         det = gg * pp - gp * gp
         if self.turns < self.min_turns or det <= 1e-6 * gg * pp:
-            return self.last_fit
+            return  # too few turns, or the two too alike to tell apart: the last fit stands
         iteration_s, prefill_s = (wg * pp - wp * gp) / det, (gg * wp - gp * wg) / det
-        if iteration_s <= 0 or prefill_s <= 0:
-            return self.last_fit
-        self.last_fit = (iteration_s, prefill_s)
+        if iteration_s > 0 and prefill_s > 0:
+            self.last_fit = (iteration_s, prefill_s)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(iteration_s, prefill_s_per_token), or None (see the class)."""
         return self.last_fit
 
     def cost(self) -> float | None:

@@ -260,11 +260,17 @@ def _mark_ranks_stopped(store: RunStore) -> None:
             store.set_rank_state(rank.rank, RankState.STOPPED)
 
 
+def rank_sessions(store: RunStore) -> list[int]:
+    """The pids the store recorded for the run's ranks on this host: each led its own session, which
+    `procs.reap_leftovers` searches for what a dead rank left."""
+    here = socket.gethostname()
+    return [r.pid for r in store.ranks() if r.pid and r.host == here]
+
+
 def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
     """Before a resume: kill what the previous launch left, and give every claim of its ranks back."""
     # A killed launcher's ranks died with it, but their vLLM engine cores may live on.
-    here = socket.gethostname()
-    leftovers = procs.reap_leftovers(paths.root, [r.pid for r in store.ranks() if r.pid and r.host == here])
+    leftovers = procs.reap_leftovers(paths.root, rank_sessions(store))
     if leftovers:
         store.record_event("launcher", "leftovers_killed",
                            f"killed {len(leftovers)} processes left by the previous launch",

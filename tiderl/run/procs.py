@@ -116,16 +116,20 @@ def reap_leftovers(run_dir: Path, sessions: Collection[int] = ()) -> list[int]:
     return killed
 
 
+def _stat(proc_dir: Path) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    [0] the state, [3] the session id."""
+    stat = (proc_dir / "stat").read_text()
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _running(proc_dir: Path) -> bool:
     """The process exists and is not a zombie waiting for its parent."""
     try:
-        stat = (proc_dir / "stat").read_text()
+        return _stat(proc_dir)[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 def _session(proc_dir: Path) -> int:
-    """The session id of a process (field 6 of /proc/PID/stat, after the command name in parentheses)."""
-    stat = (proc_dir / "stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[3])
+    return int(_stat(proc_dir)[3])

@@ -91,7 +91,7 @@ def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, 
             try:
                 os.killpg(child[0].pid, signum)
             except ProcessLookupError:
-                pass
+                pass  # the rank and its group are gone: nothing to forward to
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
     try:
@@ -114,7 +114,7 @@ def _supervise(run_dir: Path, rank: int, argv: list[str], limit: int, poll_s: fl
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # what it left in its group (a vLLM engine core)
         except ProcessLookupError:
-            pass
+            pass  # it left nothing
         if code == 0 or stopping:
             return code
         store = RunStore.for_run_dir(run_dir)

@@ -46,10 +46,6 @@ class RunRecord:
     control_seen_at: float | None
     """The control plane's last tick (its heartbeat); None before its first."""
 
-    def as_dict(self) -> dict[str, object]:
-        """The row as JSON-ready values (the enum as its value)."""
-        return {f: getattr(self, f) for f in self.__slots__} | {"state": self.state.value}
-
 
 @dataclass(frozen=True, slots=True)
 class BufferState:
