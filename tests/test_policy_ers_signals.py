@@ -174,6 +174,20 @@ def test_4_evaluation_steps_are_in_no_window_and_break_the_runs():
         (3, 5.0),)  # 40 - 20 s over 4 groups, from the settled step before the evaluation step
 
 
+def test_4_the_latency_memory_is_scaled_to_the_work_of_a_group_now():
+    # 3 rollout ranks measured while a group was 2,000 tokens of work, 2 ranks now at 1,000: the earlier
+    # generation latency (60 - 20 s over 2 groups = 20 s) counts as 10 s at today's work, so a workload
+    # whose tasks shrink does not make the earlier split look slow.
+    earlier = step(3, 1, produced_tokens=4000, groups_completed=2, group_latency_sum_s=60.0, group_env_sum_s=20.0)
+    steps = (step(3, 1), earlier, earlier, step(2, 2), step(2, 2), step(2, 2))
+    s = build_signals(snapshot(steps=steps), 5)
+    assert s.tokens_per_group == pytest.approx(1000.0)
+    assert s.gen_latency_by_rollout == ((2, pytest.approx(5.0)), (3, pytest.approx(10.0)))
+    from tiderl.policy.ers_signals import gen_latency_by_rollout
+
+    assert gen_latency_by_rollout(steps) == ((2, pytest.approx(5.0)), (3, pytest.approx(20.0)))  # unscaled
+
+
 def test_the_store_marks_a_step_during_which_an_evaluation_group_was_open(tmp_path: Path) -> None:
     from tiderl.rundir import create_run
     from tiderl.store.types import NewGroup, TaskKind

@@ -27,7 +27,8 @@ Model (every rate from the signals' window of recent steps, as measured)
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
   ``L_gen`` is read off the recent splits' measurements
-  (``gen_latency_by_rollout``, :func:`gen_latency_at`): measured counts as
+  (``gen_latency_by_rollout``, :func:`gen_latency_at`; each scaled to a group's
+  work in the window, :mod:`tiderl.policy.ers_signals`): measured counts as
   measured, linear in ``1 / n`` between them (an engine iteration costs a
   fixed part plus a part per running sequence), and beyond them cautiously:
   fewer ranks than any measured scale ``L_gen`` fully with ``1 / n``

@@ -27,6 +27,12 @@ Definitions
   split is judged only once it has been measured (``MIN_WINDOW_STEPS``
   settled steps). Group latency, environment time and tokens are the means
   over the groups that completed in the window.
+- The latency memory (``gen_latency_by_rollout``): per rollout-rank count, the
+  generation latency (a group's latency beyond its environment time) of the
+  newest settled run of steps on that count, scaled by the tokens of a group
+  in the window over the tokens of a group in that run (a group's generation
+  time grows with its work; tasks that grow or shrink over the run must not
+  make an earlier split look slower or faster than it is).
 - The walk: while the current split's window is shorter than
   ``MIN_WINDOW_STEPS``, the signals of the snapshot cut after the newest
   earlier split with a full window (what the planner saw when it last
@@ -151,7 +157,8 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         group_latency_s=sum(s.group_latency_sum_s for s in window) / groups if groups else None,
         tokens_per_group=sum(s.produced_tokens for s in window) / groups if groups else None,
         group_env_s=sum(s.group_env_sum_s for s in window) / groups if groups else None,
-        gen_latency_by_rollout=gen_latency_by_rollout(known),
+        gen_latency_by_rollout=gen_latency_by_rollout(known, sum(s.produced_tokens for s in window) / groups
+                                                      if groups else None),
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
@@ -171,9 +178,15 @@ def _walk(snapshot: ErsSnapshot, steady: tuple[StepObservation, ...], history_st
     return None
 
 
-def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[int, float], ...]:
+def gen_latency_by_rollout(steps: tuple[StepObservation, ...],
+                           tokens_per_group: float | None = None) -> tuple[tuple[int, float], ...]:
     """Per rollout-rank count, the mean group latency beyond the environment's over the newest settled run
-    of steps with that count (a run of steps on one split, less its first step), ascending by count."""
+    of steps with that count (a run of steps on one split, less its first step), ascending by count.
+
+    With `tokens_per_group` (the current window's), each run's latency is scaled by the work of a group
+    now over the work of a group then (tokens per completed group): a group's generation time grows
+    with its turns and tokens, and a workload whose tasks grow or shrink over the run would otherwise make
+    the split measured earlier look slower or faster for the workload's sake, not the split's."""
     out: dict[int, float] = {}
     i = len(steps)
     while i > 0:
@@ -182,7 +195,11 @@ def gen_latency_by_rollout(steps: tuple[StepObservation, ...]) -> tuple[tuple[in
         groups = sum(s.groups_completed for s in settled)
         n = steps[i - 1].rollout_ranks
         if groups and n not in out:
-            out[n] = max(0.0, sum(s.group_latency_sum_s - s.group_env_sum_s for s in settled) / groups)
+            gen = max(0.0, sum(s.group_latency_sum_s - s.group_env_sum_s for s in settled) / groups)
+            then = sum(s.produced_tokens for s in settled) / groups
+            if tokens_per_group and then > 0:
+                gen *= tokens_per_group / then
+            out[n] = gen
         i = j
     return tuple(sorted(out.items()))
 
