@@ -281,9 +281,10 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
     import sys
 
     from tiderl.config import load_job
+    from tiderl.paths import RunPaths
     from tiderl.run.supervise import restart_trainer_group as _restart_trainer_group
     from tiderl.rundir import create_run
-    from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, Role, TaskKind
+    from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, Role, TaskKind, TrainerGeneration
 
     root = Path(__file__).resolve().parents[1]
     _, store = create_run(load_job(root / "jobs" / "quickstart.yaml"), tmp_path / "run")
@@ -297,9 +298,9 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
                                                                   reward=float(c.index_in_group), success=True, num_turns=1)
                                                for c in claims]))
     assert len(store.claim_ready_groups(0, 1)) == 2  # the actor holds the step's data
-    rendezvous = tmp_path / "run" / "rendezvous"
-    rendezvous.mkdir()
-    (rendezvous / "v0.data-ready").write_text("{}")
+    paths = RunPaths(tmp_path / "run")
+    paths.rendezvous_generation(0).mkdir(parents=True)
+    paths.data_ready(0, 0).write_text("{}")  # the broken step's marker
 
     def child(name: str, argv: list[str]) -> procs.Child:
         return procs.spawn(name, [sys.executable, "-c", *argv], tmp_path / f"{name}.log")
@@ -317,17 +318,18 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
 
     out, restarts = io.StringIO(), {}
     try:
-        assert _restart_trainer_group(store, children, dead, 9, restart, restarts, 2, rendezvous, out)
+        assert _restart_trainer_group(store, children, dead, 9, restart, restarts, 2, paths, out)
         assert sorted(started) == ["rank0", "rank2"] and restarts == {"trainer": 1}
         assert ref.proc.poll() is not None and children[1] is rollout and rollout.exit_code is None
         assert children[0].name == "rank0" and children[0].exit_code is None and children[2] is not ref
-        assert not rendezvous.exists()  # no stale marker for the restarted step
+        assert not paths.rendezvous_generation(0).exists()  # no stale marker for the restarted step
+        assert store.trainer_generation() == TrainerGeneration(1, (0, 2))  # the group meets afresh
         assert store.buffer_state().traj_ready == 2  # the step's data is back for the new actor
         assert "restarting the trainer group (rank0, rank2; 1 of 2)" in out.getvalue()
         assert [e["kind"] for e in store.recent_events(20, kinds=["trainer_restarted"])] == ["trainer_restarted"]
         # The limit, a rollout rank and a launch that cannot restart ranks are refused.
-        assert not _restart_trainer_group(store, children, dead, 9, restart, {"trainer": 2}, 2, rendezvous, out)
-        assert not _restart_trainer_group(store, children, rollout, 9, restart, {}, 2, rendezvous, out)
-        assert not _restart_trainer_group(store, children, dead, 9, None, {}, 2, rendezvous, out)
+        assert not _restart_trainer_group(store, children, dead, 9, restart, {"trainer": 2}, 2, paths, out)
+        assert not _restart_trainer_group(store, children, rollout, 9, restart, {}, 2, paths, out)
+        assert not _restart_trainer_group(store, children, dead, 9, None, {}, 2, paths, out)
     finally:
         procs.stop(children)

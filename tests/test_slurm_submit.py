@@ -21,7 +21,7 @@ from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.cancel import live_job_ids
 from tiderl.slurm.runjobs import recorded_jobs, slurm_jobs_of_run
 from tiderl.slurm.states import JobState
-from tiderl.store import Role, RunRecord, RunStore
+from tiderl.store import RankState, Role, RunRecord, RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 # A short run: 2 ranks (actor + rollout) on one node of the dev cluster.
@@ -242,32 +242,47 @@ def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
-def test_a_rollout_rank_killed_in_the_step_is_restarted_and_the_job_finishes(slurm_cluster: SlurmCluster,
-                                                                            run_dir: Path) -> None:
+def test_killed_ranks_are_restarted_in_their_tasks_and_the_job_finishes(slurm_cluster: SlurmCluster,
+                                                                        run_dir: Path) -> None:
     import os
     import signal
 
-    # An actor and a rollout rank: the rollout task's rank is SIGKILLed mid-run; its task's supervisor
-    # restarts it while the step and the actor carry on.
-    out = submit(run_dir, 4, "env.latency=fixed:0.3")
+    # An actor and a rollout rank, each the task of one srun step. The rollout rank is SIGKILLed mid-run:
+    # its task's supervisor restarts it while the step and the actor carry on. Then the actor is: its
+    # supervisor restarts the trainer group (the actor alone here) in a new generation.
+    out = submit(run_dir, 5, "env.latency=fixed:0.3")
     assert out.returncode == 0, out.stderr
     wait_for("version 1", lambda: (run_dir / "run.db").exists() and run_info(run_dir).version >= 1,
              RUN_TIMEOUT_S)
-    store = RunStore.for_run_dir(run_dir)
-    try:
-        victim = next(r for r in store.ranks() if r.role is Role.ROLLOUT and r.pid)
-    finally:
-        store.close()
-    os.kill(victim.pid, signal.SIGKILL)
+
+    def pid_of(role: Role) -> tuple[int, int]:
+        store = RunStore.for_run_dir(run_dir)
+        try:
+            r = next(r for r in store.ranks() if r.role is role and r.pid and r.state is RankState.RUNNING)
+            return r.rank, r.pid  # type: ignore[return-value]
+        finally:
+            store.close()
+
+    victim, pid = pid_of(Role.ROLLOUT)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = run_info(run_dir).version
+    wait_for("a version after the rollout rank's restart",
+             lambda: run_info(run_dir).version > killed_at or run_info(run_dir).state != "running", RUN_TIMEOUT_S)
+    actor, pid = pid_of(Role.ACTOR)
+    assert run_info(run_dir).version < 4, "the run ended before the actor could be killed in it"
+    os.kill(pid, signal.SIGKILL)
     wait_for("the run ended", lambda: run_info(run_dir).state in ("finished", "failed", "cancelled"),
              RUN_TIMEOUT_S)
     assert run_info(run_dir).state == "finished", logs_of(run_dir)
-    assert check_run(run_dir, max_staleness=1)["versions"] == 4
+    assert check_run(run_dir, max_staleness=1)["versions"] == 5
     store = RunStore.for_run_dir(run_dir)
     try:
         restarted = store.recent_events(50, kinds=["restarted"])
+        group = store.recent_events(50, kinds=["trainer_restarted"])
+        generation = store.trainer_generation()
     finally:
         store.close()
-    assert [e["rank"] for e in restarted] == [victim.rank]
+    assert [e["rank"] for e in restarted] == [victim]
+    assert [e["rank"] for e in group] == [actor] and generation.number == 1 and actor in generation.members
     [job] = recorded_jobs(run_dir)
     assert slurm_cluster.wait(job["job_id"], timeout_s=120) is JobState.COMPLETED

@@ -8,8 +8,8 @@
       logs/                  one log file per process (control.log, rank{R}.log, env{I}.log)
       tensorboard/           TensorBoard event files (monitor.tensorboard), written.json
       wandb/                 the offline Weights & Biases run (monitor.wandb)
-      rendezvous/v{N}        the trainer group's rendezvous file for plan version N
-      rendezvous/v{N}.data-ready   the leader's marker that version N's step input is ready
+      rendezvous/g{G}/v{N}   the trainer group's rendezvous file for plan version N, restart generation G
+      rendezvous/g{G}/v{N}.data-ready   the leader's marker that version N's step input is ready
       env{I}.port            the port local environment server I listens on
       env.token              the run's own environment token (0600) when the job names none
 
@@ -101,11 +101,15 @@ class RunPaths:
     def checkpoint(self, step: int) -> Path:
         return checkpoint_dir(self.ckpt, step)
 
-    def rendezvous_version(self, version: int) -> Path:
-        return self.rendezvous / f"v{version}"
+    def rendezvous_generation(self, generation: int) -> Path:
+        """The trainer group's rendezvous files of one restart generation (a restarted group meets afresh)."""
+        return self.rendezvous / f"g{generation}"
 
-    def data_ready(self, version: int) -> Path:
-        return self.rendezvous / f"v{version}.data-ready"
+    def rendezvous_version(self, version: int, generation: int) -> Path:
+        return self.rendezvous_generation(generation) / f"v{version}"
+
+    def data_ready(self, version: int, generation: int) -> Path:
+        return self.rendezvous_generation(generation) / f"v{version}.data-ready"
 
     def env_port(self, index: int) -> Path:
         return self.root / f"env{index}.port"

@@ -212,7 +212,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         state, message = _watch(store, children, out, eval_tasks, launched_at,
                                 restart=restarter(launch, tag, start_ranks, urls),
                                 restart_limit=cfg.launch.restarts,
-                                rendezvous=paths.rendezvous if start_ranks is start_local_ranks else None)
+                                own_ranks=paths if start_ranks is start_local_ranks else None)
     except KeyboardInterrupt:
         state, message = RunState.CANCELLED, "interrupted"
     except Interrupted as e:
@@ -314,10 +314,10 @@ def engines_up(store: RunStore, version: int, since: float) -> tuple[int, int] |
 
 def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks: int,
            launched_at: float, *, restart: Restarter | None = None,
-           restart_limit: int = 0, rendezvous: Path | None = None) -> tuple[RunState, str]:
-    """Show progress until the run ends; restart what died where allowed (`rendezvous`: the trainer
-    group's rendezvous directory where its ranks are this launcher's own children, which lets an actor or
-    ref rank that died restart with its group)."""
+           restart_limit: int = 0, own_ranks: RunPaths | None = None) -> tuple[RunState, str]:
+    """Show progress until the run ends; restart what died where allowed (`own_ranks`: the run's paths
+    where its ranks are this launcher's own children, which lets an actor or ref rank that died restart
+    with its trainer group)."""
     from tiderl.status import collect, progress_line
 
     restarts: dict[str, int] = {}
@@ -351,8 +351,8 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
                 if replacement is not None:
                     children[i] = replacement
                     continue
-                if rendezvous is not None and restart_trainer_group(store, children, child, code, restart,
-                                                                     restarts, restart_limit, rendezvous, out):
+                if own_ranks is not None and restart_trainer_group(store, children, child, code, restart,
+                                                                    restarts, restart_limit, own_ranks, out):
                     continue
                 return RunState.FAILED, f"{child.name} exited with code {code} (log: {child.log_path})"
         if control.exit_code == 0:

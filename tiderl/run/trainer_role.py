@@ -197,10 +197,11 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     if members or len(actors) > 1:
         # The other ranks join the group only once the step's data is here (waiting for data can
         # outlast any rendezvous timeout, e.g. while the rollout engines start).
-        marker = _step_marker(ctx, plan.version)
+        generation = ctx.store.trainer_generation().number
+        marker = ctx.paths.data_ready(plan.version, generation)
         when_room(lambda: atomic_write_text(marker, json.dumps({"actors": actors, "refs": members})),
                   wait_s=ctx.config.store.disk_full_wait_s, what=f"the step marker {marker}")
-        result = _in_group(ctx, plan, actors, members, lambda comm: _train(actor, comm, inp))
+        result = _in_group(ctx, plan, generation, actors, members, lambda comm: _train(actor, comm, inp))
     else:
         result = actor.train_step(inp)
     if not isinstance(result, PublishedStep):
@@ -255,7 +256,7 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
     import torch.distributed as dist
 
     actor = _actor(ctx, plan.version, leader=False)
-    members = await _wait_marker(ctx, plan.version, Role.ACTOR)
+    members, generation = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
     def follow(comm: TrainerComm) -> PublishedStep | StepStats:
         box: list[StepInput | None] = [None]
@@ -263,19 +264,19 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
         assert box[0] is not None  # broadcast_object_list filled it in
         return _train_in(actor, comm, box[0])
 
-    stats = _in_group(ctx, plan, actors, members, follow)
+    stats = _in_group(ctx, plan, generation, actors, members, follow)
     ctx.store.report(RankReport(rank=ctx.rank, role=Role.ACTOR, version=plan.version, metrics=[
         MetricPoint("train_s", stats.duration_s, plan.version, "actor")]))
 
 
-def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[int],
+def _in_group(ctx: RankContext, plan: PlanRecord, generation: int, actors: list[int], refs: list[int],
               body: Callable[[TrainerComm], T]) -> T:
-    """Run `body(comm)` inside this version's trainer group: the actors (group ranks 0.., the
-    leader first), then the refs of a decoupled step."""
+    """Run `body(comm)` inside this version's trainer group of restart generation `generation`: the
+    actors (group ranks 0.., the leader first), then the refs of a decoupled step."""
     from tiderl.trainer.group import init_trainer_group, leave_trainer_group
 
     index = actors.index(ctx.rank) if ctx.rank in actors else len(actors) + refs.index(ctx.rank)
-    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.rendezvous_version(plan.version),
+    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.rendezvous_version(plan.version, generation),
                               timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
     try:
         return body(comm)
@@ -283,17 +284,19 @@ def _in_group(ctx: RankContext, plan: PlanRecord, actors: list[int], refs: list[
         leave_trainer_group()
 
 
-async def _wait_marker(ctx: RankContext, version: int, role: Role) -> list[int]:
-    """Wait until the leader has the step's data; returns the ref ranks of the step's group. The
-    wait is this trainer rank's TWT (recorded every `TWT_REPORT_S` while it lasts)."""
-    marker = _step_marker(ctx, version)
+async def _wait_marker(ctx: RankContext, version: int, role: Role) -> tuple[list[int], int]:
+    """Wait until the leader has the step's data; returns the ref ranks of the step's group and the
+    trainer group's restart generation it meets in. The wait is this trainer rank's TWT (recorded every
+    `TWT_REPORT_S` while it lasts)."""
+    generation = ctx.store.trainer_generation().number
+    marker = ctx.paths.data_ready(version, generation)
     wait = _Wait(ctx, version, role)
     while not marker.exists():
         ctx.position()  # leaves if the run stopped
         wait.tick()
         await asyncio.sleep(ctx.poll_s)
     ctx.store.report(RankReport(rank=ctx.rank, metrics=[wait.rest()]))
-    return list(json.loads(marker.read_text())["refs"])
+    return list(json.loads(marker.read_text())["refs"]), generation
 
 
 def _ref(ctx: RankContext) -> RefRank:
@@ -309,16 +312,12 @@ def _ref(ctx: RankContext) -> RefRank:
     return ctx.ref
 
 
-def _step_marker(ctx: RankContext, version: int) -> Path:
-    return ctx.paths.data_ready(version)
-
-
 async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Serve the actor's reference forwards of step `plan.version` (decoupled mode only)."""
     import torch.distributed as dist
 
     ref = _ref(ctx)
-    refs = await _wait_marker(ctx, plan.version, Role.REF)
+    refs, generation = await _wait_marker(ctx, plan.version, Role.REF)
 
     def serve(comm: TrainerComm) -> None:
         box: list[StepInput | None] = [None]
@@ -330,4 +329,4 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
         finally:
             ref.comm = previous
 
-    _in_group(ctx, plan, plan.ranks_with(Role.ACTOR), refs, serve)
+    _in_group(ctx, plan, generation, plan.ranks_with(Role.ACTOR), refs, serve)

@@ -88,6 +88,7 @@ from tiderl.store.types import (
     RunState,
     StoreTaskState,
     TaskClaim,
+    TrainerGeneration,
     TaskKind,
     TrajectoryState,
     VersionRecord,
@@ -276,6 +277,23 @@ class RunStore:
         return RunRecord(name=row.name, system=row.system, state=RunState(row.state), version=int(row.version),
                          created_at=row.created_at, updated_at=row.updated_at, finished_at=row.finished_at,
                          message=row.message, config_yaml=row.config_yaml, control_seen_at=row.control_seen_at)
+
+    def trainer_generation(self) -> TrainerGeneration:
+        row = self.tx.read(lambda c: c.execute(select(runs.c.trainer_generation, runs.c.trainer_members)
+                                               .where(runs.c.id == 1)).first())
+        if row is None:
+            raise StoreError(f"run store {self.label}: no run recorded")
+        return TrainerGeneration(int(row.trainer_generation or 0), tuple(json.loads(row.trainer_members or "[]")))
+
+    def advance_trainer_generation(self, seen: int, members: Sequence[int]) -> bool:
+        """Start trainer generation `seen` + 1 with these member ranks, unless the generation is no longer
+        `seen` (another process started one first). True when this call started it."""
+        def advance(c: Connection) -> int:
+            return c.execute(update(runs).where(runs.c.id == 1, func.coalesce(runs.c.trainer_generation, 0) == seen)
+                             .values(trainer_generation=seen + 1, trainer_members=json.dumps(sorted(members)),
+                                     updated_at=time.time())).rowcount
+
+        return self.tx.write(advance) == 1
 
     # ---- ranks and roles -----------------------------------------------------------------
     def register_rank(self, rank: int, role: Role, *, host: str | None = None, pid: int | None = None) -> None:

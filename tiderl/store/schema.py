@@ -53,6 +53,10 @@ runs = Table(
     Column("message", SafeText),
     Column("config_yaml", SafeText, nullable=False),
     Column("control_seen_at", Float),  # the control plane's last tick (its heartbeat)
+    # The trainer group's restart generation (None: 0) and the ranks its last restart stopped (JSON list):
+    # each generation's trainer steps meet in rendezvous/g{N}/ (tiderl.run.supervise).
+    Column("trainer_generation", Integer),
+    Column("trainer_members", String),
 )
 
 ranks = Table(

@@ -48,6 +48,15 @@ class RunRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainerGeneration:
+    """The trainer group's restart generation (`RunStore.trainer_generation`): 0 until its first restart."""
+
+    number: int
+    members: tuple[int, ...]
+    """The actor and ref ranks the generation's restart stopped and started again (empty for 0)."""
+
+
+@dataclass(frozen=True, slots=True)
 class BufferState:
     """What the run's buffer holds now (`RunStore.buffer_state`, the `buffer_state` view)."""
 
