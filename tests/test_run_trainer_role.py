@@ -111,3 +111,60 @@ def test_how_a_task_ended_reaches_the_trainer(tmp_path: Path, base: Path) -> Non
     assert sorted(sample_from_ready(t).truncated for t in got) == [False, False, True, True]
     assert ctx.store.tx.read(lambda c: [r[0] for r in c.exec_driver_sql(
         "SELECT finish FROM trajectories ORDER BY id")]) == [t.finish for t in sorted(got, key=lambda t: t.id)]
+
+
+def _member(run_dir: str, base: str, rank: int, role: str) -> None:
+    """A trainer rank of its own process, as in a run: a follower actor or a ref rank of version 0's step."""
+    from tiderl.paths import RunPaths
+    from tiderl.run.trainer_role import run_ref_step
+    from tiderl.store import RunStore
+
+    paths = RunPaths(Path(run_dir))
+    config = load_job(paths.config)
+    ctx = RankContext(rank=rank, config=config, paths=paths, store=RunStore.for_run_dir(paths.root),
+                      system=behaviour("tiderl", max_staleness=1, ra2p_mode=config.trainer.ra2p_mode),
+                      model_dir=Path(base), env_urls=[], poll_s=0.01)
+    step = run_ref_step if role == "ref" else run_actor_step
+    asyncio.run(step(ctx, _group_plan()))
+
+
+def _group_plan() -> PlanRecord:
+    return PlanRecord(version=0, roles={0: Role.ACTOR, ROLLOUT: Role.ROLLOUT, 2: Role.REF, 3: Role.ACTOR},
+                      ra2p_mode=Ra2pMode.DECOUPLED, fetch_groups=2)
+
+
+def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path, base: Path) -> None:
+    """Two actors (data parallel) and a ref rank, each its own process: the leader gathers and publishes, the
+    other actor trains its share, the ref serves the reference log-probabilities; they meet in the trainer
+    group's current restart generation."""
+    import subprocess
+    import sys
+
+    ctx = _ctx(tmp_path, base, max_staleness=1)
+    ctx.store.register_rank(2, Role.REF)
+    ctx.store.register_rank(3, Role.ACTOR)
+    assert ctx.store.advance_trainer_generation(0, [0, 2, 3])  # as after one restart of the group
+    _feed(ctx, range(2), version=0)
+
+    def start(rank: int, role: str) -> subprocess.Popen[str]:
+        code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_run_trainer_role as t; "
+                f"t._member({str(ctx.paths.root)!r}, {str(base)!r}, {rank}, {role!r})")
+        return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    members = [start(0, "actor"), start(3, "actor"), start(2, "ref")]
+    try:
+        for p in members:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, out
+    finally:
+        for p in members:
+            if p.poll() is None:
+                p.kill()
+    assert ctx.store.run_info().version == 1
+    (step,) = ctx.store.steps()
+    assert step["num_trajectories"] == 8 and step["ra2p_mode"] == "decoupled"
+    assert verify(ctx.paths.weights_version(1))
+    assert ctx.paths.data_ready(0, 1).is_file() and not ctx.paths.rendezvous_generation(0).exists()
+    trained = {(m["rank"], m["name"]) for m in ctx.store.metric_rows(["train_s"])}
+    assert {(0, "train_s"), (3, "train_s")} <= trained  # both actors trained their share
