@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tiderl.envs.images import PngImage
 from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
 
 
@@ -39,6 +40,7 @@ class FakeEngine(Engine):
         self._in_flight_tokens = 0
         self.reloads: list[tuple[str, int]] = []
         self.prompts: list[tuple[int, ...]] = []
+        self.images: list[tuple[PngImage, ...]] = []  # the images each prompt came with
         self.samplings: list[SamplingSpec] = []
 
     @property
@@ -67,11 +69,13 @@ class FakeEngine(Engine):
         while len(self._blocks) * self._block_size > self._capacity:
             self._blocks.popitem(last=False)
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec,
+                       images: Sequence[PngImage] = ()) -> Generation:
         if not prompt_ids:
             raise EngineError("generate: empty prompt")
         prompt = tuple(prompt_ids)
         self.prompts.append(prompt)
+        self.images.append(tuple(images))
         self.samplings.append(sampling)
         version = self._version
         hashes = self._block_hashes(prompt)

@@ -16,7 +16,8 @@ import pytest
 from tiderl.cli import main
 from tiderl.envs import make_env
 from tiderl.rollout.tiny_model import MANIFEST
-from tiderl.rollout.tiny_vl_model import IMAGE_PAD, IMAGE_PLACEHOLDER, TinyVisionSpec, image_token_counts
+from tiderl.rollout.chat import IMAGE_PAD, IMAGE_PLACEHOLDER
+from tiderl.rollout.tiny_vl_model import TinyVisionSpec, image_token_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,3 +125,87 @@ def test_vllm_runs_the_tiny_vl_model_with_images(tmp_path: Path) -> None:
     assert evidence["tokens_per_image"] == 4 and evidence["ids_same_as_text"]
     assert evidence["prefix_cache_hit_tokens_repeat"] >= 32
     assert evidence["max_abs_logprob_diff"] < 1e-2
+    # TideRL's own path: the rollout worker and agent loop hand every generation its images.
+    assert evidence["loop_tasks"] >= 4 and evidence["loop_images_match"] and evidence["loop_lengths_match"]
+    assert evidence["loop_cached_tokens_with_images"] > 0
+
+
+def test_the_chat_format_places_images_as_the_chat_template_does(model_dir: Path) -> None:
+    from tiderl.rollout.chat import ChatFormat, ImageTokens
+    from tiderl.rollout.from_config import chat_format
+
+    fmt = chat_format(model_dir)
+    assert fmt.image_tokens == ImageTokens(patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=112 * 112)
+    assert [fmt.image_count(w, h) for w, h in [(56, 56), (84, 84), (112, 112)]] == \
+        image_token_counts(TinyVisionSpec(), [(56, 56), (84, 84), (112, 112)]) == [4, 9, 16]
+    ids = fmt.prompt_ids("go", images=2) + fmt.encode("up") + [fmt.end_of_turn_id] + fmt.env_turn_ids("moved", 1)
+    expected = fmt.tokenizer.apply_chat_template([
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "go"}]},
+        {"role": "assistant", "content": "up"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "moved"}]}],
+        tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert ids == list(expected) and ids.count(fmt.image_pad_id) == 3
+    text_only = ChatFormat(fmt.tokenizer)  # the same tokenizer without an image processor
+    with pytest.raises(ValueError, match="carries 1 image.*text-only"):
+        text_only.prompt_ids("go", images=1)
+
+
+def test_an_image_task_hands_its_pictures_to_the_engine_every_turn(model_dir: Path) -> None:
+    """gridimage in-process, a scripted engine: each generation gets the context's images in order, one
+    placeholder id each; the context length CTB sees counts each image's tokens; a task handed over at a turn
+    boundary carries its images (and their JSON form reads back)."""
+    import asyncio
+    import random
+
+    from fake_engine import FakeEngine
+    from tiderl.rollout.agent_loop import LoopLimits, TaskRun, progress_of, run_task
+    from tiderl.rollout.from_config import chat_format
+    from tiderl.rollout.local_env import LocalEnvLink
+    from tiderl.rollout.trajectory import TaskProgress, make_group
+
+    fmt = chat_format(model_dir)
+    rng = random.Random(0)
+    engine = FakeEngine(lambda prompt: fmt.encode(rng.choice(["up", "down", "left", "right"])))
+    seen: list[tuple[int, int, int, TaskProgress | None]] = []
+
+    class Gate:
+        async def before_generate(self, run: TaskRun, env: object) -> None:
+            assert run.trajectory is not None
+            seen.append((run.context_tokens, run.trajectory.engine_tokens, len(run.trajectory.images),
+                         progress_of(run, None)))
+
+        def after_turn(self, run: TaskRun) -> None:
+            pass
+
+    spec = make_group("g0", "gridimage", seed=3, group_size=1).tasks[0]
+    limits = LoopLimits(max_turns=4, max_context_tokens=1024, max_new_tokens=4, max_images=10)
+    t = asyncio.run(run_task(spec, TaskRun(spec=spec), engine, LocalEnvLink(), fmt, limits, Gate()))
+    assert t.num_turns >= 1 and len(t.images) == t.token_ids.count(fmt.image_pad_id) == len(t.image_tokens)
+    assert all(n == 4 for n in t.image_tokens)  # 56 x 56 pictures: 4 tokens each
+    for prompt, images in zip(engine.prompts, engine.images):
+        assert len(images) == prompt.count(fmt.image_pad_id) >= 1
+        assert list(images) == t.images[:len(images)]
+    for context, engine_tokens, shown, progress in seen:
+        assert context == engine_tokens
+        assert progress is not None and len(progress.images) == shown
+        assert engine_tokens == len(progress.token_ids) + 3 * shown  # each placeholder id stands for 4 tokens
+        assert TaskProgress.from_json(progress.to_json()) == progress
+    # The context limit counts image tokens: a limit the placeholders alone would pass, the pictures do not.
+    short = LoopLimits(max_turns=4, max_context_tokens=seen[0][1] + 1, max_new_tokens=4, max_images=10)
+    t = asyncio.run(run_task(spec, TaskRun(spec=spec), engine, LocalEnvLink(), fmt, short, Gate()))
+    # (at most one id past it: the unsampled closing id of a turn the limit cut)
+    assert t.finish == "max_context" and t.engine_tokens <= short.max_context_tokens + 1
+    few = LoopLimits(max_turns=4, max_context_tokens=1024, max_new_tokens=4, max_images=1)
+    t = asyncio.run(run_task(spec, TaskRun(spec=spec), engine, LocalEnvLink(), fmt, few, Gate()))
+    assert t.finish == "max_context" and len(t.images) == 1
+
+
+def test_a_run_on_an_image_environment_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    from tiderl.config import ConfigError, load_job
+    from tiderl.rundir import create_run
+
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage"])
+    with pytest.raises(ConfigError, match="env.name: gridimage answers with images.*text only"):
+        create_run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

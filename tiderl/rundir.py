@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tiderl.config import JobConfig, dump_job
+from tiderl.config import ConfigError, JobConfig, dump_job
+from tiderl.envs.images import ImageEnvironment
+from tiderl.envs.registry import UnknownEnvError, env_class
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.store import RunStore, StoreError
 from tiderl.store.engine import StoreCorruptError
@@ -23,6 +25,7 @@ def default_run_dir(config: JobConfig) -> Path:
 
 def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
     """Make the run directory, save the resolved config, create the run store."""
+    _refuse_image_training(config)
     paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
     if paths.db.exists() or paths.config.exists():
         raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
@@ -33,6 +36,20 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     store.create_schema()
     store.init_run(name=config.name, system=config.system, config_yaml=resolved)
     return paths, store
+
+
+def _refuse_image_training(config: JobConfig) -> None:
+    """The trainer scores text only: a run on an image environment would train on image placeholders
+    without their pictures. Refused before anything is created."""
+    try:
+        image_env = issubclass(env_class(config.env.name), ImageEnvironment)
+    except UnknownEnvError:
+        return  # served by an outside env server: its answers are checked as they come
+    if image_env:
+        raise ConfigError(f"job {config.name!r}", "env.name",
+                          f"{config.env.name} answers with images, and the trainer computes log-probabilities "
+                          "from text only: a run cannot train on it (the rollout side plays image tasks with a "
+                          "vision-language model: tiderl.rollout.agent_loop)")
 
 
 def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunStore]:

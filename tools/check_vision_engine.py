@@ -18,6 +18,13 @@ prompts that carry `gridimage` pictures:
 It also checks that transformers' forward pass of the same model agrees with vLLM on the
 log-probabilities of the sampled tokens (the trainer side of item 5 of issue 15).
 
+First of all it plays `gridimage` tasks through TideRL's own path: the rollout worker (CTB) and
+agent loop on a `VllmEngine` built for images, the environment in-process. Every generation must
+carry the context's images (one `<|image_pad|>` id each), vLLM's prompt length must equal the
+context length the agent loop and CTB count (`Trajectory.engine_tokens`: each image its tokens),
+and later turns must find their earlier turns, images included, in the prefix cache. The checks
+above then run on the same engine (its vLLM `LLM`, between the engine thread's steps).
+
 Prints one JSON line of evidence: tokens per image, the prompt lengths vLLM saw, times,
 prefix-cache hits, the largest log-probability difference. Exit status 1 if a check fails.
 
@@ -27,7 +34,7 @@ prefix-cache hits, the largest log-probability difference. Exit status 1 if a ch
 from __future__ import annotations
 
 import argparse
-import io
+import asyncio
 import json
 import math
 import os
@@ -42,14 +49,6 @@ from tiderl.rollout.vision_compat import allow_processors_without_torchvision, r
 # At import time: vLLM's engine-core process, when spawned, imports this module and so gets the patch too.
 PATCHED = allow_processors_without_torchvision()
 register_vl_models_with_vllm()
-
-
-def _pil(png: bytes) -> Any:
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(png))
-    image.load()
-    return image.convert("RGB")
 
 
 def _frames(size: int, cell_px: int, seed: int) -> list[bytes]:
@@ -87,18 +86,119 @@ def _hf_logprobs(model_dir: Path, prompt_ids: list[int], images: list[Any], samp
     return [float(logprobs[start - 1 + i, token]) for i, token in enumerate(sampled)]
 
 
+async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int = 4) -> dict[str, Any]:
+    """gridimage tasks through the rollout worker (CTB) and agent loop on `engine`; what each generation
+    carried and what vLLM made of it."""
+    from tiderl.policy.ctb import PriorityWeights
+    from tiderl.rollout.agent_loop import LoopLimits
+    from tiderl.rollout.from_config import chat_format
+    from tiderl.rollout.local_env import LocalEnvLink
+    from tiderl.rollout.schedulers import make_scheduler
+    from tiderl.rollout.trajectory import Trajectory, make_group
+    from tiderl.rollout.worker import RolloutWorker
+
+    fmt = chat_format(model_dir)
+    calls: list[tuple[int, int, int, int, int]] = []  # ids, images, pads, vLLM's prompt tokens, cached
+    real = engine.generate
+    expected: list[int] = []
+
+    async def traced(ids: Any, sampling: Any, images: Any = ()) -> Any:
+        out = await real(ids, sampling, images)
+        expected.append(len(ids) + sum(fmt.image_count(i.width, i.height) - 1 for i in images))
+        calls.append((len(ids), len(images), list(ids).count(fmt.image_pad_id), out.num_prompt_tokens,
+                      out.num_cached_tokens))
+        return out
+
+    engine.generate = traced
+    got: list[Trajectory] = []
+    limits = LoopLimits(max_turns=6, max_context_tokens=1024, max_new_tokens=8, max_images=max_images)
+    worker = RolloutWorker(engine, LocalEnvLink(), fmt, make_scheduler("ctb", PriorityWeights()), limits,
+                           sink=got.append, budget_tokens=4096, max_resident_tasks=4)
+    worker.add_groups([make_group(f"g{i}", "gridimage", seed=i, group_size=2) for i in range(max(1, tasks // 2))])
+    t0 = time.monotonic()
+    await worker.run()
+    return {
+        "loop_s": round(time.monotonic() - t0, 1),
+        "loop_tasks": len(got),
+        "loop_generations": len(calls),
+        "loop_images_per_generation": [c[1] for c in calls],
+        "loop_images_match": all(c[1] == c[2] >= 1 for c in calls),
+        "loop_lengths_match": [c[3] for c in calls] == expected,
+        "loop_cached_tokens_with_images": sum(c[4] for c in calls if c[1] >= 2),
+        "loop_images_in_trajectories": sum(len(t.images) for t in got),
+    }
+
+
+def _raw_checks(llm: Any, tokenizer: Any, pngs: list[bytes], image_pad_id: int, max_new_tokens: int) -> dict[str, Any]:
+    """vLLM's own text and token-id prompts with images (run on the engine's thread)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tiderl.envs.images import check_png
+    from tiderl.rollout.chat import IMAGE_PLACEHOLDER
+
+    evidence: dict[str, Any] = {}
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=1.0, seed=1, logprobs=0)
+    images = [check_png(p).to_pil() for p in pngs]
+    text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}you are red, the goal is green<|im_end|>\n<|im_start|>assistant\n"
+
+    t0 = time.monotonic()
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images[0]}}, sampling, use_tqdm=False)[0]
+    evidence["text_prompt_s"] = round(time.monotonic() - t0, 2)
+    evidence["text_prompt_tokens"] = len(out.prompt_token_ids)
+    evidence["tokens_per_image"] = sum(1 for t in out.prompt_token_ids if t == image_pad_id)
+    evidence["text_prompt_generated"] = len(out.outputs[0].token_ids)
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    t0 = time.monotonic()
+    out_ids = llm.generate(TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images[0]}), sampling,
+                           use_tqdm=False)[0]
+    evidence["ids_prompt_s"] = round(time.monotonic() - t0, 2)
+    evidence["ids_prompt_tokens_in"] = len(ids)
+    evidence["ids_prompt_tokens_seen"] = len(out_ids.prompt_token_ids)
+    evidence["ids_same_as_text"] = list(out_ids.prompt_token_ids) == list(out.prompt_token_ids)
+
+    second = (f"{text}up<|im_end|>\n<|im_start|>user\n{IMAGE_PLACEHOLDER}moved up<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    ids2 = tokenizer.encode(second, add_special_tokens=False)
+    prompt2 = TokensPrompt(prompt_token_ids=ids2, multi_modal_data={"image": images})
+    hits0 = _vllm_counter(llm, "vllm:prefix_cache_hits")
+    t0 = time.monotonic()
+    first2 = llm.generate(prompt2, sampling, use_tqdm=False)[0]
+    hits1 = _vllm_counter(llm, "vllm:prefix_cache_hits")
+    again = llm.generate(prompt2, sampling, use_tqdm=False)[0]
+    hits2 = _vllm_counter(llm, "vllm:prefix_cache_hits")
+    evidence["two_image_prompt_tokens"] = len(first2.prompt_token_ids)
+    evidence["two_image_s"] = round(time.monotonic() - t0, 2)
+    evidence["prefix_cache_hit_tokens_first"] = hits1 - hits0
+    evidence["prefix_cache_hit_tokens_repeat"] = hits2 - hits1
+    evidence["repeat_same_tokens"] = list(again.outputs[0].token_ids) == list(first2.outputs[0].token_ids)
+    expanded = TokensPrompt(prompt_token_ids=list(first2.prompt_token_ids), multi_modal_data={"image": images})
+    out_expanded = llm.generate(expanded, sampling, use_tqdm=False)[0]
+    evidence["expanded_ids_tokens_seen"] = len(out_expanded.prompt_token_ids)
+    evidence["expanded_ids_same_prompt"] = list(out_expanded.prompt_token_ids) == list(first2.prompt_token_ids)
+    sampled = list(first2.outputs[0].token_ids)
+    # For transformers' forward in the caller: the expanded prompt, the sampled ids, vLLM's log-probabilities.
+    evidence["prompt_ids"] = list(first2.prompt_token_ids)
+    evidence["sampled"] = sampled
+    evidence["engine_lp"] = [lp[t].logprob for lp, t in zip(first2.outputs[0].logprobs, sampled)]
+    return evidence
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Model directory (default: a temporary one).")
     parser.add_argument("--size", type=int, default=4, help="gridimage cells per side.")
     parser.add_argument("--cell-px", type=int, default=14, help="gridimage pixels per cell.")
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-images", type=int, default=10, help="Images one context may carry.")
+    parser.add_argument("--tasks", type=int, default=4, help="gridimage tasks the agent loop plays.")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from tiderl.envs.images import check_png
-    from tiderl.rollout.tiny_vl_model import (IMAGE_PAD, IMAGE_PLACEHOLDER, TinyVisionSpec, image_token_counts,
-                                              init_vl_model)
+    from tiderl.rollout.chat import IMAGE_PAD
+    from tiderl.rollout.tiny_vl_model import TinyVisionSpec, image_token_counts, init_vl_model
 
     evidence: dict[str, Any] = {"torch_threads": None, "processor_patch": PATCHED}
     spec = TinyVisionSpec(env_options={"size": args.size, "cell_px": args.cell_px}, num_corpus_episodes=100)
@@ -114,67 +214,35 @@ def main(argv: list[str] | None = None) -> int:
         evidence["tokens_per_image_expected"] = image_token_counts(spec, sizes[:1])[0]
 
         from transformers import AutoTokenizer
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
 
         import torch
+
+        from tiderl.rollout.vllm_engine import VllmEngine
 
         evidence["torch_threads"] = torch.get_num_threads()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         t0 = time.monotonic()
-        llm = LLM(model=str(model_dir), dtype="float32", max_model_len=1024, block_size=32, seed=0,
-                  enable_prefix_caching=True, disable_log_stats=False, limit_mm_per_prompt={"image": 4, "video": 0},
-                  logprobs_mode="processed_logprobs")
+        engine = VllmEngine(model_dir, max_model_len=1024, block_size=32, seed=0, max_images=args.max_images)
         evidence["engine_start_s"] = round(time.monotonic() - t0, 1)
-        sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=1.0, seed=1, logprobs=0)
-        images = [_pil(p) for p in pngs]
-        text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}you are red, the goal is green<|im_end|>\n<|im_start|>assistant\n"
-
+        try:
+            evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.tasks)))
+            # On the engine's own thread, between its steps: vLLM's LLM is never driven from two threads.
+            raw = asyncio.run(engine._call(lambda: _raw_checks(engine._llm, tokenizer, pngs, image_pad_id,
+                                                                   args.max_new_tokens)))
+        finally:
+            engine.close()
+        sampled, engine_lp, prompt_ids = raw.pop("sampled"), raw.pop("engine_lp"), raw.pop("prompt_ids")
+        evidence.update(raw)
         t0 = time.monotonic()
-        out = llm.generate({"prompt": text, "multi_modal_data": {"image": images[0]}}, sampling, use_tqdm=False)[0]
-        evidence["text_prompt_s"] = round(time.monotonic() - t0, 2)
-        evidence["text_prompt_tokens"] = len(out.prompt_token_ids)
-        evidence["tokens_per_image"] = sum(1 for t in out.prompt_token_ids if t == image_pad_id)
-        evidence["text_prompt_generated"] = len(out.outputs[0].token_ids)
-
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        t0 = time.monotonic()
-        out_ids = llm.generate(TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images[0]}), sampling,
-                               use_tqdm=False)[0]
-        evidence["ids_prompt_s"] = round(time.monotonic() - t0, 2)
-        evidence["ids_prompt_tokens_in"] = len(ids)
-        evidence["ids_prompt_tokens_seen"] = len(out_ids.prompt_token_ids)
-        evidence["ids_same_as_text"] = list(out_ids.prompt_token_ids) == list(out.prompt_token_ids)
-
-        second = (f"{text}up<|im_end|>\n<|im_start|>user\n{IMAGE_PLACEHOLDER}moved up<|im_end|>\n"
-                  "<|im_start|>assistant\n")
-        ids2 = tokenizer.encode(second, add_special_tokens=False)
-        prompt2 = TokensPrompt(prompt_token_ids=ids2, multi_modal_data={"image": images})
-        hits0 = _vllm_counter(llm, "vllm:prefix_cache_hits")
-        t0 = time.monotonic()
-        first2 = llm.generate(prompt2, sampling, use_tqdm=False)[0]
-        hits1 = _vllm_counter(llm, "vllm:prefix_cache_hits")
-        again = llm.generate(prompt2, sampling, use_tqdm=False)[0]
-        hits2 = _vllm_counter(llm, "vllm:prefix_cache_hits")
-        evidence["two_image_prompt_tokens"] = len(first2.prompt_token_ids)
-        evidence["two_image_s"] = round(time.monotonic() - t0, 2)
-        evidence["prefix_cache_hit_tokens_first"] = hits1 - hits0
-        evidence["prefix_cache_hit_tokens_repeat"] = hits2 - hits1
-        evidence["repeat_same_tokens"] = list(again.outputs[0].token_ids) == list(first2.outputs[0].token_ids)
-        expanded = TokensPrompt(prompt_token_ids=list(first2.prompt_token_ids), multi_modal_data={"image": images})
-        out_expanded = llm.generate(expanded, sampling, use_tqdm=False)[0]
-        evidence["expanded_ids_tokens_seen"] = len(out_expanded.prompt_token_ids)
-        evidence["expanded_ids_same_prompt"] = list(out_expanded.prompt_token_ids) == list(first2.prompt_token_ids)
-
-        sampled = list(first2.outputs[0].token_ids)
-        engine_lp = [lp[t].logprob for lp, t in zip(first2.outputs[0].logprobs, sampled)]
-        t0 = time.monotonic()
-        hf_lp = _hf_logprobs(model_dir, list(first2.prompt_token_ids), images, sampled, image_pad_id)
+        hf_lp = _hf_logprobs(model_dir, prompt_ids, [check_png(p).to_pil() for p in pngs], sampled, image_pad_id)
         evidence["hf_forward_s"] = round(time.monotonic() - t0, 2)
         evidence["max_abs_logprob_diff"] = max(abs(a - b) for a, b in zip(engine_lp, hf_lp)) if sampled else None
 
     checks = {
+        "agent_loop_images": evidence["loop_generations"] > 0 and evidence["loop_images_match"],
+        "agent_loop_lengths": evidence["loop_lengths_match"],
+        "agent_loop_prefix_cache": evidence["loop_cached_tokens_with_images"] > 0,
         "tokens_per_image": evidence["tokens_per_image"] == evidence["tokens_per_image_expected"],
         "ids_prompt": evidence["ids_same_as_text"],
         "prefix_cache": evidence["prefix_cache_hit_tokens_repeat"] > 0,

@@ -55,6 +55,10 @@ class RolloutConfig:
         1, ge=0, help="No task is admitted whose data would be more than this many versions old when trained."
     )
     max_new_tokens: int = option(16, ge=1, help="Tokens the model may generate in one turn.")
+    max_images: int = option(
+        10, ge=1, help="Images one context may carry (an image environment with a vision-language model): the "
+        "engine takes at most this many a request, and a task whose next observation would pass it ends as "
+        "max_context.")
     temperature: float = option(
         1.0, gt=0.0, help="Sampling temperature of training tasks (> 0: greedy tasks of a group would all be "
         "the same, with zero advantages; the trainer scores tokens at this temperature too).")

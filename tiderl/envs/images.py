@@ -21,6 +21,7 @@ import struct
 import zlib
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from tiderl.envs.base import Environment
 
@@ -72,6 +73,15 @@ class PngImage:
     @property
     def num_pixels(self) -> int:
         return self.width * self.height
+
+    def to_pil(self) -> Any:
+        """The picture as an RGB PIL image (what an engine's image processor takes)."""
+        import io
+
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.data)) as picture:
+            return picture.convert("RGB")
 
 
 class ImageEnvironment(Environment):

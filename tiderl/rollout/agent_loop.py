@@ -44,9 +44,10 @@ class LoopLimits:
     max_new_tokens: int
     temperature: float = 1.0
     eval_temperature: float = 0.0  # evaluation tasks play greedily
+    max_images: int = 10  # images one context may carry (an image environment)
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_context_tokens", "max_new_tokens"):
+        for name in ("max_turns", "max_context_tokens", "max_new_tokens", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -62,9 +63,9 @@ class TaskRun:
     session_id: str | None = None
     num_turns: int = 0
     num_pauses: int = 0
-    # The context length and turn count at the last turn boundary where the task may be handed
-    # to another rank (before a generation); None while the environment is mid-step.
-    checkpoint: tuple[int, int] | None = None
+    # The context length (ids), turn count and image count at the last turn boundary where the task may
+    # be handed to another rank (before a generation); None while the environment is mid-step.
+    checkpoint: tuple[int, int, int] | None = None
     trajectory: Trajectory | None = None
     handoff: bool = False  # set before cancelling: keep the env session (paused) instead of ending it
     # The last generation: the context the previous one left in the engine's cache, and the prompt
@@ -99,11 +100,11 @@ async def run_task(
     left_version = -1  # the weights it was computed with (a reload empties the cache)
     try:
         while True:
-            room = min(limits.max_new_tokens, limits.max_context_tokens - len(trajectory.token_ids))
+            room = min(limits.max_new_tokens, limits.max_context_tokens - trajectory.engine_tokens)
             if room < 1:
                 finish = "max_context"
                 break
-            run.checkpoint = (len(trajectory.token_ids), run.num_turns)
+            run.checkpoint = (len(trajectory.token_ids), run.num_turns, len(trajectory.images))
             await gate.before_generate(run, env)
             run.phase = Phase.GENERATING
             # Per-task seed: a replayed task samples the same turns under the same weights.
@@ -113,18 +114,18 @@ async def run_task(
                 stop_token_ids=(fmt.end_of_turn_id,),
                 seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
             )
-            generation = await engine.generate(trajectory.token_ids, sampling)
+            generation = await engine.generate(trajectory.token_ids, sampling, trajectory.images)
             same_weights = generation.weights_version == left_version
             run.prefix_tokens, run.cached_tokens = left_in_cache if same_weights else 0, generation.num_cached_tokens
             trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
-            left_in_cache = len(trajectory.token_ids)  # prompt and generated tokens stay cached (full blocks)
+            left_in_cache = trajectory.engine_tokens  # prompt and generated tokens stay cached (full blocks)
             left_version = generation.weights_version
             if not generation.token_ids or generation.token_ids[-1] != fmt.end_of_turn_id:
                 # Cut by the length limit: close the turn so the context stays well-formed;
                 # the closing id was not sampled, so it is not trained on.
                 trajectory.append([fmt.end_of_turn_id], sampled=False)
             run.phase = Phase.WAITING_ENV
-            run.context_tokens = len(trajectory.token_ids)
+            run.context_tokens = trajectory.engine_tokens
             gate.after_turn(run)
             run.checkpoint = None  # from here until the answer is in, the task cannot move
             env_t0 = time.monotonic()
@@ -136,12 +137,16 @@ async def run_task(
             if run.num_turns >= limits.max_turns:
                 finish = "max_turns"
                 break
-            piece = fmt.env_turn_ids(step.observation)
-            if len(trajectory.token_ids) + len(piece) >= limits.max_context_tokens:
+            images = tuple(getattr(step, "images", ()))  # an image environment's answer carries them
+            piece = fmt.env_turn_ids(step.observation, len(images))
+            counts = [fmt.image_count(i.width, i.height) for i in images]
+            if (trajectory.engine_tokens + len(piece) + sum(counts) - len(counts) >= limits.max_context_tokens
+                    or len(trajectory.images) + len(images) > limits.max_images):
                 finish = "max_context"
                 break
             trajectory.append(piece, sampled=False)
-            run.context_tokens = len(trajectory.token_ids)
+            trajectory.add_images(images, counts)
+            run.context_tokens = trajectory.engine_tokens
             gate.after_turn(run)
     except asyncio.CancelledError:
         if run.handoff and run.checkpoint is not None:
@@ -195,6 +200,7 @@ async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) ->
         trajectory = Trajectory(task=spec, token_ids=list(progress.token_ids), loss_mask=list(progress.loss_mask),
                                 logprobs=list(progress.logprobs), versions=list(progress.versions),
                                 num_prompt_tokens=progress.num_prompt_tokens)
+        trajectory.add_images(progress.images, [fmt.image_count(i.width, i.height) for i in progress.images])
         run.num_turns, run.num_pauses = progress.num_turns, progress.num_pauses
         run.num_prompt_tokens = progress.num_prompt_tokens
     else:
@@ -202,13 +208,14 @@ async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) ->
         started = await env.start(spec.env, spec.seed, spec.options)
         env_s = time.monotonic() - env_t0
         run.session_id = started.session_id
-        prompt = fmt.prompt_ids(started.observation)
+        prompt = fmt.prompt_ids(started.observation, images=len(started.images))
         trajectory = Trajectory(task=spec, token_ids=[], loss_mask=[], logprobs=[], versions=[],
                                 num_prompt_tokens=len(prompt))
         trajectory.env_s = env_s
         trajectory.append(prompt, sampled=False)
+        trajectory.add_images(started.images, [fmt.image_count(i.width, i.height) for i in started.images])
         run.num_prompt_tokens = len(prompt)
-    run.context_tokens = len(trajectory.token_ids)
+    run.context_tokens = trajectory.engine_tokens
     run.trajectory = trajectory
     return trajectory
 
@@ -218,8 +225,8 @@ def progress_of(run: TaskRun, server: str | None) -> TaskProgress | None:
     t = run.trajectory
     if run.checkpoint is None or t is None or run.session_id is None:
         return None
-    n, turns = run.checkpoint
+    n, turns, shown = run.checkpoint
     return TaskProgress(session_id=run.session_id, server=server, token_ids=tuple(t.token_ids[:n]),
                         loss_mask=tuple(t.loss_mask[:n]), logprobs=tuple(t.logprobs[:n]),
                         versions=tuple(t.versions[:n]), num_prompt_tokens=t.num_prompt_tokens, num_turns=turns,
-                        num_pauses=run.num_pauses)
+                        num_pauses=run.num_pauses, images=tuple(t.images[:shown]))

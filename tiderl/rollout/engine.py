@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from tiderl.envs.images import PngImage
+
 
 class EngineError(RuntimeError):
     """The engine failed or was used wrongly; the message says what and where."""
@@ -99,8 +101,11 @@ class Engine(ABC):
         """Version of the weights loaded now."""
 
     @abstractmethod
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
-        """Sample one turn continuing ``prompt_ids``."""
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec,
+                       images: Sequence[PngImage] = ()) -> Generation:
+        """Sample one turn continuing ``prompt_ids``. ``images``: the context's pictures in order, one
+        image placeholder id each in ``prompt_ids``, which the engine expands into the image's tokens
+        (a text-only engine refuses them)."""
 
     @abstractmethod
     async def stats(self) -> EngineStats:

@@ -9,7 +9,7 @@ from tiderl.config.job import JobConfig
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.rollout.agent_loop import LoopLimits
-from tiderl.rollout.chat import ChatFormat
+from tiderl.rollout.chat import ChatFormat, ImageTokens
 from tiderl.rollout.engine import Engine
 from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.schedulers import make_scheduler
@@ -31,7 +31,7 @@ def model_dir(job: JobConfig) -> Path:
 def chat_format(model_path: str | Path) -> ChatFormat:
     from transformers import AutoTokenizer
 
-    return ChatFormat(AutoTokenizer.from_pretrained(model_path))
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path), ImageTokens.of_model(model_path))
 
 
 def loop_limits(job: JobConfig) -> LoopLimits:
@@ -41,6 +41,7 @@ def loop_limits(job: JobConfig) -> LoopLimits:
         max_new_tokens=job.rollout.max_new_tokens,
         temperature=job.rollout.temperature,
         eval_temperature=job.rollout.eval_temperature,
+        max_images=job.rollout.max_images,
     )
 
 
@@ -81,6 +82,7 @@ def vllm_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0
         max_num_seqs=r.max_concurrency,
         seed=job.seed,
         weights_version=weights_version,
+        max_images=r.max_images if ImageTokens.of_model(model_path) is not None else 0,
     )
 
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 from tiderl.envs import make_env
 from tiderl.envs.base import StepResult
-from tiderl.envs.client import EndResult, StartResult
+from tiderl.envs.client import EndResult, StartResult, StepWithImages
+from tiderl.envs.images import ImageEnvironment, PngImage, check_png
 from tiderl.envs.latency import parse_latency
 
 
@@ -65,14 +66,16 @@ class LocalEnvLink:
         self._sessions[session_id] = instance
         self.num_starts += 1
         self.max_sessions_seen = max(self.max_sessions_seen, len(self._sessions))
-        return StartResult(session_id, observation, False, info)
+        return StartResult(session_id, observation, False, info, images=_images(instance))
 
     async def step(self, session_id: str, action: str) -> StepResult:
         instance = self._session(session_id)
         if session_id in self.paused:
             raise RuntimeError(f"local env: step on paused session {session_id}")
         await self._delay()
-        return instance.step(action)
+        step = instance.step(action)
+        images = _images(instance)
+        return StepWithImages(*step, images=images) if images else step
 
     async def pause(self, session_id: str) -> str:
         self._session(session_id)
@@ -93,3 +96,10 @@ class LocalEnvLink:
         reward = instance.final_reward()
         instance.close()
         return EndResult(reward, {})
+
+
+def _images(instance: Any) -> tuple[PngImage, ...]:
+    """The images of the observation an image environment returned last (checked as the server would)."""
+    if not isinstance(instance, ImageEnvironment):
+        return ()
+    return tuple(check_png(data) for data in instance.observation_images())

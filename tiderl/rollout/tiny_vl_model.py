@@ -37,14 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.rollout import chat
+from tiderl.rollout.chat import IMAGE_PAD, VISION_END, VISION_START, ImageTokens
 from tiderl.rollout.tiny_model import MANIFEST, cached_hash, train_tokenizer
 
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
-IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_TOKENS: tuple[str, ...] = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 
 # A message's content is a string, or a list of {"type": "image"} and {"type": "text", "text": ...}
 # items (the transformers convention); images render as their placeholder.
@@ -219,14 +216,9 @@ def build_processor(spec: TinyVisionSpec, tokenizer: Any) -> Any:
 
 def image_token_counts(spec: TinyVisionSpec, sizes: Sequence[tuple[int, int]]) -> list[int]:
     """Tokens each image of (width, height) pixels costs in the context (after rounding and scaling)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    factor = spec.patch_size * spec.spatial_merge_size
-    counts = []
-    for width, height in sizes:
-        h, w = smart_resize(height, width, factor=factor, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-        counts.append((h // factor) * (w // factor))
-    return counts
+    tokens = ImageTokens(patch_size=spec.patch_size, merge_size=spec.spatial_merge_size, min_pixels=spec.min_pixels,
+                         max_pixels=spec.max_pixels)
+    return [tokens.count(width, height) for width, height in sizes]
 
 
 def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, force: bool = False) -> Path:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
 
+from tiderl.envs.images import ImageLimits, PngImage, check_png
+
 NO_VERSION = -1  # per-token version of tokens the policy did not sample (prompt, environment)
+# A handed-over context's images were checked when the environment sent them; read back, they are
+# checked again as PNG files, with room for a long context's worth.
+PROGRESS_IMAGE_LIMITS = ImageLimits(max_images=1 << 16)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +29,8 @@ class TaskProgress:
     num_prompt_tokens: int
     num_turns: int
     num_pauses: int = 0
+    images: tuple[PngImage, ...] = ()
+    """The context's images so far, in order (one image placeholder each in `token_ids`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -38,13 +46,17 @@ class TaskProgress:
         return min(sampled) if sampled else None
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
+        out = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+               for f in dataclasses.fields(self) if f.name != "images"}
+        if self.images:
+            out["images"] = [base64.b64encode(i.data).decode("ascii") for i in self.images]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TaskProgress":
         seqs = ("token_ids", "loss_mask", "logprobs", "versions")
-        return cls(**{k: tuple(v) if k in seqs else v for k, v in data.items()})
+        images = tuple(check_png(base64.b64decode(d), PROGRESS_IMAGE_LIMITS) for d in data.get("images", ()))
+        return cls(**{k: tuple(v) if k in seqs else v for k, v in data.items() if k != "images"}, images=images)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,6 +147,11 @@ class Trajectory:
     env_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     env_s: float = 0.0
     """Seconds this rank waited on the environment for the task (session start and steps)."""
+    images: list[PngImage] = dataclasses.field(default_factory=list)
+    """The images of the context, in order: one image placeholder id each in `token_ids`, which the
+    engine expands into `image_tokens` tokens."""
+    image_tokens: list[int] = dataclasses.field(default_factory=list)
+    """Tokens each image is in the engine (`ChatFormat.image_count`)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -148,6 +165,17 @@ class Trajectory:
     @property
     def num_generated_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def engine_tokens(self) -> int:
+        """The context's length in the engine: every image placeholder expanded into its tokens."""
+        return len(self.token_ids) + sum(self.image_tokens) - len(self.image_tokens)
+
+    def add_images(self, images: tuple[PngImage, ...] | list[PngImage], tokens: list[int]) -> None:
+        if len(images) != len(tokens):
+            raise ValueError(f"trajectory {self.task.task_id}: {len(tokens)} token counts for {len(images)} images")
+        self.images.extend(images)
+        self.image_tokens.extend(tokens)
 
     def append(self, ids: list[int] | tuple[int, ...], *, sampled: bool, logprobs: tuple[float, ...] = (), version: int = NO_VERSION) -> None:
         self.token_ids.extend(ids)

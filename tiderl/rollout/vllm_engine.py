@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from tiderl.envs.images import PngImage
 from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
 
 _COUNTERS = {
@@ -50,9 +51,11 @@ class VllmEngine(Engine):
         dtype: str = "float32",
         weights_version: int = 0,
         enable_prefix_caching: bool = True,
+        max_images: int = 0,
     ) -> None:
         """``num_kv_blocks`` overrides the KV cache size (blocks of ``block_size`` tokens;
-        CPU attention needs multiples of 32); otherwise the CPU cache is ``kv_cache_gib``."""
+        CPU attention needs multiples of 32); otherwise the CPU cache is ``kv_cache_gib``.
+        ``max_images``: the images one context may carry (a vision-language model; 0: text only)."""
         if block_size % 32:
             raise ValueError(f"block_size: vLLM's CPU attention needs a multiple of 32, got {block_size}")
         if num_kv_blocks is not None and max_model_len > (num_kv_blocks - 1) * block_size:
@@ -68,6 +71,12 @@ class VllmEngine(Engine):
         kwargs: dict[str, Any] = {}
         if num_kv_blocks is not None:
             kwargs["num_gpu_blocks_override"] = num_kv_blocks
+        if max_images > 0:
+            from tiderl.rollout.vision_compat import register_vl_models_with_vllm
+
+            register_vl_models_with_vllm()  # and the processors without torchvision, where it is missing
+            kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
+        self._max_images = max_images
         try:
             self._llm = LLM(
                 model=str(model_dir),
@@ -122,11 +131,19 @@ class VllmEngine(Engine):
     def weights_version(self) -> int:
         return self._version
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec,
+                       images: Sequence[PngImage] = ()) -> Generation:
         from vllm import SamplingParams
 
         if not prompt_ids:
             raise EngineError("generate: empty prompt")
+        if len(images) > self._max_images:
+            raise EngineError(f"generate: {len(images)} images in the context, more than this engine takes "
+                              f"({self._max_images}: rollout.max_images)" if self._max_images else
+                              f"generate: {len(images)} images for a text-only engine")
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+        if images:
+            prompt["multi_modal_data"] = {"image": [i.to_pil() for i in images]}
         cond = self._condition()
         async with cond:
             await cond.wait_for(lambda: not self._reloading)
@@ -143,7 +160,7 @@ class VllmEngine(Engine):
             loop = asyncio.get_running_loop()
             future: asyncio.Future[Generation] = loop.create_future()
             request_id = f"r{next(self._ids)}"
-            self._send("add", (request_id, list(prompt_ids), params, loop, future, self._version))
+            self._send("add", (request_id, prompt, params, loop, future, self._version))
             try:
                 return await future
             except asyncio.CancelledError:
@@ -229,9 +246,9 @@ class VllmEngine(Engine):
                 if kind == "stop":
                     return
                 if kind == "add":
-                    request_id, prompt_ids, params, loop, future, version = payload
+                    request_id, prompt, params, loop, future, version = payload
                     self._waiters[request_id] = (loop, future, version)
-                    self._engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                    self._engine.add_request(request_id, prompt, params)
                 elif kind == "abort":
                     if self._waiters.pop(payload, None) is not None:
                         self._engine.abort_request([payload])
