@@ -201,11 +201,48 @@ def test_an_image_task_hands_its_pictures_to_the_engine_every_turn(model_dir: Pa
     assert t.finish == "max_context" and len(t.images) == 1
 
 
-def test_a_run_on_an_image_environment_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+def test_a_run_on_an_image_environment_needs_a_vision_language_model(tmp_path: Path, model_dir: Path) -> None:
     from tiderl.config import ConfigError, load_job
     from tiderl.rundir import create_run
 
-    config = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage"])
-    with pytest.raises(ConfigError, match="env.name: gridimage answers with images.*text only"):
-        create_run(config, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+    text = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage"])  # init_env: hilo, a text model
+    with pytest.raises(ConfigError, match="model.init_env: hilo builds a text model.*set model.init_env: gridimage"):
+        create_run(text, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    tiny_text = ROOT / "tests"  # a directory without an image processor config
+    with pytest.raises(ConfigError, match="model.path: .* has no image processor config"):
+        create_run(load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage", f"model.path={tiny_text}"]),
+                   tmp_path / "b")
+    for overrides in (["env.name=gridimage", "model.init_env=gridimage"],
+                      ["env.name=gridimage", f"model.path={model_dir}"]):
+        paths, store = create_run(load_job(ROOT / "jobs" / "quickstart.yaml", overrides), tmp_path / "c")
+        store.close()
+        import shutil
+
+        shutil.rmtree(paths.root)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
+    """jobs/quickstart-vision.yaml for 2 steps, for real: pictures to vLLM, into the store, through the
+    trainer's vision tower; both towers published; the trainer's log-probabilities match the engine's."""
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "tiderl", "run", "jobs/quickstart-vision.yaml", "--set",
+                           "trainer.num_steps=2", "--set", "rollout.eval_every_steps=0", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    db = sqlite3.connect(run_dir / "run.db")
+    try:
+        state, version = db.execute("SELECT state, version FROM runs").fetchone()
+        with_images, total = db.execute("SELECT count(images), count(*) FROM trajectories").fetchone()
+        mismatch = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch'")]
+    finally:
+        db.close()
+    assert (state, version) == ("finished", 2)
+    assert total > 0 and with_images == total  # every trajectory kept its pictures
+    assert mismatch and max(mismatch) < 1e-3, mismatch
+    weights = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
+    assert "vision_config" in weights  # the vision-language model was trained and published whole

@@ -9,6 +9,7 @@ from tiderl.config import ConfigError, JobConfig, dump_job
 from tiderl.envs.images import ImageEnvironment
 from tiderl.envs.registry import UnknownEnvError, env_class
 from tiderl.paths import RunPaths, atomic_write_text
+from tiderl.rollout.chat import ImageTokens
 from tiderl.store import RunStore, StoreError
 from tiderl.store.engine import StoreCorruptError
 from tiderl.store.location import POINTER_FILE
@@ -25,7 +26,7 @@ def default_run_dir(config: JobConfig) -> Path:
 
 def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
     """Make the run directory, save the resolved config, create the run store."""
-    _refuse_image_training(config)
+    _check_image_model(config)
     paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
     if paths.db.exists() or paths.config.exists():
         raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
@@ -38,18 +39,29 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     return paths, store
 
 
-def _refuse_image_training(config: JobConfig) -> None:
-    """The trainer scores text only: a run on an image environment would train on image placeholders
-    without their pictures. Refused before anything is created."""
+def _check_image_model(config: JobConfig) -> None:
+    """An image environment needs a vision-language model: a tiny one built for an image environment
+    (`model.init_env`), or a `model.path` with an image processor. Checked before anything is created."""
     try:
-        image_env = issubclass(env_class(config.env.name), ImageEnvironment)
+        if not issubclass(env_class(config.env.name), ImageEnvironment):
+            return
     except UnknownEnvError:
         return  # served by an outside env server: its answers are checked as they come
-    if image_env:
-        raise ConfigError(f"job {config.name!r}", "env.name",
-                          f"{config.env.name} answers with images, and the trainer computes log-probabilities "
-                          "from text only: a run cannot train on it (the rollout side plays image tasks with a "
-                          "vision-language model: tiderl.rollout.agent_loop)")
+    m = config.model
+    if m.path is None:
+        try:
+            vision = issubclass(env_class(m.init_env), ImageEnvironment)
+        except UnknownEnvError:
+            return  # the model's own check names it
+        if not vision:
+            raise ConfigError(f"job {config.name!r}", "model.init_env",
+                              f"{m.init_env} builds a text model, and env.name {config.env.name} answers with "
+                              f"images: set model.init_env: {config.env.name} (a tiny vision-language model) or "
+                              "model.path to a vision-language model")
+    elif Path(m.path).is_dir() and ImageTokens.of_model(m.path) is None:
+        raise ConfigError(f"job {config.name!r}", "model.path",
+                          f"{m.path} has no image processor config, and env.name {config.env.name} answers with "
+                          "images: give a vision-language model (Qwen2-VL family)")
 
 
 def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunStore]:

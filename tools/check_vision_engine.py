@@ -16,7 +16,9 @@ prompts that carry `gridimage` pictures:
    expanded `prompt_token_ids`.
 
 It also checks that transformers' forward pass of the same model agrees with vLLM on the
-log-probabilities of the sampled tokens (the trainer side of item 5 of issue 15).
+log-probabilities of the sampled tokens, and that TideRL's trainer does on the played
+trajectories (their image placeholders expanded and their pixels through the vision tower,
+`tiderl.trainer.images`; the reference backend of `tiderl.trainer.torch_backend`).
 
 First of all it plays `gridimage` tasks through TideRL's own path: the rollout worker (CTB) and
 agent loop on a `VllmEngine` built for images, the environment in-process. Every generation must
@@ -86,9 +88,11 @@ def _hf_logprobs(model_dir: Path, prompt_ids: list[int], images: list[Any], samp
     return [float(logprobs[start - 1 + i, token]) for i, token in enumerate(sampled)]
 
 
-async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int = 4) -> dict[str, Any]:
-    """gridimage tasks through the rollout worker (CTB) and agent loop on `engine`; what each generation
-    carried and what vLLM made of it."""
+async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int, trajectories: list[Any],
+                text_trajectories: list[Any]) -> dict[str, Any]:
+    """gridimage tasks through the rollout worker (CTB) and agent loop on `engine` (the finished ones
+    into `trajectories`); what each generation carried and what vLLM made of it. Then two text tasks
+    (into `text_trajectories`)."""
     from tiderl.policy.ctb import PriorityWeights
     from tiderl.rollout.agent_loop import LoopLimits
     from tiderl.rollout.from_config import chat_format
@@ -117,6 +121,15 @@ async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int = 4) -
     worker.add_groups([make_group(f"g{i}", "gridimage", seed=i, group_size=2) for i in range(max(1, tasks // 2))])
     t0 = time.monotonic()
     await worker.run()
+    trajectories.extend(got)
+    # Text tasks on the same engine and model (hilo: no images), for the trainer's text mismatch beside it.
+    engine.generate = real
+    text: list[Trajectory] = []
+    worker = RolloutWorker(engine, LocalEnvLink(), fmt, make_scheduler("ctb", PriorityWeights()), limits,
+                           sink=text.append, budget_tokens=4096, max_resident_tasks=4)
+    worker.add_groups([make_group("t0", "hilo", seed=0, group_size=2)])
+    await worker.run()
+    text_trajectories.extend(text)
     return {
         "loop_s": round(time.monotonic() - t0, 1),
         "loop_tasks": len(got),
@@ -127,6 +140,37 @@ async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int = 4) -
         "loop_cached_tokens_with_images": sum(c[4] for c in calls if c[1] >= 2),
         "loop_images_in_trajectories": sum(len(t.images) for t in got),
     }
+
+
+def _trainer_logprobs(model_dir: Path, played: list[Any]) -> dict[str, Any]:
+    """The trainer's log-probabilities of the played trajectories' sampled tokens (their placeholders
+    expanded, their pixels through the vision tower: tiderl.trainer.images, the reference backend),
+    against the engine's."""
+    import torch
+
+    from tiderl.trainer.batch import TrainSample, collate
+    from tiderl.trainer.images import ImageInputs
+    from tiderl.trainer.torch_backend import make
+
+    inputs = ImageInputs(model_dir)
+    samples = [inputs.expand(TrainSample(trajectory_id=i, group_id=t.task.group_id, token_ids=tuple(t.token_ids),
+                                         loss_mask=tuple(t.loss_mask), rollout_logprobs=tuple(t.logprobs),
+                                         token_versions=tuple(t.versions), advantage=0.0),
+                             [image.data for image in t.images])
+               for i, t in enumerate(played)]
+    t0 = time.monotonic()
+    ref = make("ref", model_dir, temperature=1.0)
+    mb = collate(samples)
+    trainer_lp = ref.logprobs(mb)
+    mask = mb.loss_mask.bool()
+    diff = (trainer_lp - mb.old_logprobs).abs()[mask]
+    return {"trainer_forward_s": round(time.monotonic() - t0, 2),
+            "trainer_samples_tokens": [s.num_tokens for s in samples],
+            "trainer_sampled_tokens": int(mask.sum()),
+            "trainer_vs_engine_max_abs_logprob_diff": float(diff.max()) if diff.numel() else None,
+            "trainer_vs_engine_mean_abs_logprob_diff": float(diff.mean()) if diff.numel() else None,
+            "trainer_lengths_match": [s.num_tokens for s in samples] == [t.engine_tokens for t in played],
+            "trainer_finite": bool(torch.isfinite(trainer_lp).all())}
 
 
 def _raw_checks(llm: Any, tokenizer: Any, pngs: list[bytes], image_pad_id: int, max_new_tokens: int) -> dict[str, Any]:
@@ -226,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = VllmEngine(model_dir, max_model_len=1024, block_size=32, seed=0, max_images=args.max_images)
         evidence["engine_start_s"] = round(time.monotonic() - t0, 1)
         try:
-            evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.tasks)))
+            played: list[Any] = []
+            played_text: list[Any] = []
+            evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.tasks, played, played_text)))
             # On the engine's own thread, between its steps: vLLM's LLM is never driven from two threads.
             raw = asyncio.run(engine._call(lambda: _raw_checks(engine._llm, tokenizer, pngs, image_pad_id,
                                                                    args.max_new_tokens)))
@@ -234,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
         sampled, engine_lp, prompt_ids = raw.pop("sampled"), raw.pop("engine_lp"), raw.pop("prompt_ids")
         evidence.update(raw)
+        evidence.update(_trainer_logprobs(model_dir, played))
+        evidence.update({f"text_{k}": v for k, v in _trainer_logprobs(model_dir, played_text).items()})
         t0 = time.monotonic()
         hf_lp = _hf_logprobs(model_dir, prompt_ids, [check_png(p).to_pil() for p in pngs], sampled, image_pad_id)
         evidence["hf_forward_s"] = round(time.monotonic() - t0, 2)
@@ -243,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         "agent_loop_images": evidence["loop_generations"] > 0 and evidence["loop_images_match"],
         "agent_loop_lengths": evidence["loop_lengths_match"],
         "agent_loop_prefix_cache": evidence["loop_cached_tokens_with_images"] > 0,
+        "trainer_logprobs": evidence["trainer_lengths_match"] and evidence["trainer_finite"]
+        and evidence["trainer_vs_engine_max_abs_logprob_diff"] is not None
+        and evidence["trainer_vs_engine_max_abs_logprob_diff"] < 1e-2,
         "tokens_per_image": evidence["tokens_per_image"] == evidence["tokens_per_image_expected"],
         "ids_prompt": evidence["ids_same_as_text"],
         "prefix_cache": evidence["prefix_cache_hit_tokens_repeat"] > 0,

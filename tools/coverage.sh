@@ -7,8 +7,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 data=${TIDERL_COVERAGE_DIR:-.coverage-data}
+case "$data" in /*) ;; *) data=$PWD/$data ;; esac  # relative to the repository; an absolute one as given
 rm -rf "$data" && mkdir -p "$data"
-export COVERAGE_FILE=$PWD/$data/cov
+export COVERAGE_FILE=$data/cov
 status=0
 "$PY" -m coverage run -m pytest -q -p no:cacheprovider \
   -m "not slow and not juicefs and not vllm and not slurm and not postgres" "$@" || status=$?

@@ -112,6 +112,7 @@ async def run_task(
                 max_new_tokens=room,
                 temperature=temperature,
                 stop_token_ids=(fmt.end_of_turn_id,),
+                banned_token_ids=fmt.banned_ids,
                 seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
             )
             generation = await engine.generate(trajectory.token_ids, sampling, trajectory.images)

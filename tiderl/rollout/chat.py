@@ -43,6 +43,8 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+VIDEO_PAD = "<|video_pad|>"
+VISION_SPECIAL_TOKENS: tuple[str, ...] = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,6 +128,9 @@ class ChatFormat:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.image_pad_id: int | None = int(vocab[IMAGE_PAD]) if image_tokens is not None and IMAGE_PAD in vocab \
             else None
+        # The vision tokens are the chat format's, never the model's to sample.
+        self.banned_ids: tuple[int, ...] = tuple(sorted(int(vocab[t]) for t in VISION_SPECIAL_TOKENS if t in vocab)) \
+            if self.image_pad_id is not None else ()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

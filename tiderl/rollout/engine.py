@@ -31,6 +31,9 @@ class SamplingSpec:
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    banned_token_ids: tuple[int, ...] = ()
+    """Ids the model may never sample (a vision-language model's image placeholders: sampled, one would
+    read as an image without a picture); the trainer scores with the same ids excluded."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -37,11 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.rollout import chat
-from tiderl.rollout.chat import IMAGE_PAD, VISION_END, VISION_START, ImageTokens
+from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ImageTokens
 from tiderl.rollout.tiny_model import MANIFEST, cached_hash, train_tokenizer
 
-VIDEO_PAD = "<|video_pad|>"
-VISION_TOKENS: tuple[str, ...] = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 
 # A message's content is a string, or a list of {"type": "image"} and {"type": "text", "text": ...}
 # items (the transformers convention); images render as their placeholder.
@@ -145,7 +143,7 @@ def corpus_texts(spec: TinyVisionSpec) -> list[str]:
 def train_vl_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     """The text tokenizer of `tiny_model`, with Qwen2-VL's vision tokens added as special tokens."""
     tokenizer = train_tokenizer(list(texts), vocab_size)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_SPECIAL_TOKENS)})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     return tokenizer
 
@@ -155,7 +153,7 @@ def build_vl_model(spec: TinyVisionSpec, tokenizer: Any) -> Any:
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in VISION_TOKENS}
+    ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in VISION_SPECIAL_TOKENS}
     eos_id = int(tokenizer.convert_tokens_to_ids(chat.IM_END))
     pad_id = int(tokenizer.convert_tokens_to_ids(chat.PAD))
     text_config = {

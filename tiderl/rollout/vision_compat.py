@@ -17,18 +17,23 @@ models import `smart_resize` from) is the PIL image processor's module. Images a
 by transformers' own `Qwen2VLImageProcessorPil` (resizing may differ in detail from the
 torchvision backend; the trainer and vLLM use the same one here).
 
-It must run in every process that builds a processor: the trainer, and vLLM's front end and
-engine core (run it before the engine starts: forked processes inherit it; a spawned one runs
-it by importing the module that calls it at import time). vLLM itself also needs
-`register_vl_models_with_vllm()` and `limit_mm_per_prompt={"image": N, "video": 0}`.
+It must run in every process that builds a processor: the trainer, and vLLM's front end,
+engine core and workers. vLLM starts its processes by spawning, and they do not run the module
+that built the engine, so TideRL registers `vllm_plugin` as a vLLM general plugin (entry point
+`tiderl_vision` in the `vllm.general_plugins` group, pyproject.toml): vLLM loads it in every
+process it starts, and for an engine built for images (`VllmEngine(max_images=N)` sets
+`TIDERL_VLLM_VISION=1`, which those processes inherit) it applies the patch and
+`register_vl_models_with_vllm()`. vLLM also needs `limit_mm_per_prompt={"image": N, "video": 0}`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 _applied = False
+VISION_ENV = "TIDERL_VLLM_VISION"  # "1": this process and its children serve a vision-language engine
 
 
 class VideosNeedTorchvisionError(RuntimeError):
@@ -103,3 +108,10 @@ def register_vl_models_with_vllm() -> None:
     from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
     ModelRegistry.register_model("Qwen2VLForConditionalGeneration", Qwen2VLForConditionalGeneration)
+
+
+def vllm_plugin() -> None:
+    """vLLM general plugin: in every process vLLM starts for an engine built for images (VISION_ENV),
+    the processor patch and Qwen2-VL's registration; nothing for a text engine."""
+    if os.environ.get(VISION_ENV) == "1":
+        register_vl_models_with_vllm()

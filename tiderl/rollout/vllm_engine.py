@@ -72,8 +72,10 @@ class VllmEngine(Engine):
         if num_kv_blocks is not None:
             kwargs["num_gpu_blocks_override"] = num_kv_blocks
         if max_images > 0:
-            from tiderl.rollout.vision_compat import register_vl_models_with_vllm
+            from tiderl.rollout.vision_compat import VISION_ENV, register_vl_models_with_vllm
 
+            # Here and, through the `tiderl_vision` vLLM plugin, in every process vLLM spawns for this engine.
+            os.environ[VISION_ENV] = "1"
             register_vl_models_with_vllm()  # and the processors without torchvision, where it is missing
             kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
         self._max_images = max_images
@@ -154,6 +156,8 @@ class VllmEngine(Engine):
                 temperature=sampling.temperature,
                 stop_token_ids=list(sampling.stop_token_ids),
                 seed=sampling.seed,
+                # vLLM's strongest bias (its floor, -100): a banned id's probability is e^-100 of its share.
+                logit_bias={i: -100.0 for i in sampling.banned_token_ids} or None,
                 logprobs=0,  # the sampled token's logprob only
                 detokenize=False,
             )
@@ -195,6 +199,11 @@ class VllmEngine(Engine):
 
             def reload() -> bool:
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                if self._max_images:
+                    # The vision tower changed too: its cached outputs are stale, and the front end's record of
+                    # which images the engine holds is dropped with them (it would send hashes only).
+                    self._engine.reset_encoder_cache()
+                    self._llm.reset_mm_cache()
                 return self._llm.reset_prefix_cache()
 
             if not await self._call(reload):

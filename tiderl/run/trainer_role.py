@@ -176,6 +176,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     data, trains with the other actors (data parallel) and commits the version."""
     from tiderl.policy.ra2p import Ra2pMode
     from tiderl.trainer.rank import PublishedStep, StepInput
+    from tiderl.trainer.images import ImageInputs
     from tiderl.trainer.store_io import sample_from_ready
 
     actors = plan.ranks_with(Role.ACTOR)
@@ -187,7 +188,8 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     wait = _Wait(ctx, plan.version, Role.ACTOR)
     claimed, ras, tprm, dropped = await _gather(ctx, plan, _fetch(ctx, plan), wait)
     wait_s, waited = wait.seconds, wait.rest()
-    samples = tuple(sample_from_ready(t) for t in claimed)
+    images = ImageInputs.of_model(ctx.model_dir) if any(t.images for t in claimed) else None
+    samples = tuple(sample_from_ready(t, images) for t in claimed)
     mode = plan.ra2p_mode
     refs = plan.ranks_with(Role.REF)
     inp = StepInput(version=plan.version, samples=samples, mode=mode)

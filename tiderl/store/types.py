@@ -170,6 +170,7 @@ class FinishedTrajectory:
     success: bool
     env_s: float | None = None  # seconds the task waited on its environment (start and steps); None: not measured
     finish: str | None = None  # how the task ended: "done", or cut (CUT_FINISHES); None: not recorded
+    images: tuple[bytes, ...] = ()  # the context's PNG images, in order (one image placeholder id each)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -268,6 +269,8 @@ class ReadyTrajectory:
     ready_at: float
     finish: str | None = None
     """How the task ended (FinishedTrajectory.finish)."""
+    images: tuple[bytes, ...] = ()
+    """The context's PNG images, in order (FinishedTrajectory.images)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,21 @@ that generated every token, and its group-relative advantage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SampleImages:
+    """A sample's images as the vision tower takes them (tiderl.trainer.images)."""
+
+    pixel_values: torch.Tensor
+    """The image processor's patches of every image, in order."""
+    grid_thw: torch.Tensor
+    """[images, 3]: each image's (time, height, width) patches."""
+    token_types: tuple[int, ...]
+    """Per token of the (expanded) sample: 1 on image tokens, 0 elsewhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +42,8 @@ class TrainSample:
     reward: float = 0.0
     truncated: bool = False
     """The task was cut by its turn or context limit (trainer.mask_truncated may leave it out)."""
+    images: SampleImages | None = None
+    """The images of a vision-language sample, its placeholders already expanded (None: text)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -64,6 +78,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     token_versions: torch.Tensor
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The vision tower's inputs (pixel_values, image_grid_thw, mm_token_type_ids); empty for text."""
 
     @property
     def num_model_tokens(self) -> int:
@@ -104,4 +120,21 @@ def collate(samples: Sequence[TrainSample], index: int = 0, pad_id: int = 0) -> 
         old_logprobs=old[:, 1:].contiguous(),
         advantages=adv[:, 1:].contiguous(),
         token_versions=versions[:, 1:].contiguous(),
+        vision=stack_images(samples, t),
     )
+
+
+
+def stack_images(samples: Sequence[TrainSample], width: int) -> dict[str, torch.Tensor]:
+    """The micro-batch's vision inputs (pixel values and grids in row order, token types right-padded to
+    `width`); empty when no sample has images."""
+    rows = [s.images for s in samples]
+    if all(r is None for r in rows):
+        return {}
+    types = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, r in enumerate(rows):
+        if r is not None:
+            types[row, :len(r.token_types)] = torch.tensor(r.token_types, dtype=torch.long)
+    present = [r for r in rows if r is not None]
+    return {"pixel_values": torch.cat([r.pixel_values for r in present]),
+            "image_grid_thw": torch.cat([r.grid_thw for r in present]), "mm_token_type_ids": types}

@@ -30,9 +30,11 @@ KL_LOG_RATIO_CLAMP = 20.0  # |log ref - log pi| beyond this is clamped before th
 KL_K3_CLAMP = 10.0  # and k3 itself is clamped to [-10, 10]: one far-off token cannot blow the loss up
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                   banned: tuple[int, ...] = ()) -> torch.Tensor:
     """Log-probability of each next token under softmax(logits / temperature), the distribution the
-    engine sampled from: ``[B, T, V]`` logits, ``[B, T]`` ids -> ``[B, T-1]``."""
+    engine sampled from: ``[B, T, V]`` logits, ``[B, T]`` ids -> ``[B, T-1]``. `banned`: ids the engine
+    never samples (SamplingSpec.banned_token_ids), left out of the distribution here too."""
     if logits.dim() != 3 or input_ids.dim() != 2 or logits.shape[:2] != input_ids.shape:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
     if not temperature > 0:
@@ -40,8 +42,18 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     scaled = logits[:, :-1].float()
     if temperature != 1.0:
         scaled = scaled / temperature
+    target = input_ids[:, 1:]
+    if banned:
+        # Normalised over the allowed ids only, where the next token is allowed (every sampled token);
+        # a banned next token (an image placeholder of the prompt, never trained) keeps its plain value,
+        # so no position is -inf (a masked -inf would still make NaN of the loss).
+        ids = torch.tensor(banned, device=scaled.device)
+        lse = torch.logsumexp(scaled, dim=-1)
+        share = torch.exp(torch.logsumexp(scaled.index_select(-1, ids), dim=-1) - lse).clamp(max=1 - 1e-6)
+        lse = torch.where(torch.isin(target, ids), lse, lse + torch.log1p(-share))
+        return scaled.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
     logp = torch.log_softmax(scaled, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:

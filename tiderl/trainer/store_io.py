@@ -13,11 +13,14 @@ import torch.distributed as dist
 from tiderl.store import ReadyTrajectory
 from tiderl.store.types import CUT_FINISHES
 from tiderl.trainer.batch import TrainSample
+from tiderl.trainer.images import ImageInputs
 from tiderl.trainer.rank import StepInput, StepSource
 
 
-def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
-    return TrainSample(
+def sample_from_ready(t: ReadyTrajectory, images: ImageInputs | None = None) -> TrainSample:
+    """A claimed trajectory as a training sample; one with images needs the model's `images` inputs
+    (its placeholders expanded, its pixels prepared: tiderl.trainer.images)."""
+    sample = TrainSample(
         trajectory_id=t.id,
         group_id=t.group_id,
         token_ids=tuple(t.token_ids),
@@ -28,6 +31,11 @@ def sample_from_ready(t: ReadyTrajectory) -> TrainSample:
         reward=t.reward,
         truncated=t.finish in CUT_FINISHES,
     )
+    if not t.images:
+        return sample
+    if images is None:
+        raise ValueError(f"trajectory {t.id} carries {len(t.images)} image(s), and the model has no image processor")
+    return images.expand(sample, t.images)
 
 
 class BroadcastSource:

@@ -9,6 +9,7 @@ which is what RA2P's dispatchers produce.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -72,24 +73,45 @@ class HostSwap:
         return time.perf_counter() - t0
 
 
+def _banned(model_path: Path) -> tuple[int, ...]:
+    """The ids the engine never samples for this model (a vision-language model's vision tokens)."""
+    from tiderl.rollout.chat import VISION_SPECIAL_TOKENS, ImageTokens
+
+    if ImageTokens.of_model(model_path) is None:
+        return ()
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(model_path).get_vocab()
+    return tuple(sorted(int(vocab[t]) for t in VISION_SPECIAL_TOKENS if t in vocab))
+
+
 def _load(model_path: Path, device: torch.device) -> torch.nn.Module:
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"trainer backend: {model_path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if "vision_config" in json.loads((model_path / "config.json").read_text()):
+        from transformers import AutoModelForImageTextToText
+
+        # A vision-language model: both towers train, and both are published (save_pretrained).
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     return model.to(device)
 
 
-def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float) -> torch.Tensor:
+def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
+              banned: tuple[int, ...] = ()) -> torch.Tensor:
     out = model(
-        input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False
+        input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False,
+        **{name: t.to(device) for name, t in mb.vision.items()},  # images through the vision tower
     )
-    return token_logprobs(out.logits, mb.input_ids.to(device), temperature=temperature)
+    return token_logprobs(out.logits, mb.input_ids.to(device), temperature=temperature, banned=banned)
 
 
 class TorchRef(RefBackend):
     def __init__(self, model_path: Path, device: torch.device, temperature: float = 1.0) -> None:
         self.device = device
         self.temperature = temperature
+        self.banned = _banned(model_path)
         self.model = _load(model_path, device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -109,7 +131,7 @@ class TorchRef(RefBackend):
     def logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if not self.is_resident:
             raise RuntimeError("reference model is offloaded; onload() it before a forward pass")
-        return _logprobs(self.model, mb, self.device, self.temperature).cpu()
+        return _logprobs(self.model, mb, self.device, self.temperature, self.banned).cpu()
 
 
 class TorchActor(ActorBackend):
@@ -125,6 +147,7 @@ class TorchActor(ActorBackend):
         self.temperature = temperature
         self.optim_config = optim
         self.dp_group = dp_group
+        self.banned = _banned(model_path)
         self.model = _load(model_path, device).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -145,7 +168,7 @@ class TorchActor(ActorBackend):
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
-        return _logprobs(self.model, mb, self.device, self.temperature)
+        return _logprobs(self.model, mb, self.device, self.temperature, self.banned)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
