@@ -16,12 +16,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from tiderl.envs import sandbox
+from tiderl.envs.memory_watch import MemoryWatch
 from tiderl.envs.uids import processes_of_uid
 from tiderl.envs.sandbox import (
     Isolation,
@@ -479,10 +481,37 @@ print("held at once:", sum(1 for s in statuses if os.WIFEXITED(s) and os.WEXITST
 def test_one_memory_limit_holds_for_all_processes_of_a_run(user: str) -> None:
     # Four processes of 150 MB each fit the 256 MB per-process limit, not one limit for the run.
     result = _serve(user, _HOLD, memory_mb=256, max_processes=8)
-    if not (result["cgroup"] or _server_uid(user) is None and sandbox.cgroup_parent() is not None):
-        pytest.skip(f"no writable cgroup for the {user} server here: memory is limited per process only "
-                    "(see tiderl/envs/sandbox.py); test_fork_bomb_is_capped_inside_the_namespace covers the cap")
-    assert result["memory_exceeded"] and result["stdout"] in ("held at once: 0\n", "held at once: 1\n"), result
+    if result["cgroup"] or _server_uid(user) is None and sandbox.cgroup_parent() is not None:
+        # The cgroup's limit kills a process; the run goes on and reports.
+        assert result["memory_exceeded"] and result["stdout"] in ("held at once: 0\n", "held at once: 1\n"), result
+    else:
+        # No writable cgroup: the server's MemoryWatch sums the run's memory and kills the whole run.
+        assert result["memory_exceeded"] and result["stdout"] in ("", "held at once: 0\n", "held at once: 1\n"), result
+
+
+def test_the_memory_watch_sums_a_process_tree_and_its_tmpfs() -> None:
+    import psutil  # the test's yardstick; the watch reads /proc itself
+
+    # Without a namespace: this process and its children are the "run"; /dev/shm (a tmpfs) its tmpfs.
+    hold = subprocess.Popen([sys.executable, "-c", "import time; data = b'x' * (64 << 20); time.sleep(30)"])
+    shm = Path("/dev/shm") / f"tiderl-watch-{uuid.uuid4().hex}"
+    try:
+        watch = MemoryWatch(os.getpid(), limit_bytes=1 << 40, tmpfs=())
+        deadline = time.monotonic() + 30
+        while watch.used_bytes() < psutil.Process().memory_info().rss + (60 << 20):
+            assert time.monotonic() < deadline, "the child's 64 MB never showed in the sum"
+            time.sleep(0.1)
+        assert not watch.exceeded()
+        assert MemoryWatch(os.getpid(), limit_bytes=1 << 20, tmpfs=()).exceeded()
+        assert MemoryWatch(2 ** 22 + 12345, limit_bytes=1).used_bytes() == 0  # no such process
+        files = MemoryWatch(os.getpid(), limit_bytes=1 << 40, tmpfs=("dev/shm",))
+        before = files.used_bytes()
+        shm.write_bytes(b"y" * (32 << 20))  # a file in the tmpfs is memory too
+        assert files.used_bytes() >= before + (30 << 20)
+    finally:
+        shm.unlink(missing_ok=True)
+        hold.kill()
+        hold.wait()
 
 
 @needs_bwrap

@@ -37,10 +37,12 @@ What holds where:
   included) where a cgroup is writable (v2 or v1, see `tiderl.envs.cgroups`): as root that is
   most machines; without root only a delegated cgroup. `SandboxResult.memory_exceeded` says
   when that limit killed a process.
-- without such a cgroup: memory is limited per process (RLIMIT_AS) only, so a run may use
-  `max_processes` times `memory_mb`, plus its two tmpfs and shared memory it does not keep
-  mapped (memfd, SysV); under Slurm the job's cgroup still bounds the server and its runs
-  together. The process cap is RLIMIT_NPROC, which Linux 5.14+ counts inside the run's user
+- without such a cgroup: memory is limited per process (RLIMIT_AS), and for the whole run by
+  the server itself (`MemoryWatch`): every `WATCH_S` it sums the resident memory of the run's
+  processes and the files in its two tmpfs, and kills the run past `memory_mb`
+  (`SandboxResult.memory_exceeded`). Between two reads a run may briefly hold more (each
+  process at most `memory_mb`), and shared memory it does not keep mapped (memfd, SysV) is not
+  counted; under Slurm the job's cgroup still bounds the server and its runs together. The process cap is RLIMIT_NPROC, which Linux 5.14+ counts inside the run's user
   namespace: the server user's other processes do not count (on older kernels they do, and
   the cap is set above their number).
 - not contained: CPU time summed over a run's processes (each has `cpu_s`; the wall limit
@@ -86,6 +88,7 @@ from tiderl.envs.bwrap import (
     system_mounts,
 )
 from tiderl.envs.cgroups import CgroupParent, RunCgroup, cgroup_candidates, cgroup_parent
+from tiderl.envs.memory_watch import WATCH_S, MemoryWatch
 from tiderl.envs.sandbox_errors import SandboxError, SandboxUnavailableError
 from tiderl.envs.uids import become_subreaper, kill_uid, own_process_count, uid_slot
 
@@ -205,13 +208,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
         return _run_unsafe(code, limits, uid)
 
 
-def _read_capped(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[bytes, bytes, bool, bool]:
-    """Read stdout and stderr until EOF, the output cap or the wall-clock limit."""
+def _read_capped(proc: subprocess.Popen[bytes], limits: SandboxLimits,
+                 watch: MemoryWatch | None = None) -> tuple[bytes, bytes, bool, bool, bool]:
+    """Read stdout and stderr until EOF, the output cap, the wall-clock limit or (with `watch`) the run's
+    memory past its limit. Returns (stdout, stderr, timed out, truncated, memory exceeded)."""
     assert proc.stdout is not None and proc.stderr is not None
     chunks: dict[IO[bytes], bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     deadline = time.monotonic() + limits.wall_s
     total = 0
-    timed_out = truncated = False
+    timed_out = truncated = over = False
     with selectors.DefaultSelector() as sel:
         for stream in chunks:
             sel.register(stream, selectors.EVENT_READ)
@@ -220,7 +225,7 @@ def _read_capped(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[
             if remaining <= 0:
                 timed_out = True
                 break
-            for key, _ in sel.select(timeout=min(remaining, 0.5)):
+            for key, _ in sel.select(timeout=min(remaining, WATCH_S if watch is not None else 0.5)):
                 data = os.read(key.fd, 65536)
                 if not data:
                     sel.unregister(key.fileobj)
@@ -233,7 +238,10 @@ def _read_capped(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[
                     break
             if truncated:
                 break
-    return bytes(chunks[proc.stdout]), bytes(chunks[proc.stderr]), timed_out, truncated
+            if watch is not None and watch.exceeded():
+                over = True  # the caller kills the run
+                break
+    return bytes(chunks[proc.stdout]), bytes(chunks[proc.stderr]), timed_out, truncated, over
 
 
 def _runner_args(limits: SandboxLimits, nproc: int, uid: int, script: str) -> list[str]:
@@ -339,7 +347,8 @@ def _run_bwrap(code: str, limits: SandboxLimits, uid: int) -> SandboxResult:
         except OSError as e:
             raise SandboxError(f"setting up the bwrap run failed: {e}") from e
         os.close(fds.pop("sync_w"))  # lets the run go on
-        stdout, stderr, timed_out, truncated = _read_capped(proc, limits)
+        watch = MemoryWatch(child, limits.memory_mb << 20) if cgroup is None else None
+        stdout, stderr, timed_out, truncated, memory_exceeded = _read_capped(proc, limits, watch)
     finally:
         status = end_bwrap(proc, pidfd)  # before closing sync_w: a run that was not set up never starts
         for fd in fds.values():
@@ -381,7 +390,7 @@ def _run_unsafe(code: str, limits: SandboxLimits, uid: int) -> SandboxResult:
             start_new_session=True, close_fds=True,
         )
         try:
-            stdout, stderr, timed_out, truncated = _read_capped(proc, limits)
+            stdout, stderr, timed_out, truncated, _ = _read_capped(proc, limits)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -23,17 +23,15 @@ def model_dir(job: JobConfig) -> Path:
         return Path(job.model.path)
     from tiderl.envs.images import ImageEnvironment
     from tiderl.envs.registry import env_class
-    from tiderl.rollout.tiny_model import TinyModelSpec, default_model_dir, init_model, spec_model_dir
+    from tiderl.rollout.tiny_model import TinyModelSpec, init_model, spec_model_dir
 
     m = job.model
     if issubclass(env_class(m.init_env), ImageEnvironment):
-        from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
+        from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, spec_vl_model_dir
 
         vision = TinyVisionSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name
                                 else {})
-        out = default_model_dir(m.init_env)
-        return init_vl_model(out if vision == TinyVisionSpec(env=m.init_env) else
-                             out.with_name(f"tiny-{m.init_env}-{vl_spec_hash(vision)}"), vision)
+        return init_vl_model(spec_vl_model_dir(vision), vision)
     spec = TinyModelSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name else {},
                          train_steps=m.init_train_steps, demo_noise=m.init_demo_noise)
     return init_model(spec_model_dir(spec), spec)

@@ -219,6 +219,16 @@ def image_token_counts(spec: TinyVisionSpec, sizes: Sequence[tuple[int, int]]) -
     return [tokens.count(width, height) for width, height in sizes]
 
 
+def spec_vl_model_dir(spec: TinyVisionSpec) -> Path:
+    """The cache directory of ``spec`` (as `tiny_model.spec_model_dir` for the text model): the default one
+    for its environment's default spec, one named by the spec's hash otherwise."""
+    from tiderl.rollout.tiny_model import default_model_dir
+
+    if spec == TinyVisionSpec(env=spec.env):
+        return default_model_dir(spec.env)
+    return default_model_dir(spec.env).with_name(f"tiny-{spec.env}-{vl_spec_hash(spec)}")
+
+
 def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, force: bool = False) -> Path:
     """Build (or find cached) the tiny vision-language model of ``spec.env`` in ``out_dir``."""
     import torch

@@ -12,6 +12,7 @@ positions of Qwen2-VL are computed from ``token_types`` (1 on image tokens).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,8 +43,9 @@ class ImageInputs:
 
     @classmethod
     def of_model(cls, model_dir: str | Path) -> "ImageInputs | None":
-        """None for a model without an image processor (a text model)."""
-        return cls(model_dir) if ImageTokens.of_model(model_dir) is not None else None
+        """None for a model without an image processor (a text model). Loaded once per model directory
+        in a process (the leader asks at every step with images)."""
+        return _inputs_of(str(Path(model_dir).resolve()))
 
     def expand(self, sample: TrainSample, pngs: Sequence[bytes]) -> TrainSample:
         """`sample` with each image placeholder expanded into the image's tokens, and the pixels."""
@@ -82,3 +84,7 @@ class ImageInputs:
                        token_versions=tuple(versions),
                        images=SampleImages(pixel_values=out["pixel_values"], grid_thw=grid, token_types=tuple(types)))
 
+
+@functools.lru_cache(maxsize=4)
+def _inputs_of(model_dir: str) -> ImageInputs | None:
+    return ImageInputs(model_dir) if ImageTokens.of_model(model_dir) is not None else None
