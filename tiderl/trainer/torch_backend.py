@@ -74,15 +74,16 @@ class HostSwap:
 
 
 def _banned(model_path: Path) -> tuple[int, ...]:
-    """The ids the engine never samples for this model (a vision-language model's vision tokens)."""
-    from tiderl.rollout.chat import VISION_SPECIAL_TOKENS, ImageTokens
+    """The ids the engine never samples for this model: the chat format's own (a vision-language model's
+    vision tokens; none for a text model)."""
+    from tiderl.rollout.chat import ChatFormat, ImageTokens
 
-    if ImageTokens.of_model(model_path) is None:
+    image_tokens = ImageTokens.of_model(model_path)
+    if image_tokens is None:
         return ()
     from transformers import AutoTokenizer
 
-    vocab = AutoTokenizer.from_pretrained(model_path).get_vocab()
-    return tuple(sorted(int(vocab[t]) for t in VISION_SPECIAL_TOKENS if t in vocab))
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path), image_tokens).banned_ids
 
 
 def _load(model_path: Path, device: torch.device) -> torch.nn.Module:
