@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tiderl.envs import EnvOptionError, make_env
-from tiderl.rollout import demos
+from tiderl.models import demos
 
 OPTIONS = {"low": 1, "high": 16, "max_turns": 6}
 
@@ -51,14 +51,14 @@ def test_the_job_sets_the_warm_start_demonstrations(monkeypatch: pytest.MonkeyPa
 
     from tiderl.config.job import load_job
     from tiderl.config.schema import ConfigError
-    from tiderl.rollout import from_config, tiny_model
+    from tiderl.models import for_job, tiny_model
 
     root = Path(__file__).resolve().parents[1]
     built = []
     monkeypatch.setattr(tiny_model, "init_model", lambda out, spec: built.append((out, spec)) or out)
     for noise in ("0.05", "0.3"):
         job = load_job(root / "jobs/quickstart.yaml", [f"model.init_demo_noise={noise}", "model.init_train_steps=40"])
-        from_config.model_dir(job)
+        for_job.model_dir(job)
     (dir_a, a), (dir_b, b) = built
     assert (a.demo_noise, b.demo_noise, a.train_steps) == (0.05, 0.3, 40)
     assert a.env_options == b.env_options == dict(job.env.options)

@@ -9,11 +9,11 @@ import pytest
 
 from tiderl.rollout.agent_loop import LoopLimits
 from tiderl.rollout.chat import ChatFormat, render_text
-from tiderl.rollout.demos import corpus_texts, play_demonstration
+from tiderl.models.demos import corpus_texts, play_demonstration
 from fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
 from tiderl.rollout.schedulers import UnknownSchedulerError, make_scheduler
-from tiderl.rollout.tiny_model import train_tokenizer
+from tiderl.models.tiny_model import train_tokenizer
 from tiderl.rollout.trajectory import Trajectory, make_group
 from tiderl.rollout.worker import RolloutWorker
 

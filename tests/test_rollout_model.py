@@ -12,8 +12,8 @@ import pytest
 
 from tiderl.cli import main
 from tiderl.envs import make_env
-from tiderl.rollout.demos import NoDemonstrationsError, play_demonstration
-from tiderl.rollout.tiny_model import MANIFEST, TinyModelSpec, default_model_dir, greedy_success_rate, init_model
+from tiderl.models.demos import NoDemonstrationsError, play_demonstration
+from tiderl.models.tiny_model import MANIFEST, TinyModelSpec, default_model_dir, greedy_success_rate, init_model
 
 SEEDS = range(10**7, 10**7 + 48)
 

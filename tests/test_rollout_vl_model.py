@@ -1,4 +1,4 @@
-"""`tiderl init-model --env gridimage`: the tiny vision-language model (random weights) is written
+"""`tiderl init-model --env gridimage --train-steps 0`: the tiny vision-language model (random weights) is written
 as a directory transformers and vLLM load, with its processor, and is cached; vLLM runs it with
 images (the `vllm` test runs tools/check_vision_engine.py)."""
 
@@ -15,9 +15,9 @@ import pytest
 
 from tiderl.cli import main
 from tiderl.envs import make_env
-from tiderl.rollout.tiny_model import MANIFEST
+from tiderl.models.tiny_model import MANIFEST
 from tiderl.rollout.chat import IMAGE_PAD, IMAGE_PLACEHOLDER
-from tiderl.rollout.tiny_vl_model import TinyVisionSpec, image_token_counts
+from tiderl.models.tiny_vl_model import TinyVisionSpec, image_token_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("vl") / "tiny-gridimage"
-    assert main(["init-model", "--env", "gridimage", "--out", str(out)]) == 0
+    assert main(["init-model", "--env", "gridimage", "--out", str(out), "--train-steps", "0"]) == 0
     return out
 
 
@@ -87,7 +87,7 @@ def test_videos_are_refused_by_name_without_torchvision() -> None:
 def test_a_second_call_returns_the_cached_model(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     started = time.monotonic()
-    assert main(["init-model", "--env", "gridimage", "--out", str(model_dir)]) == 0
+    assert main(["init-model", "--env", "gridimage", "--out", str(model_dir), "--train-steps", "0"]) == 0
     assert time.monotonic() - started < 5
     out = json.loads(capsys.readouterr().out)
     assert out["cached"] is True and out["kind"] == "vision-language" and out["path"] == str(model_dir)
@@ -201,20 +201,34 @@ def test_an_image_task_hands_its_pictures_to_the_engine_every_turn(model_dir: Pa
     assert t.finish == "max_context" and len(t.images) == 1
 
 
+def test_options_the_environment_does_not_take_are_refused_before_the_run_is_created(tmp_path: Path) -> None:
+    from tiderl.config import ConfigError, load_job
+    from tiderl.rundir import create_run
+
+    hilo_options = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage", "model.init_env=gridimage"])
+    with pytest.raises(ConfigError, match=r"env.options: gridimage: unknown option 'low'.*known options"):
+        create_run(hilo_options, tmp_path / "a")
+    wrong_type = load_job(ROOT / "jobs" / "quickstart-vision.yaml", ["env.options.size=big"])
+    with pytest.raises(ConfigError, match=r"env.options: gridimage: option 'size' expects int, got 'big'"):
+        create_run(wrong_type, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_a_run_on_an_image_environment_needs_a_vision_language_model(tmp_path: Path, model_dir: Path) -> None:
     from tiderl.config import ConfigError, load_job
     from tiderl.rundir import create_run
 
-    text = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage"])  # init_env: hilo, a text model
+    text = load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage", "env.options={}"])  # init_env: hilo
     with pytest.raises(ConfigError, match="model.init_env: hilo builds a text model.*set model.init_env: gridimage"):
         create_run(text, tmp_path / "a")
     assert not (tmp_path / "a").exists()
     tiny_text = ROOT / "tests"  # a directory without an image processor config
     with pytest.raises(ConfigError, match="model.path: .* has no image processor config"):
-        create_run(load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage", f"model.path={tiny_text}"]),
+        create_run(load_job(ROOT / "jobs" / "quickstart.yaml", ["env.name=gridimage", "env.options={}",
+                                                                  f"model.path={tiny_text}"]),
                    tmp_path / "b")
-    for overrides in (["env.name=gridimage", "model.init_env=gridimage"],
-                      ["env.name=gridimage", f"model.path={model_dir}"]):
+    for overrides in (["env.name=gridimage", "env.options={}", "model.init_env=gridimage"],
+                      ["env.name=gridimage", "env.options={}", f"model.path={model_dir}"]):
         paths, store = create_run(load_job(ROOT / "jobs" / "quickstart.yaml", overrides), tmp_path / "c")
         store.close()
         import shutil
@@ -231,7 +245,8 @@ def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
 
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "tiderl", "run", "jobs/quickstart-vision.yaml", "--set",
-                           "trainer.num_steps=2", "--set", "rollout.eval_every_steps=0", "--run-dir", str(run_dir)],
+                           "trainer.num_steps=2", "--set", "rollout.eval_every_steps=0", "--set", "model.init_train_steps=0",
+                           "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     db = sqlite3.connect(run_dir / "run.db")

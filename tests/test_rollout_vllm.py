@@ -12,7 +12,7 @@ import pytest
 
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import EngineError, SamplingSpec
-from tiderl.rollout.tiny_model import default_model_dir, init_model
+from tiderl.models.tiny_model import default_model_dir, init_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

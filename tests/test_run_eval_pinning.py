@@ -12,10 +12,10 @@ import pytest
 
 from tiderl.config import load_job
 from tiderl.rollout.chat import ChatFormat
-from tiderl.rollout.demos import corpus_texts
+from tiderl.models.demos import corpus_texts
 from fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
-from tiderl.rollout.tiny_model import train_tokenizer
+from tiderl.models.tiny_model import train_tokenizer
 from tiderl.run.context import RankContext
 from tiderl.run.control import ControlPlane
 from tiderl.run.rollout_role import run_rollout

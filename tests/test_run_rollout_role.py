@@ -14,10 +14,10 @@ from tiderl.config.job import JobConfig
 from tiderl.config.schema import build
 from tiderl.envs.launch import make_pool, server_argv, wait_for_url
 from tiderl.rollout.chat import ChatFormat
-from tiderl.rollout.demos import corpus_texts
+from tiderl.models.demos import corpus_texts
 from fake_engine import FakeEngine
 from tiderl.rollout.local_env import LocalEnvLink
-from tiderl.rollout.tiny_model import train_tokenizer
+from tiderl.models.tiny_model import train_tokenizer
 from tiderl.run.rollout_role import RolloutRole
 from tiderl.store.types import RankReport, TaskClaim, TaskKind
 

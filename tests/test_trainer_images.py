@@ -15,7 +15,7 @@ from tiderl.config import load_job
 from tiderl.envs import make_env
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.rollout.from_config import chat_format
-from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model
+from tiderl.models.tiny_vl_model import TinyVisionSpec, init_vl_model
 from tiderl.rundir import create_run
 from tiderl.run.context import RankContext
 from tiderl.run.systems import behaviour
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_vl_model(tmp_path_factory.mktemp("vl") / "tiny-gridimage", TinyVisionSpec(num_corpus_episodes=60))
+    return init_vl_model(tmp_path_factory.mktemp("vl") / "tiny-gridimage", TinyVisionSpec(num_corpus_episodes=60, train_steps=0))
 
 
 def _pictures(seed: int, n: int) -> list[bytes]:

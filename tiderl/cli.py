@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("tiderl.report.cli", "Write a run's figures (PNG) and Markdown summary: goodput, rewards, waits, roles."),
     "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
-    "init-model": ("tiderl.rollout.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
+    "init-model": ("tiderl.models.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
     "run": ("tiderl.run.cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
     "submit": ("tiderl.slurm.cli", "Submit a job to Slurm (submitit): one job, ranks as one srun step; --wait follows it."),
     "logs": ("tiderl.logs", "Show or follow (-f) a run's logs, local or Slurm, with rank and role prefixes."),

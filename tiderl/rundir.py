@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from tiderl.config import ConfigError, JobConfig, dump_job
+from tiderl.envs.base import EnvOptionError
 from tiderl.envs.images import ImageEnvironment
 from tiderl.envs.registry import UnknownEnvError, env_class
 from tiderl.paths import RunPaths, atomic_write_text
@@ -26,6 +27,7 @@ def default_run_dir(config: JobConfig) -> Path:
 
 def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
     """Make the run directory, save the resolved config, create the run store."""
+    _check_env_options(config)
     _check_image_model(config)
     paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
     if paths.db.exists() or paths.config.exists():
@@ -37,6 +39,17 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     store.create_schema()
     store.init_run(name=config.name, system=config.system, config_yaml=resolved)
     return paths, store
+
+
+def _check_env_options(config: JobConfig) -> None:
+    """`env.options` that the environment does not take (an unknown key, a wrong type) are a config
+    error, found before anything is created rather than at the first episode of a started run."""
+    try:
+        env_class(config.env.name).check_options(config.env.options)
+    except UnknownEnvError:
+        return  # served by an outside env server: it checks its options itself
+    except EnvOptionError as e:
+        raise ConfigError(f"job {config.name!r}", "env.options", str(e)) from None
 
 
 def _check_image_model(config: JobConfig) -> None:

@@ -50,7 +50,7 @@ from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine
 from tiderl.rollout.local_env import LocalEnvLink
 from tiderl.rollout.schedulers import make_scheduler
-from tiderl.rollout.tiny_model import TinyModelSpec
+from tiderl.models.tiny_model import TinyModelSpec
 from tiderl.rollout.trajectory import make_group
 from tiderl.rollout.worker import RolloutWorker
 
@@ -197,7 +197,7 @@ def main() -> None:
     # vLLM logs to stdout by default; stdout is for the JSON lines.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from tiderl.rollout.from_config import chat_format
-    from tiderl.rollout.tiny_model import default_model_dir, init_model
+    from tiderl.models.tiny_model import default_model_dir, init_model
 
     for name in args.setting or list(SETTINGS):
         setting = SETTINGS[name]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_seed(job: Path, seed: int, overrides: list[str], out: Path, cache: Path) -> dict[str, Any]:
     from tiderl.evalstats import compare
-    from tiderl.rollout.tiny_model import MANIFEST
+    from tiderl.models.tiny_model import MANIFEST
 
     run_dir = out / f"seed-{seed}"
     built_before = {m: m.stat().st_mtime for m in cache.glob(f"models/*/{MANIFEST}")}

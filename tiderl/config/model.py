@@ -13,18 +13,20 @@ class ModelConfig:
         "and transformers. null: the tiny model `tiderl init-model` builds for `init_env`, cached.",
     )
     init_env: str = option("hilo", help="Environment whose demonstrations warm-start the tiny model when `path` is null.")
-    init_train_steps: int = option(
-        250,
-        ge=1,
-        help="Supervised warm-start steps of the tiny model when `path` is null. Fewer: a weaker start that "
+    init_train_steps: int | None = option(
+        None,
+        ge=0,
+        help="Supervised warm-start steps of the tiny model when `path` is null (null: the model's default, 250 "
+        "for the text model, 800 for the vision-language one; 0: random weights). Fewer: a weaker start that "
         "leaves RL more to learn. Its demonstrations use `env.options` when `init_env` is `env.name`.",
     )
-    init_demo_noise: float = option(
-        0.3,
+    init_demo_noise: float | None = option(
+        None,
         ge=0.0,
         le=1.0,
-        help="Share of random actions in the tiny model's warm-start demonstrations when `path` is null. "
-        "Less noise: the sampled policy plays closer to the demonstrators, and RL moves greedy play sooner.",
+        help="Share of random actions in the tiny model's warm-start demonstrations when `path` is null (null: "
+        "the model's default, 0.3 for the text model, 0.1 for the vision-language one). Less noise: the sampled "
+        "policy plays closer to the demonstrators, and RL moves greedy play sooner.",
     )
     max_context_tokens: int = option(
         1024, ge=64, help="Longest context (prompt + all turns) a task may reach, in tokens."

@@ -54,6 +54,16 @@ class Environment(ABC):
     # True: reset/step do slow synchronous work (subprocesses, game engines); the server
     # runs them in a worker thread so other sessions keep going.
     blocking: ClassVar[bool] = False
+    # The options `reset` takes, with their defaults (whose types are the expected ones); None:
+    # not declared, and only `reset` checks them.
+    option_defaults: ClassVar[Mapping[str, Any] | None] = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Raise `EnvOptionError` for an option `reset` does not know or of the wrong type, before any
+        episode starts (a job's `env.options` are checked so before its run is created)."""
+        if cls.option_defaults is not None:
+            read_options(cls.name, options, cls.option_defaults)
 
     @abstractmethod
     def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -27,10 +27,20 @@ Start positions: the seed picks one of the n^2 (n^2 - 1) (agent, goal) placement
 `(seed * stride) % count`, `stride` as in hilo (`secret_stride`): consecutive seeds are
 distinct games spread over the grid. `expert_action()` gives a shortest-path move (the
 longer axis first): use it for demonstrations.
+
+Option `demo_column_fraction` (default 0) changes only the demonstrator, never the game, as
+hilo's `demo_scan_fraction` does: that share of the games, drawn per game from the seed, is
+demonstrated by a player who reads only the goal's column in the picture: it walks left or
+right to that column and, once there, carries on the way it was going (it never moves up or
+down, so it finds only goals on its own row); `expert_action()` returns its move in those
+games. Both players read the picture. A model warm-started on such a mixture plays the
+column-reader greedily where the two differ (it is the majority) and has the expert's
+vertical moves in its sampled play, for RL to select.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +48,7 @@ from tiderl.envs.base import EnvActionError, EnvOptionError, StepResult, read_op
 from tiderl.envs.hilo import secret_stride
 from tiderl.envs.images import ImageEnvironment, encode_png
 
-DEFAULTS: dict[str, Any] = {"size": 4, "cell_px": 14, "max_turns": 8, "shaped": False}
+DEFAULTS: dict[str, Any] = {"size": 4, "cell_px": 14, "max_turns": 8, "shaped": False, "demo_column_fraction": 0.0}
 MOVES: dict[str, tuple[int, int]] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 PROMPT = "you are red, the goal is green: move up, down, left or right"
 BAD_ACTION = "not a move, say up, down, left or right"
@@ -52,6 +62,7 @@ MAX_IMAGE_SIDE_PX = 448
 
 class GridImageEnv(ImageEnvironment):
     name = "gridimage"
+    option_defaults = DEFAULTS
     action_words: tuple[str, ...] = tuple(MOVES)
 
     def __init__(self) -> None:
@@ -66,6 +77,10 @@ class GridImageEnv(ImageEnvironment):
         self.reached = False
         self.done = False
         self.is_reset = False
+        # The column-reader of option demo_column_fraction: whether it plays this game, and its last
+        # horizontal move.
+        self.demo_columns = False
+        self.last_horizontal = "right"
 
     def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         opts = read_options(self.name, options, DEFAULTS)
@@ -76,6 +91,8 @@ class GridImageEnv(ImageEnvironment):
                                  f"got cell_px={opts['cell_px']} with size={opts['size']}")
         if opts["max_turns"] < 1:
             raise EnvOptionError(f"gridimage: max_turns must be >= 1, got {opts['max_turns']}")
+        if not 0.0 <= opts["demo_column_fraction"] <= 1.0:
+            raise EnvOptionError(f"gridimage: demo_column_fraction must be in [0, 1], got {opts['demo_column_fraction']}")
         self.size, self.cell_px = opts["size"], opts["cell_px"]
         self.max_turns, self.shaped = opts["max_turns"], opts["shaped"]
         cells = self.size * self.size
@@ -85,6 +102,8 @@ class GridImageEnv(ImageEnvironment):
         goal += goal >= agent  # the goal is any cell but the agent's
         self.agent, self.goal = divmod(agent, self.size), divmod(goal, self.size)
         self.shortest = self._distance()
+        self.demo_columns = random.Random(f"gridimage-demo-{seed}").random() < opts["demo_column_fraction"]
+        self.last_horizontal = "right"
         self.turn = 0
         self.reached = False
         self.done = False
@@ -97,14 +116,17 @@ class GridImageEnv(ImageEnvironment):
         if self.done:
             raise EnvActionError("gridimage: step after the episode is done")
         self.turn += 1
-        move = MOVES.get(action.strip().lower())
+        word = action.strip().lower()
+        move = MOVES.get(word)
+        if word in ("left", "right"):
+            self.last_horizontal = word
         if move is None:
             observation = BAD_ACTION
         else:
             row, col = self.agent[0] + move[0], self.agent[1] + move[1]
             if 0 <= row < self.size and 0 <= col < self.size:
                 self.agent = (row, col)
-                observation = f"moved {action.strip().lower()}"
+                observation = f"moved {word}"
             else:
                 observation = "blocked"
             if self.agent == self.goal:
@@ -146,7 +168,12 @@ class GridImageEnv(ImageEnvironment):
         return encode_png(side, side, bytes(pixels))
 
     def expert_action(self) -> str:
-        """A move along a shortest path: the axis with the longer way to go first."""
+        """A move along a shortest path: the axis with the longer way to go first; in a game that
+        option `demo_column_fraction` gives to the column-reader, its move."""
+        if self.demo_columns:
+            if self.agent[1] != self.goal[1]:
+                return "right" if self.goal[1] > self.agent[1] else "left"
+            return self.last_horizontal
         d_row, d_col = self.goal[0] - self.agent[0], self.goal[1] - self.agent[1]
         if abs(d_row) >= abs(d_col) and d_row:
             return "down" if d_row > 0 else "up"

@@ -65,6 +65,7 @@ def secret_stride(n: int) -> int:
 
 class HiloEnv(Environment):
     name = "hilo"
+    option_defaults = DEFAULTS
 
     def __init__(self) -> None:
         self.low = 1

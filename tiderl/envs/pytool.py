@@ -101,6 +101,7 @@ def format_run(result: SandboxResult) -> str:
 
 class PyToolEnv(Environment):
     name = "pytool"
+    option_defaults = DEFAULTS
     blocking = True
     limits = SandboxLimits(cpu_s=5, wall_s=10.0, memory_mb=512, output_bytes=16 * 1024, max_processes=8)
 

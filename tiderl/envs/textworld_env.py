@@ -95,6 +95,7 @@ def game_path(nb_rooms: int, nb_objects: int, quest_length: int, seed: int) -> P
 
 class TextWorldEnv(Environment):
     name = "textworld"
+    option_defaults = DEFAULTS
     blocking = True
 
     def __init__(self) -> None:

@@ -16,27 +16,6 @@ from tiderl.rollout.schedulers import make_scheduler
 from tiderl.rollout.worker import RolloutWorker, Sink
 
 
-def model_dir(job: JobConfig) -> Path:
-    """`model.path`, or the cached tiny model the `model:` section describes (built on first use): for an
-    image environment the tiny vision-language model (randomly initialised: no warm start for it yet)."""
-    if job.model.path is not None:
-        return Path(job.model.path)
-    from tiderl.envs.images import ImageEnvironment
-    from tiderl.envs.registry import env_class
-    from tiderl.rollout.tiny_model import TinyModelSpec, init_model, spec_model_dir
-
-    m = job.model
-    if issubclass(env_class(m.init_env), ImageEnvironment):
-        from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, spec_vl_model_dir
-
-        vision = TinyVisionSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name
-                                else {})
-        return init_vl_model(spec_vl_model_dir(vision), vision)
-    spec = TinyModelSpec(env=m.init_env, env_options=dict(job.env.options) if m.init_env == job.env.name else {},
-                         train_steps=m.init_train_steps, demo_noise=m.init_demo_noise)
-    return init_model(spec_model_dir(spec), spec)
-
-
 def chat_format(model_path: str | Path) -> ChatFormat:
     from transformers import AutoTokenizer
 

@@ -190,7 +190,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
     children: list[procs.Child] = []
     state, message = RunState.FAILED, ""
     try:
-        from tiderl.rollout.from_config import model_dir  # torch and transformers: only once a run starts
+        from tiderl.models.for_job import model_dir  # torch and transformers: only once a run starts
 
         model = model_dir(cfg)
         if not launch.resumed:

@@ -1,8 +1,8 @@
 """`tiderl init-model`: build (or find cached) the tiny warm-started policy model.
 
 For an environment whose observations carry images (`ImageEnvironment`, e.g. `gridimage`)
-it builds the tiny vision-language model of `tiny_vl_model` instead (randomly initialised:
-no warm start yet)."""
+it builds the tiny vision-language model of `tiny_vl_model` instead, warm-started the same way
+(its pictures through the vision tower)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the tokenizer corpus, weights and demonstrations.")
     parser.add_argument("--force", action="store_true", help="Rebuild even if the directory holds this exact model.")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help="Supervised warm-start steps (default: the model's, 250 for a text model, 800 for a "
+                        "vision-language one; 0: random weights).")
+    parser.add_argument("--demo-noise", type=float, default=None,
+                        help="Share of random actions in the demonstrations (default: the model's, 0.3 text, 0.1 vision).")
+
+
+def _warm_start_args(args: argparse.Namespace) -> dict[str, int | float]:
+    given = {"train_steps": args.train_steps, "demo_noise": args.demo_noise}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if is_vision:
         return _run_vision(args)
-    from tiderl.rollout.demos import demo_env_names
-    from tiderl.rollout.tiny_model import TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
+    from tiderl.models.demos import demo_env_names
+    from tiderl.models.tiny_model import TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
 
     if args.env not in demo_env_names():
         print(
@@ -46,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    spec = TinyModelSpec(env=args.env, seed=args.seed)
+    try:
+        spec = TinyModelSpec(env=args.env, seed=args.seed, **_warm_start_args(args))
+    except ValueError as e:
+        print(f"tiderl init-model: {e}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else default_model_dir(args.env)
     was_cached = not args.force and cached_hash(out) == spec_hash(spec)
     path = init_model(out, spec, force=args.force)
@@ -54,10 +68,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_vision(args: argparse.Namespace) -> int:
-    from tiderl.rollout.tiny_model import cached_hash, default_model_dir
-    from tiderl.rollout.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
+    from tiderl.models.tiny_model import cached_hash, default_model_dir
+    from tiderl.models.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
 
-    spec = TinyVisionSpec(env=args.env, seed=args.seed)
+    try:
+        spec = TinyVisionSpec(env=args.env, seed=args.seed, **_warm_start_args(args))
+    except ValueError as e:
+        print(f"tiderl init-model: {e}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else default_model_dir(args.env)
     was_cached = not args.force and cached_hash(out) == vl_spec_hash(spec)
     path = init_vl_model(out, spec, force=args.force)
@@ -67,7 +85,7 @@ def _run_vision(args: argparse.Namespace) -> int:
 
 def _print_built(path: Path, was_cached: bool, keys: tuple[str, ...]) -> int:
     """One JSON line: where the model is, whether it came from the cache, and `keys` of its manifest."""
-    from tiderl.rollout.tiny_model import MANIFEST
+    from tiderl.models.tiny_model import MANIFEST
 
     manifest = json.loads((path / MANIFEST).read_text())
     print(json.dumps({"path": str(path), "cached": was_cached, **{k: manifest[k] for k in keys}}))

