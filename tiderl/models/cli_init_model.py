@@ -38,49 +38,38 @@ def _warm_start_args(args: argparse.Namespace) -> dict[str, int | float]:
 def run(args: argparse.Namespace) -> int:
     from tiderl.envs.images import ImageEnvironment
     from tiderl.envs.registry import EnvUnavailableError, UnknownEnvError, env_class
+    from tiderl.models.demos import demo_env_names
+    from tiderl.models.tiny_model import TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
 
     try:
         is_vision = issubclass(env_class(args.env), ImageEnvironment)
     except (UnknownEnvError, EnvUnavailableError) as e:
         print(f"tiderl init-model: --env {args.env}: {e}", file=sys.stderr)
         return 2
-    if is_vision:
-        return _run_vision(args)
-    from tiderl.models.demos import demo_env_names
-    from tiderl.models.tiny_model import TinyModelSpec, cached_hash, default_model_dir, init_model, spec_hash
-
-    if args.env not in demo_env_names():
+    # The text model's tokenizer learns from the demonstrations; the vision model's from random play.
+    if (not is_vision or args.train_steps != 0) and args.env not in demo_env_names():
         print(
             f"tiderl init-model: --env {args.env}: no warm-start demonstrations for this environment "
             f"(environments with demonstrations: {', '.join(demo_env_names())})",
             file=sys.stderr,
         )
         return 2
+    if is_vision:
+        from tiderl.models.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
+
+        make_spec, build, digest = TinyVisionSpec, init_vl_model, vl_spec_hash
+        keys: tuple[str, ...] = ("hash", "kind", "num_parameters", "num_vision_parameters", "warm_start", "build_s")
+    else:
+        make_spec, build, digest = TinyModelSpec, init_model, spec_hash
+        keys = ("hash", "num_parameters", "build_s")
     try:
-        spec = TinyModelSpec(env=args.env, seed=args.seed, **_warm_start_args(args))
+        spec = make_spec(env=args.env, seed=args.seed, **_warm_start_args(args))
     except ValueError as e:
         print(f"tiderl init-model: {e}", file=sys.stderr)
         return 2
     out = args.out if args.out is not None else default_model_dir(args.env)
-    was_cached = not args.force and cached_hash(out) == spec_hash(spec)
-    path = init_model(out, spec, force=args.force)
-    return _print_built(path, was_cached, ("hash", "num_parameters", "build_s"))
-
-
-def _run_vision(args: argparse.Namespace) -> int:
-    from tiderl.models.tiny_model import cached_hash, default_model_dir
-    from tiderl.models.tiny_vl_model import TinyVisionSpec, init_vl_model, vl_spec_hash
-
-    try:
-        spec = TinyVisionSpec(env=args.env, seed=args.seed, **_warm_start_args(args))
-    except ValueError as e:
-        print(f"tiderl init-model: {e}", file=sys.stderr)
-        return 2
-    out = args.out if args.out is not None else default_model_dir(args.env)
-    was_cached = not args.force and cached_hash(out) == vl_spec_hash(spec)
-    path = init_vl_model(out, spec, force=args.force)
-    return _print_built(path, was_cached, ("hash", "kind", "num_parameters", "num_vision_parameters",
-                                           "warm_start", "build_s"))
+    was_cached = not args.force and cached_hash(out) == digest(spec)
+    return _print_built(build(out, spec, force=args.force), was_cached, keys)
 
 
 def _print_built(path: Path, was_cached: bool, keys: tuple[str, ...]) -> int:

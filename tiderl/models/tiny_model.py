@@ -216,8 +216,6 @@ def warm_start(model: Any, sequences: Sequence[tuple[Sequence[int], Sequence[int
 
 def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force: bool = False) -> Path:
     """Build (or find cached) the tiny model for ``spec.env`` in ``out_dir``."""
-    import torch
-
     spec = spec or TinyModelSpec()
     out_dir = Path(out_dir)
     digest = spec_hash(spec)
@@ -226,7 +224,7 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
     from tiderl.progress import Progress
 
     started = time.monotonic()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    build_threads()
     seeds = range(spec.seed * 1_000_000, spec.seed * 1_000_000 + spec.num_demos)
     conversations, rewards = [], []
     progress = Progress(f"init-model {spec.env}", total=spec.train_steps + 3, unit="steps")
@@ -256,8 +254,7 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
 def _save(out_dir: Path, model: Any, tokenizer: Any, spec: TinyModelSpec, digest: str, rewards: list[float],
           losses: list[float], started: float) -> Path:
     """Write beside the target, then swap in: a reader never sees a half-written model."""
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = build_dir(out_dir)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     manifest = {
@@ -268,12 +265,32 @@ def _save(out_dir: Path, model: Any, tokenizer: Any, spec: TinyModelSpec, digest
         "warm_start_losses": losses,
         "build_s": round(time.monotonic() - started, 1),
     }
+    return swap_in(tmp, out_dir, manifest)
+
+
+def build_dir(out_dir: Path) -> Path:
+    """The directory a model is written in beside `out_dir` (emptied), before `swap_in`."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def swap_in(tmp: Path, out_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write the manifest into `tmp`, then put `tmp` in the place of `out_dir`: a reader never sees a
+    half-written model."""
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def build_threads() -> None:
+    """Torch's threads for a build: at most the machine's cores."""
+    import torch
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
 
 
 def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_new_tokens: int = 8,

@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import os
 import random
 import shutil
 import time
@@ -42,7 +41,8 @@ from typing import Any
 from tiderl.models import demos
 from tiderl.rollout import chat
 from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ChatFormat, ImageTokens
-from tiderl.models.tiny_model import MANIFEST, cached_hash, greedy_play, train_tokenizer, warm_start
+from tiderl.models.tiny_model import (MANIFEST, build_dir, build_threads, cached_hash, greedy_play, swap_in,
+                                      train_tokenizer, warm_start)
 from tiderl.trainer.batch import TrainSample, stack_images
 from tiderl.trainer.images import ImageInputs
 
@@ -306,8 +306,6 @@ def spec_vl_model_dir(spec: TinyVisionSpec) -> Path:
 
 def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, force: bool = False) -> Path:
     """Build (or find cached) the tiny vision-language model of ``spec.env`` in ``out_dir``."""
-    import torch
-
     spec = spec or TinyVisionSpec()
     out_dir = Path(out_dir)
     digest = vl_spec_hash(spec)
@@ -316,10 +314,9 @@ def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, fo
     from tiderl.progress import Progress
 
     started = time.monotonic()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    build_threads()
     progress = Progress(f"init-model {spec.env}", total=spec.train_steps + 3, unit="steps")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = build_dir(out_dir)
     try:
         progress.step("training the tokenizer")
         tokenizer = train_vl_tokenizer(corpus_texts(spec), spec.vocab_size)
@@ -354,9 +351,4 @@ def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, fo
         "warm_start": warm,
         "build_s": round(time.monotonic() - started, 1),
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
-    return out_dir
+    return swap_in(tmp, out_dir, manifest)
