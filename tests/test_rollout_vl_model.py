@@ -240,24 +240,28 @@ def test_a_run_on_an_image_environment_needs_a_vision_language_model(tmp_path: P
 @pytest.mark.slow
 def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
     """jobs/quickstart-vision.yaml for 2 steps, for real: pictures to vLLM, into the store, through the
-    trainer's vision tower; both towers published; the trainer's log-probabilities match the engine's."""
+    trainer's vision tower; both towers published; the trainer's log-probabilities match the engine's, with a
+    sliding image window of 3 keeping 1 that splits the longer trajectories (each part scored with the
+    pruned context the engine saw)."""
     import sqlite3
 
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "tiderl", "run", "jobs/quickstart-vision.yaml", "--set",
                            "trainer.num_steps=2", "--set", "rollout.eval_every_steps=0", "--set", "model.init_train_steps=0",
-                           "--run-dir", str(run_dir)],
+                           "--set", "rollout.max_images=3", "--set", "rollout.keep_images=1", "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     db = sqlite3.connect(run_dir / "run.db")
     try:
         state, version = db.execute("SELECT state, version FROM runs").fetchone()
         with_images, total = db.execute("SELECT count(images), count(*) FROM trajectories").fetchone()
+        split = db.execute("SELECT count(prunes) FROM trajectories WHERE state = 'consumed'").fetchone()[0]
         mismatch = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch'")]
     finally:
         db.close()
     assert (state, version) == ("finished", 2)
     assert total > 0 and with_images == total  # every trajectory kept its pictures
+    assert split > 0  # trained trajectories the window split
     assert mismatch and max(mismatch) < 1e-3, mismatch
     weights = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
     assert "vision_config" in weights  # the vision-language model was trained and published whole

@@ -102,13 +102,13 @@ def test_groups_beyond_the_staleness_bound_are_dropped_not_trained(tmp_path: Pat
 def test_how_a_task_ended_reaches_the_trainer(tmp_path: Path, base: Path) -> None:
     """A trajectory cut by its turn or context limit is marked so in the store and in its training sample
     (`trainer.mask_truncated` leaves such samples out of the step: tests/test_trainer_plan.py)."""
-    from tiderl.trainer.store_io import sample_from_ready
+    from tiderl.trainer.store_io import samples_from_ready
 
     ctx = _ctx(tmp_path, base, max_staleness=1)
     _feed(ctx, range(1), version=0, finish="max_turns")
     got = ctx.store.claim_ready_groups(0, 1)
     assert sorted(t.finish for t in got) == ["done", "done", "max_turns", "max_turns"]
-    assert sorted(sample_from_ready(t).truncated for t in got) == [False, False, True, True]
+    assert sorted(s.truncated for t in got for s in samples_from_ready(t)) == [False, False, True, True]
     assert ctx.store.tx.read(lambda c: [r[0] for r in c.exec_driver_sql(
         "SELECT finish FROM trajectories ORDER BY id")]) == [t.finish for t in sorted(got, key=lambda t: t.id)]
 

@@ -46,6 +46,22 @@ def _images_seen(plan, keep: int, limit: int) -> list[int]:
     return out
 
 
+def _cached_before_oldest_image(plan) -> dict[int, int]:
+    """Per prune, the context's tokens before the oldest image it drops, walked message by message."""
+    messages = [("image", IMG), ("text", plan.prompt_tokens - IMG)]  # the prompt: its picture, then its text
+    out = {}
+    for i, o in enumerate(plan.obs_tokens):
+        messages.append(("text", plan.gen_tokens[i]))
+        cut = plan.prune_tokens[i] if i < len(plan.prune_tokens) else 0
+        if cut:
+            first = next(k for k, (kind, _) in enumerate(messages) if kind == "image")
+            out[i] = sum(n for _, n in messages[:first])
+            for _ in range(cut // IMG):
+                messages.remove(("image", IMG))
+        messages += [("image", IMG), ("text", o - IMG)]
+    return out
+
+
 def test_the_window_prunes_to_the_newest_images_and_splits_the_trajectory() -> None:
     text, _ = _specs()
     windowed, _ = _specs(max_images=4, keep_images=2)
@@ -54,7 +70,7 @@ def test_the_window_prunes_to_the_newest_images_and_splits_the_trajectory() -> N
         assert plain.segments == [plain.prompt_tokens + sum(plain.gen_tokens) + sum(plain.obs_tokens)]
         # The same draws; each observation carries its screenshot.
         assert (cut.gen_tokens, cut.obs_tokens) == (plain.gen_tokens, plain.obs_tokens)
-        assert all(o > IMG for o in cut.obs_tokens) and cut.prompt_tokens == cut.kept_prefix_tokens + IMG
+        assert all(o > IMG for o in cut.obs_tokens)
         seen = _images_seen(cut, keep=2, limit=4)
         assert max(seen) <= 3 and seen[:3] == [1, 2, 3][: len(seen)]  # pruned as the 4th arrives
         prunes = sum(1 for c in cut.prune_tokens if c)
@@ -63,10 +79,15 @@ def test_the_window_prunes_to_the_newest_images_and_splits_the_trajectory() -> N
         # the pruned context: the trained tokens exceed the trajectory's by the contexts trained twice.
         assert sum(cut.segments) >= cut.prompt_tokens + sum(cut.gen_tokens) + sum(cut.obs_tokens) - sum(cut.prune_tokens)
         assert cut.turn_prefills()[0] == (cut.prompt_tokens, 0)
-        for i, c in enumerate(cut.prune_tokens):
-            if c:  # after a prune everything but the prompt's text is prefilled again
-                new, cached = cut.turn_prefills()[i + 1]
-                assert cached == cut.kept_prefix_tokens and new > cut.obs_tokens[i]
+        # After a prune everything from the oldest pruned image on is prefilled again. Images come first in
+        # their message (the run's chat format): the first prune keeps nothing cached; a later one keeps the
+        # text before the oldest image left, the prompt's text, actions and observations up to there.
+        walked = _cached_before_oldest_image(cut)
+        pruned = [i for i, c in enumerate(cut.prune_tokens) if c]
+        for n, i in enumerate(pruned):
+            new, cached = cut.turn_prefills()[i + 1]
+            assert cached == walked[i] == cut.prune_kept[i] and new > cut.obs_tokens[i]
+            assert (cached == 0) == (n == 0)
     assert any(any(p.prune_tokens) for p in _plans(windowed))
 
 

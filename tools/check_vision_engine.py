@@ -30,7 +30,10 @@ above then run on the same engine (its vLLM `LLM`, between the engine thread's s
 Prints one JSON line of evidence: tokens per image, the prompt lengths vLLM saw, times,
 prefix-cache hits, the largest log-probability difference. Exit status 1 if a check fails.
 
-    python tools/check_vision_engine.py [--out DIR] [--size 4] [--cell-px 14]
+With `--keep-images K` the agent loop prunes each context as the run's sliding image window does
+(`rollout.keep_images`), and the trainer's side scores each part of a split trajectory.
+
+    python tools/check_vision_engine.py [--out DIR] [--size 4] [--cell-px 14] [--max-images N --keep-images K]
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ def _hf_logprobs(model_dir: Path, prompt_ids: list[int], images: list[Any], samp
     return [float(logprobs[start - 1 + i, token]) for i, token in enumerate(sampled)]
 
 
-async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int, trajectories: list[Any],
-                text_trajectories: list[Any]) -> dict[str, Any]:
+async def _play(engine: Any, model_dir: Path, max_images: int, keep_images: int | None, tasks: int,
+                trajectories: list[Any], text_trajectories: list[Any]) -> dict[str, Any]:
     """gridimage tasks through the rollout worker (CTB) and agent loop on `engine` (the finished ones
     into `trajectories`); what each generation carried and what vLLM made of it. Then two text tasks
     (into `text_trajectories`)."""
@@ -115,7 +118,8 @@ async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int, traje
 
     engine.generate = traced
     got: list[Trajectory] = []
-    limits = LoopLimits(max_turns=6, max_context_tokens=1024, max_new_tokens=8, max_images=max_images)
+    limits = LoopLimits(max_turns=6, max_context_tokens=1024, max_new_tokens=8, max_images=max_images,
+                        keep_images=keep_images)
     worker = RolloutWorker(engine, LocalEnvLink(), fmt, make_scheduler("ctb", PriorityWeights()), limits,
                            sink=got.append, budget_tokens=4096, max_resident_tasks=4)
     worker.add_groups([make_group(f"g{i}", "gridimage", seed=i, group_size=2) for i in range(max(1, tasks // 2))])
@@ -133,6 +137,7 @@ async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int, traje
     return {
         "loop_s": round(time.monotonic() - t0, 1),
         "loop_tasks": len(got),
+        "loop_prunes": sum(len(t.prunes) for t in got),
         "loop_generations": len(calls),
         "loop_images_per_generation": [c[1] for c in calls],
         "loop_images_match": all(c[1] == c[2] >= 1 for c in calls),
@@ -143,21 +148,25 @@ async def _play(engine: Any, model_dir: Path, max_images: int, tasks: int, traje
 
 
 def _trainer_logprobs(model_dir: Path, played: list[Any]) -> dict[str, Any]:
-    """The trainer's log-probabilities of the played trajectories' sampled tokens (their placeholders
-    expanded, their pixels through the vision tower: tiderl.trainer.images, the reference backend),
-    against the engine's."""
+    """The trainer's log-probabilities of the played trajectories' sampled tokens, against the engine's: each
+    trajectory as the trainer takes it from the run store (`samples_from_ready`: its placeholders expanded,
+    its pixels through the vision tower, one sample per part where the sliding image window split it; the
+    reference backend)."""
     import torch
 
-    from tiderl.trainer.batch import TrainSample, collate
+    from tiderl.store.types import ReadyTrajectory
+    from tiderl.trainer.batch import collate
     from tiderl.trainer.images import ImageInputs
+    from tiderl.trainer.store_io import samples_from_ready
     from tiderl.trainer.torch_backend import make
 
     inputs = ImageInputs(model_dir)
-    samples = [inputs.expand(TrainSample(trajectory_id=i, group_id=t.task.group_id, token_ids=tuple(t.token_ids),
-                                         loss_mask=tuple(t.loss_mask), rollout_logprobs=tuple(t.logprobs),
-                                         token_versions=tuple(t.versions), advantage=0.0),
-                             [image.data for image in t.images])
-               for i, t in enumerate(played)]
+    parts = [samples_from_ready(ReadyTrajectory(
+        id=i, group_id=0, rank=0, token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
+        token_versions=t.versions, reward=t.reward, advantage=0.0, num_tokens=len(t.token_ids),
+        num_generated=sum(t.loss_mask), min_version=0, ready_at=0.0, finish=t.finish,
+        images=tuple(image.data for image in t.images), prunes=tuple(t.prunes)), inputs) for i, t in enumerate(played)]
+    samples = [s for p in parts for s in p]
     t0 = time.monotonic()
     ref = make("ref", model_dir, temperature=1.0)
     mb = collate(samples)
@@ -166,10 +175,12 @@ def _trainer_logprobs(model_dir: Path, played: list[Any]) -> dict[str, Any]:
     diff = (trainer_lp - mb.old_logprobs).abs()[mask]
     return {"trainer_forward_s": round(time.monotonic() - t0, 2),
             "trainer_samples_tokens": [s.num_tokens for s in samples],
+            "trainer_samples_of_split_trajectories": sum(len(p) for p in parts if len(p) > 1),
             "trainer_sampled_tokens": int(mask.sum()),
             "trainer_vs_engine_max_abs_logprob_diff": float(diff.max()) if diff.numel() else None,
             "trainer_vs_engine_mean_abs_logprob_diff": float(diff.mean()) if diff.numel() else None,
-            "trainer_lengths_match": [s.num_tokens for s in samples] == [t.engine_tokens for t in played],
+            # The last part's context is the task's final one in the engine.
+            "trainer_lengths_match": [p[-1].num_tokens for p in parts] == [t.engine_tokens for t in played],
             "trainer_finite": bool(torch.isfinite(trainer_lp).all())}
 
 
@@ -239,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-px", type=int, default=14, help="gridimage pixels per cell.")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-images", type=int, default=10, help="Images one context may carry.")
+    parser.add_argument("--keep-images", type=int, default=None,
+                        help="The sliding image window: once a context would hold --max-images, keep this many.")
     parser.add_argument("--tasks", type=int, default=4, help="gridimage tasks the agent loop plays.")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -277,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             played: list[Any] = []
             played_text: list[Any] = []
-            evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.tasks, played, played_text)))
+            evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.keep_images, args.tasks, played,
+                                              played_text)))
             # On the engine's own thread, between its steps: vLLM's LLM is never driven from two threads.
             raw = asyncio.run(engine._call(lambda: _raw_checks(engine._llm, tokenizer, pngs, image_pad_id,
                                                                    args.max_new_tokens)))

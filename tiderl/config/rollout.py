@@ -58,7 +58,12 @@ class RolloutConfig:
     max_images: int = option(
         10, ge=1, help="Images one context may carry (an image environment with a vision-language model): the "
         "engine takes at most this many a request, and a task whose next observation would pass it ends as "
-        "max_context.")
+        "max_context (without `keep_images`).")
+    keep_images: int | None = option(
+        None, ge=1, help="The sliding image window (the paper's multi-modal runs: max_images 10, keep_images 5): once "
+        "a context would hold `max_images` images, the oldest leave it and the `keep_images` newest stay; the "
+        "trajectory splits there and the trainer trains each part with the context the engine saw. null: no "
+        "window.")
     temperature: float = option(
         1.0, gt=0.0, help="Sampling temperature of training tasks (> 0: greedy tasks of a group would all be "
         "the same, with zero advantages; the trainer scores tokens at this temperature too).")
@@ -87,5 +92,7 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.keep_images is not None and self.keep_images >= self.max_images:
+            raise ValueError(f"keep_images: must be < max_images ({self.max_images}), got {self.keep_images}")
         if self.kv_block_size % 16:
             raise ValueError(f"kv_block_size: must be a multiple of 16, got {self.kv_block_size}")

@@ -45,11 +45,22 @@ class LoopLimits:
     temperature: float = 1.0
     eval_temperature: float = 0.0  # evaluation tasks play greedily
     max_images: int = 10  # images one context may carry (an image environment)
+    keep_images: int | None = None  # the sliding window: once max_images would be reached, keep this many newest
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "max_new_tokens", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.keep_images is not None and not 1 <= self.keep_images < self.max_images:
+            raise ValueError(f"keep_images: must be >= 1 and < max_images ({self.max_images}), got {self.keep_images}")
+
+    def images_to_drop(self, kept: int, new: int) -> int:
+        """How many of the context's `kept` images (the oldest) the sliding window prunes before an observation
+        brings `new` more: once the context would hold `max_images`, it keeps the `keep_images` newest (the
+        paper's Appendix C.2: at ten, keep five), never the observation's own. 0 without a window."""
+        if self.keep_images is None or kept + new < self.max_images:
+            return 0
+        return min(kept, kept + new - self.keep_images)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -115,7 +126,8 @@ async def run_task(
                 banned_token_ids=fmt.banned_ids,
                 seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
             )
-            generation = await engine.generate(trajectory.token_ids, sampling, trajectory.images)
+            context, shown = trajectory.context()
+            generation = await engine.generate(context, sampling, shown)
             same_weights = generation.weights_version == left_version
             run.prefix_tokens, run.cached_tokens = left_in_cache if same_weights else 0, generation.num_cached_tokens
             trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
@@ -141,12 +153,19 @@ async def run_task(
             images = tuple(getattr(step, "images", ()))  # an image environment's answer carries them
             piece = fmt.env_turn_ids(step.observation, len(images))
             counts = [fmt.image_count(i.width, i.height) for i in images]
-            if (trajectory.engine_tokens + len(piece) + sum(counts) - len(counts) >= limits.max_context_tokens
-                    or len(trajectory.images) + len(images) > limits.max_images):
+            d = trajectory.dropped
+            drop = limits.images_to_drop(len(trajectory.images) - d, len(images))
+            freed = sum(trajectory.image_tokens[i] + e - s - 1 for i, (s, e) in enumerate(trajectory.image_spans)
+                        if d <= i < d + drop)
+            if (trajectory.engine_tokens - freed + len(piece) + sum(counts) - len(counts) >= limits.max_context_tokens
+                    or len(trajectory.images) - d - drop + len(images) > limits.max_images):
                 finish = "max_context"
                 break
+            if drop:  # the trajectory splits here; the engine's cache keeps the context before the oldest image
+                left_in_cache = min(left_in_cache, trajectory.prune(d + drop))
+            spans = fmt.image_spans(piece, offset=len(trajectory.token_ids))
             trajectory.append(piece, sampled=False)
-            trajectory.add_images(images, counts)
+            trajectory.add_images(images, counts, spans)
             run.context_tokens = trajectory.engine_tokens
             gate.after_turn(run)
     except asyncio.CancelledError:
@@ -201,7 +220,9 @@ async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) ->
         trajectory = Trajectory(task=spec, token_ids=list(progress.token_ids), loss_mask=list(progress.loss_mask),
                                 logprobs=list(progress.logprobs), versions=list(progress.versions),
                                 num_prompt_tokens=progress.num_prompt_tokens)
-        trajectory.add_images(progress.images, [fmt.image_count(i.width, i.height) for i in progress.images])
+        trajectory.add_images(progress.images, [fmt.image_count(i.width, i.height) for i in progress.images],
+                              fmt.image_spans(progress.token_ids))
+        trajectory.prunes = list(progress.prunes)
         run.num_turns, run.num_pauses = progress.num_turns, progress.num_pauses
         run.num_prompt_tokens = progress.num_prompt_tokens
     else:
@@ -214,7 +235,8 @@ async def _begin(spec: TaskSpec, run: TaskRun, env: EnvLink, fmt: ChatFormat) ->
                                 num_prompt_tokens=len(prompt))
         trajectory.env_s = env_s
         trajectory.append(prompt, sampled=False)
-        trajectory.add_images(started.images, [fmt.image_count(i.width, i.height) for i in started.images])
+        trajectory.add_images(started.images, [fmt.image_count(i.width, i.height) for i in started.images],
+                              fmt.image_spans(prompt))
         run.num_prompt_tokens = len(prompt)
     run.context_tokens = trajectory.engine_tokens
     run.trajectory = trajectory
@@ -230,4 +252,5 @@ def progress_of(run: TaskRun, server: str | None) -> TaskProgress | None:
     return TaskProgress(session_id=run.session_id, server=server, token_ids=tuple(t.token_ids[:n]),
                         loss_mask=tuple(t.loss_mask[:n]), logprobs=tuple(t.logprobs[:n]),
                         versions=tuple(t.versions[:n]), num_prompt_tokens=t.num_prompt_tokens, num_turns=turns,
-                        num_pauses=run.num_pauses, images=tuple(t.images[:shown]))
+                        num_pauses=run.num_pauses, images=tuple(t.images[:shown]),
+                        prunes=tuple(p for p in t.prunes if p[0] < n))

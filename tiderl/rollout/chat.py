@@ -85,6 +85,18 @@ class ImageTokens:
         h, w = smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         return (h // factor) * (w // factor)
 
+def placeholder_spans(ids: Sequence[int], pad_id: int, start_id: int | None, end_id: int | None) -> list[tuple[int, int]]:
+    """Where each image placeholder lies in `ids`: [start, end) around each `pad_id`, with its
+    ``<|vision_start|>`` and ``<|vision_end|>`` ids where they surround it."""
+    spans = []
+    for i, t in enumerate(ids):
+        if t == pad_id:
+            start = i - 1 if i > 0 and ids[i - 1] == start_id else i
+            end = i + 2 if i + 1 < len(ids) and ids[i + 1] == end_id else i + 1
+            spans.append((start, end))
+    return spans
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -128,6 +140,7 @@ class ChatFormat:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.image_pad_id: int | None = int(vocab[IMAGE_PAD]) if image_tokens is not None and IMAGE_PAD in vocab \
             else None
+        self.vision_ids = (vocab.get(VISION_START), vocab.get(VISION_END))
         # The vision tokens are the chat format's, never the model's to sample.
         self.banned_ids: tuple[int, ...] = tuple(sorted(int(vocab[t]) for t in VISION_SPECIAL_TOKENS if t in vocab)) \
             if self.image_pad_id is not None else ()
@@ -151,6 +164,12 @@ class ChatFormat:
     def env_turn_ids(self, observation: str, images: int = 0) -> list[int]:
         """The environment's answer after an assistant turn that ended with ``<|im_end|>``."""
         return self.encode(f"\n{IM_START}user\n{self._images(images)}{observation}{IM_END}\n{IM_START}assistant\n")
+
+    def image_spans(self, ids: Sequence[int], offset: int = 0) -> list[tuple[int, int]]:
+        """Where each image placeholder of `ids` lies, shifted by `offset` (none for a text model)."""
+        if self.image_pad_id is None:
+            return []
+        return [(s + offset, e + offset) for s, e in placeholder_spans(ids, self.image_pad_id, *self.vision_ids)]
 
     def image_count(self, width: int, height: int) -> int:
         """Tokens an image of these pixels becomes in the engine (1 for a text model: never asked)."""

@@ -30,6 +30,7 @@ def loop_limits(job: JobConfig) -> LoopLimits:
         temperature=job.rollout.temperature,
         eval_temperature=job.rollout.eval_temperature,
         max_images=job.rollout.max_images,
+        keep_images=job.rollout.keep_images,
     )
 
 

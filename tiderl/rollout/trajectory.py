@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from tiderl.envs.images import ImageLimits, PngImage, check_png
 
@@ -12,6 +13,70 @@ NO_VERSION = -1  # per-token version of tokens the policy did not sample (prompt
 # A handed-over context's images were checked when the environment sent them; read back, they are
 # checked again as PNG files, with room for a long context's worth.
 PROGRESS_IMAGE_LIMITS = ImageLimits(max_images=1 << 16)
+
+T = TypeVar("T")
+Prune = tuple[int, int]
+"""A prune of the sliding image window: (at, dropped): from position `at` of the task's whole id stream on, the
+context holds the images after the oldest `dropped` (their placeholders left it)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """One part of a trajectory that the sliding image window split: the context the engine saw for its turns.
+
+    The part is the whole stream's ids ``[0, end)`` without the placeholders of the oldest `dropped` images;
+    it trains the ids ``[start, end)`` (the earlier ones were trained in the parts before)."""
+
+    start: int
+    end: int
+    dropped: int
+
+
+def window_segments(num_tokens: int, prunes: Sequence[Prune]) -> list[Segment]:
+    """The parts of a stream of `num_tokens` ids that `prunes` split (one part when it was never pruned)."""
+    cuts = [0, *(at for at, _ in prunes), num_tokens]
+    dropped = [0, *(d for _, d in prunes)]
+    for i, (at, d) in enumerate(prunes):
+        if not (cuts[i] < at < num_tokens and d > dropped[i]):
+            raise ValueError(f"prunes[{i}]: ({at}, {d}) must be after the previous one ({cuts[i]}, {dropped[i]}), "
+                             f"drop more images and lie inside the {num_tokens} ids")
+    return [Segment(start=cuts[i], end=cuts[i + 1], dropped=dropped[i]) for i in range(len(dropped))]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentView:
+    """One part's ids as the trainer takes them: the earlier parts' ids carried with loss mask 0."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    images: range  # indices of the task's images in the part's context
+
+
+def segment_view(seg: Segment, spans: Sequence[tuple[int, int]], token_ids: Sequence[int], loss_mask: Sequence[int],
+                 logprobs: Sequence[float], versions: Sequence[int]) -> SegmentView:
+    """Part `seg` of a trajectory whose images' placeholders lie at `spans`: the context the engine saw for the
+    part's turns (the pruned placeholders left out), trained on the part's own sampled ids only."""
+    carried = range(seg.start)
+    drop = spans[:seg.dropped]
+    return SegmentView(
+        token_ids=drop_spans(token_ids[:seg.end], drop),
+        loss_mask=drop_spans([0] * len(carried) + list(loss_mask[seg.start:seg.end]), drop),
+        logprobs=drop_spans([0.0] * len(carried) + list(logprobs[seg.start:seg.end]), drop),
+        versions=drop_spans([NO_VERSION] * len(carried) + list(versions[seg.start:seg.end]), drop),
+        images=range(seg.dropped, sum(1 for s, _ in spans if s < seg.end)))
+
+
+def drop_spans(seq: Sequence[T], spans: Sequence[tuple[int, int]]) -> list[T]:
+    """`seq` without the positions in `spans` (sorted, disjoint [start, end) ranges)."""
+    out: list[T] = []
+    at = 0
+    for start, end in spans:
+        out.extend(seq[at:start])
+        at = end
+    out.extend(seq[at:])
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,7 +95,9 @@ class TaskProgress:
     num_turns: int
     num_pauses: int = 0
     images: tuple[PngImage, ...] = ()
-    """The context's images so far, in order (one image placeholder each in `token_ids`)."""
+    """The task's images so far, in order (one image placeholder each in `token_ids`)."""
+    prunes: tuple[Prune, ...] = ()
+    """Where the sliding image window pruned the context so far (`Trajectory.prunes`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -38,6 +105,7 @@ class TaskProgress:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"task progress of session {self.session_id}: {name} has "
                                  f"{len(getattr(self, name))} entries for {n} tokens")
+        window_segments(n + 1, self.prunes)  # a prune lies inside the ids (the next one comes after them)
 
     @property
     def first_version(self) -> int | None:
@@ -56,7 +124,9 @@ class TaskProgress:
     def from_json(cls, data: dict[str, Any]) -> "TaskProgress":
         seqs = ("token_ids", "loss_mask", "logprobs", "versions")
         images = tuple(check_png(base64.b64decode(d), PROGRESS_IMAGE_LIMITS) for d in data.get("images", ()))
-        return cls(**{k: tuple(v) if k in seqs else v for k, v in data.items() if k != "images"}, images=images)
+        prunes = tuple((int(at), int(d)) for at, d in data.get("prunes", ()))
+        return cls(**{k: tuple(v) if k in seqs else v for k, v in data.items() if k not in ("images", "prunes")},
+                   images=images, prunes=prunes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +222,12 @@ class Trajectory:
     engine expands into `image_tokens` tokens."""
     image_tokens: list[int] = dataclasses.field(default_factory=list)
     """Tokens each image is in the engine (`ChatFormat.image_count`)."""
+    image_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """Where each image's placeholder lies in `token_ids` ([start, end): `ChatFormat.image_spans`)."""
+    prunes: list[Prune] = dataclasses.field(default_factory=list)
+    """Where the sliding image window pruned the context (`rollout.keep_images`): `token_ids` and `images` keep
+    the whole task, and the engine's context is the stream without the pruned images' placeholders
+    (:meth:`context`); the trainer trains each part with the context the engine saw (`window_segments`)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -167,15 +243,43 @@ class Trajectory:
         return sum(self.loss_mask)
 
     @property
-    def engine_tokens(self) -> int:
-        """The context's length in the engine: every image placeholder expanded into its tokens."""
-        return len(self.token_ids) + sum(self.image_tokens) - len(self.image_tokens)
+    def dropped(self) -> int:
+        """Images the sliding window pruned from the context (the oldest)."""
+        return self.prunes[-1][1] if self.prunes else 0
 
-    def add_images(self, images: tuple[PngImage, ...] | list[PngImage], tokens: list[int]) -> None:
-        if len(images) != len(tokens):
-            raise ValueError(f"trajectory {self.task.task_id}: {len(tokens)} token counts for {len(images)} images")
+    @property
+    def engine_tokens(self) -> int:
+        """The context's length in the engine: every kept image placeholder expanded into its tokens."""
+        d = self.dropped
+        kept = self.image_tokens[d:]
+        return len(self.token_ids) - sum(e - s for s, e in self.image_spans[:d]) + sum(kept) - len(kept)
+
+    def context(self) -> tuple[list[int], list[PngImage]]:
+        """The ids and images the engine gets: the whole stream while nothing was pruned."""
+        d = self.dropped
+        if not d:
+            return self.token_ids, self.images
+        return drop_spans(self.token_ids, self.image_spans[:d]), self.images[d:]
+
+    def add_images(self, images: Sequence[PngImage], tokens: list[int], spans: list[tuple[int, int]]) -> None:
+        """The images of the ids just appended, their engine token counts and their placeholders' spans."""
+        if not len(images) == len(tokens) == len(spans):
+            raise ValueError(f"trajectory {self.task.task_id}: {len(tokens)} token counts and {len(spans)} "
+                             f"placeholders for {len(images)} images")
         self.images.extend(images)
         self.image_tokens.extend(tokens)
+        self.image_spans.extend(spans)
+
+    def prune(self, dropped: int) -> int:
+        """Prune the context to the images after the oldest `dropped`, from here on (the trajectory splits here).
+        Returns where the engine's context changes (its old prefix up to there stays cached)."""
+        if not self.dropped < dropped <= len(self.images):
+            raise ValueError(f"trajectory {self.task.task_id}: cannot prune to {dropped} dropped images "
+                             f"({self.dropped} dropped of {len(self.images)})")
+        changed_at = self.image_spans[self.dropped][0] - sum(e - s for s, e in self.image_spans[:self.dropped])
+        self.prunes.append((len(self.token_ids), dropped))
+        window_segments(len(self.token_ids) + 1, self.prunes)
+        return changed_at
 
     def append(self, ids: list[int] | tuple[int, ...], *, sampled: bool, logprobs: tuple[float, ...] = (), version: int = NO_VERSION) -> None:
         self.token_ids.extend(ids)
@@ -183,21 +287,3 @@ class Trajectory:
         self.logprobs.extend(logprobs if sampled else [0.0] * len(ids))
         self.versions.extend([version if sampled else NO_VERSION] * len(ids))
         self.check()
-
-    def to_record(self) -> dict[str, Any]:
-        """Plain data for the run store."""
-        return {
-            "task_id": self.task.task_id,
-            "group_id": self.task.group_id,
-            "is_eval": self.task.is_eval,
-            "eval_version": self.task.eval_version,
-            "token_ids": list(self.token_ids),
-            "loss_mask": list(self.loss_mask),
-            "logprobs": list(self.logprobs),
-            "versions": list(self.versions),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "reward": self.reward,
-            "num_turns": self.num_turns,
-            "finish": self.finish,
-            "num_pauses": self.num_pauses,
-        }

@@ -177,7 +177,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     from tiderl.policy.ra2p import Ra2pMode
     from tiderl.trainer.rank import PublishedStep, StepInput
     from tiderl.trainer.images import ImageInputs
-    from tiderl.trainer.store_io import sample_from_ready
+    from tiderl.trainer.store_io import samples_from_ready
 
     actors = plan.ranks_with(Role.ACTOR)
     if ctx.rank != actors[0]:
@@ -189,7 +189,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     claimed, ras, tprm, dropped = await _gather(ctx, plan, _fetch(ctx, plan), wait)
     wait_s, waited = wait.seconds, wait.rest()
     images = ImageInputs.of_model(ctx.model_dir) if any(t.images for t in claimed) else None
-    samples = tuple(sample_from_ready(t, images) for t in claimed)
+    samples = tuple(s for t in claimed for s in samples_from_ready(t, images))
     mode = plan.ra2p_mode
     refs = plan.ranks_with(Role.REF)
     inp = StepInput(version=plan.version, samples=samples, mode=mode)

@@ -368,11 +368,11 @@ class RolloutSide:
             return
         task.ctx += plan.obs_tokens[task.turn]
         cut = plan.prune_tokens[task.turn] if task.turn < len(plan.prune_tokens) else 0
-        if cut:  # the image window pruned the oldest images: only the prompt's text still matches the cache
+        if cut:  # the image window pruned the oldest images: the cache matches up to the oldest of them
             task.ctx -= cut
             task.prefix = 0
             if task.rank is not None:
-                task.rank.engine.truncate_cache(task, plan.kept_prefix_tokens)
+                task.rank.engine.truncate_cache(task, plan.prune_kept[task.turn])
         task.turn += 1
         task.gen_left = plan.gen_tokens[task.turn]
         self._set_footprint(task, task.ctx + task.reserve)

@@ -37,8 +37,9 @@ class TaskPlan:
     start_latency_s: float
     prune_tokens: list[int] = field(default_factory=list)
     """Context tokens the image window prunes once each observation is in (empty: never)."""
-    kept_prefix_tokens: int = 0
-    """Tokens before the first image (the prompt's text): a pruned context still starts with them cached."""
+    prune_kept: list[int] = field(default_factory=list)
+    """Per prune (0 elsewhere): the context tokens before the oldest image it drops, which stay cached (a
+    message's images come before its text, as in the run's chat format: the first prune keeps none)."""
 
     @property
     def num_turns(self) -> int:
@@ -63,7 +64,7 @@ class TaskPlan:
     def turn_prefills(self) -> list[tuple[int, int]]:
         """Per turn, at best (every prefix cached): (tokens to prefill, context already cached before
         them). The prompt, then each observation; after the image window pruned the context, everything
-        after the prompt's text (the kept images moved: their cache no longer matches)."""
+        from the oldest pruned image on (the kept images moved: their cache no longer matches)."""
         out = [(self.prompt_tokens, 0)]
         ctx = self.prompt_tokens
         for i, g in enumerate(self.gen_tokens[:-1]):
@@ -73,7 +74,7 @@ class TaskPlan:
             cut = self.prune_tokens[i] if i < len(self.prune_tokens) else 0
             if cut:
                 ctx += self.obs_tokens[i] - cut
-                out.append((ctx - self.kept_prefix_tokens, self.kept_prefix_tokens))
+                out.append((ctx - self.prune_kept[i], self.prune_kept[i]))
             else:
                 out.append((self.obs_tokens[i], ctx))
                 ctx += self.obs_tokens[i]
@@ -166,6 +167,8 @@ class TaskSampler:
         gen: list[int] = []
         obs: list[int] = []
         prune: list[int] = []
+        kept: list[int] = []
+        at = [0] if img else []  # where each image in the context starts: first in its message
         lat: list[float] = []
         for i in range(turns):
             g = max(1, round(_lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
@@ -185,7 +188,13 @@ class TaskSampler:
                 cut = (images + 1 - w.keep_images) * img  # the oldest images leave; the newest stay
             if i == turns - 1 or ctx + o - cut >= w.max_context_tokens:
                 break
-            ctx += o - cut
+            kept.append(at[0] if cut else 0)
+            if cut:
+                at = [p - cut for p in at[cut // img:]]
+            ctx -= cut
+            if img:
+                at.append(ctx)
+            ctx += o
             images = images + 1 - cut // img if img else 0
             obs.append(o)
             prune.append(cut)
@@ -197,5 +206,5 @@ class TaskSampler:
             env_latency_s=lat,
             start_latency_s=start_scale * rng.lognormvariate(start_mu, start_sigma),
             prune_tokens=prune if any(prune) else [],
-            kept_prefix_tokens=tt.prompt_tokens if img else 0,
+            prune_kept=kept if any(prune) else [],
         )

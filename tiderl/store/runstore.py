@@ -930,7 +930,8 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
             num_tokens=len(t.token_ids), num_generated=len(gen_versions), num_turns=t.num_turns,
             reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
             max_version=max(gen_versions, default=0), finished_at=now, env_s=t.env_s, finish=t.finish,
-            images=codec.pack_blobs(t.images) if t.images else None))
+            images=codec.pack_blobs(t.images) if t.images else None,
+            prunes=json.dumps([list(p) for p in t.prunes]) if t.prunes else None))
     if rows:
         c.execute(_INSERT_TRAJECTORIES, rows)
         _complete_groups(c, {r["group_id"] for r in rows}, now)
@@ -1144,4 +1145,5 @@ def _ready(r: Any) -> ReadyTrajectory:
         loss_mask=codec.unpack_mask(r["loss_mask"]), logprobs=codec.unpack_floats(r["logprobs"]),
         token_versions=codec.unpack_ints(r["token_versions"]), reward=r["reward"], advantage=r["advantage"],
         num_tokens=r["num_tokens"], num_generated=r["num_generated"], min_version=r["min_version"],
-        ready_at=r["ready_at"], finish=r["finish"], images=tuple(codec.unpack_blobs(r["images"])) if r["images"] else ())
+        ready_at=r["ready_at"], finish=r["finish"], images=tuple(codec.unpack_blobs(r["images"])) if r["images"] else (),
+        prunes=tuple((int(at), int(d)) for at, d in json.loads(r["prunes"])) if r["prunes"] else ())

@@ -154,7 +154,8 @@ trajectories = Table(
     Column("finished_at", Float, nullable=False),
     Column("env_s", Float),  # seconds the task waited on its environment (session start and steps)
     Column("finish", String),  # how the task ended: done | max_turns | max_context (null: not recorded)
-    Column("images", LargeBinary),  # the context's PNG images in order (codec.pack_blobs; null: none)
+    Column("images", LargeBinary),  # the task's PNG images in order (codec.pack_blobs; null: none)
+    Column("prunes", String),  # JSON [[at, dropped], ...]: where the sliding image window split it (null: never)
     Column("ready_at", Float),
     Column("claim_owner", Integer),
     Column("claim_token", String),

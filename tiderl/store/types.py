@@ -170,7 +170,8 @@ class FinishedTrajectory:
     success: bool
     env_s: float | None = None  # seconds the task waited on its environment (start and steps); None: not measured
     finish: str | None = None  # how the task ended: "done", or cut (CUT_FINISHES); None: not recorded
-    images: tuple[bytes, ...] = ()  # the context's PNG images, in order (one image placeholder id each)
+    images: tuple[bytes, ...] = ()  # the task's PNG images, in order (one image placeholder id each)
+    prunes: tuple[tuple[int, int], ...] = ()  # where the sliding image window split it (rollout.trajectory.Prune)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -271,6 +272,8 @@ class ReadyTrajectory:
     """How the task ended (FinishedTrajectory.finish)."""
     images: tuple[bytes, ...] = ()
     """The context's PNG images, in order (FinishedTrajectory.images)."""
+    prunes: tuple[tuple[int, int], ...] = ()
+    """Where the sliding image window split it (FinishedTrajectory.prunes)."""
 
 
 @dataclass(frozen=True, slots=True)

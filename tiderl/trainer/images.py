@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.envs.images import ImageLimits, check_png
-from tiderl.rollout.chat import IMAGE_PAD, ImageTokens
+from tiderl.rollout.chat import IMAGE_PAD, VISION_END, VISION_START, ImageTokens, placeholder_spans
 from tiderl.trainer.batch import SampleImages, TrainSample
 
 # The images of a stored trajectory were checked when the environment sent them; read back, they are
@@ -40,6 +40,12 @@ class ImageInputs:
         self.image_processor: Any = processor.image_processor
         self.merge_size = int(self.image_processor.merge_size)
         self.image_pad_id = int(processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+        vocab = processor.tokenizer.get_vocab()
+        self.vision_ids = (vocab.get(VISION_START), vocab.get(VISION_END))
+
+    def placeholder_spans(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Where each image placeholder of `ids` lies (`tiderl.rollout.chat.placeholder_spans`)."""
+        return placeholder_spans(ids, self.image_pad_id, *self.vision_ids)
 
     @classmethod
     def of_model(cls, model_dir: str | Path) -> "ImageInputs | None":
