@@ -12,6 +12,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tiderl.envs.images import PngImage
 from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
@@ -26,6 +27,7 @@ class FakeEngine(Engine):
         block_size: int = 32,
         delay_s: float = 0.0,
         logprob: float = -0.5,
+        weights_version: int = 0,
     ) -> None:
         if kv_capacity_tokens < block_size:
             raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} is less than one block ({block_size})")
@@ -34,7 +36,7 @@ class FakeEngine(Engine):
         self._block_size = block_size
         self._delay_s = delay_s
         self._logprob = logprob
-        self._version = 0
+        self._version = weights_version
         self._blocks: OrderedDict[int, None] = OrderedDict()  # LRU of prefix-block hashes
         self._counts = dict(prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0)
         self._in_flight_tokens = 0
@@ -126,3 +128,22 @@ class FakeEngine(Engine):
 
     def close(self) -> None:
         self._blocks.clear()
+
+
+def for_job(job: Any, model_path: str | Path, weights_version: int = 0) -> FakeEngine:
+    """`rollout.engine: fake_engine:for_job` (with tests/ on PYTHONPATH): a whole local run without vLLM. Each
+    turn answers with a random number of the `hilo` range, tokenised by the run's model (every answer is a
+    valid guess; some find the secret), one block per `rollout.kv_block_size`, the KV cache of
+    `rollout.kv_cache_blocks` blocks (or 256)."""
+    import random
+
+    from tiderl.rollout.from_config import chat_format
+
+    fmt = chat_format(model_path)
+    rng = random.Random(job.seed * 1000 + weights_version)
+    low, high = int(job.env.options.get("low", 1)), int(job.env.options.get("high", 16))
+    block = job.rollout.kv_block_size
+    engine = FakeEngine(lambda prompt: fmt.encode(str(rng.randint(low, high))), block_size=block,
+                        kv_capacity_tokens=(job.rollout.kv_cache_blocks or 256) * block,
+                        weights_version=weights_version)
+    return engine

@@ -1,4 +1,6 @@
-"""Kill and resume: SIGKILL a rank and the launcher at random points, resume, check nothing was lost or doubled."""
+"""Kill and resume: SIGKILL a rank and the launcher at random points, resume, check nothing was lost or doubled.
+Each with the real vLLM engine (slow) and with the tests' scripted engine (`rollout.engine:
+fake_engine:for_job`, fast: every process of the run real but the engine)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,16 @@ JOB = [f"trainer.num_steps={STEPS}", "trainer.groups_min=1", "trainer.groups_ide
        "trainer.checkpoint_every=1", "launch.heartbeat_timeout_s=20", "system=async", "env.latency=fixed:0.5"]
 
 
+ENGINES = [pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm]), "scripted"]
+
+
+def _engine_sets(engine: str) -> list[str]:
+    return [] if engine == "vllm" else ["--set", "rollout.engine=fake_engine:for_job", "--set", "model.init_train_steps=0"]
+
+
 def _launch(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tiderl", "run", *args], cwd=ROOT, text=True,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "tiderl", "run", *args], cwd=ROOT, text=True, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -72,12 +82,11 @@ def _kill_groups(pids: list[int]) -> None:
             pass
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_killed_actor_restarts_its_trainer_group_then_a_killed_launcher_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_killed_actor_restarts_its_trainer_group_then_a_killed_launcher_resumes(tmp_path: Path, engine: str) -> None:
     rng = random.Random(int(os.environ.get("TIDERL_TEST_SEED", time.time())))
     run_dir = tmp_path / "run"
-    sets = [a for s in JOB for a in ("--set", s)]
+    sets = [a for s in JOB for a in ("--set", s)] + _engine_sets(engine)
     first = _launch("jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
     _wait_version(run_dir, 1, first, 900)
     time.sleep(rng.uniform(0.0, 2.0))
@@ -111,12 +120,11 @@ def _status(run_dir: Path) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_rollout_rank_that_dies_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_rollout_rank_that_dies_is_restarted_and_the_run_finishes(tmp_path: Path, engine: str) -> None:
     # Three ranks: an actor and two rollout ranks; one rollout rank is SIGKILLed mid-run.
     run_dir = tmp_path / "run"
-    sets = [a for s in JOB + ["launch.num_ranks=3"] for a in ("--set", s)]
+    sets = [a for s in JOB + ["launch.num_ranks=3"] for a in ("--set", s)] + _engine_sets(engine)
     proc = _launch("jobs/quickstart.yaml", *sets, "--run-dir", str(run_dir))
     _wait_version(run_dir, 1, proc, 900)
     victim = _rank_pids(run_dir, role="rollout")[0]

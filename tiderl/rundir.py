@@ -29,6 +29,7 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     """Make the run directory, save the resolved config, create the run store."""
     _check_env_options(config)
     _check_image_model(config)
+    _check_engine(config)
     paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
     if paths.db.exists() or paths.config.exists():
         raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
@@ -50,6 +51,18 @@ def _check_env_options(config: JobConfig) -> None:
         return  # served by an outside env server: it checks its options itself
     except EnvOptionError as e:
         raise ConfigError(f"job {config.name!r}", "env.options", str(e)) from None
+
+
+def _check_engine(config: JobConfig) -> None:
+    """An engine factory that cannot be loaded here would fail every rollout rank: a config error first."""
+    if config.rollout.engine == "vllm":
+        return
+    from tiderl.rollout.from_config import engine_factory
+
+    try:
+        engine_factory(config.rollout.engine)
+    except ValueError as e:
+        raise ConfigError(f"job {config.name!r}", "rollout.engine", str(e)) from None
 
 
 def _check_image_model(config: JobConfig) -> None:

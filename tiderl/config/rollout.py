@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from tiderl.config.schema import option, section
@@ -14,6 +15,10 @@ class RolloutConfig:
         help="Task scheduler: `ctb` (Continuous Task Batching by KV token budget and RL priority) "
         "or `vanilla` (request-level, fixed concurrency, engine cache policy decides).",
     )
+    engine: str = option(
+        "vllm", help="The rollout ranks' engine: `vllm`, or `MODULE:FUNCTION`, a factory `f(job, model_path, "
+        "weights_version)` returning a `tiderl.rollout.engine.Engine`, importable where the ranks run (another "
+        "inference engine; the tests' scripted one runs a whole local run without vLLM).")
     group_size: int = option(
         4, ge=2, help="GRPO group size G: tasks played per prompt (>= 2: a group's advantages are its rewards "
         "against their mean, so one task alone learns nothing).")
@@ -92,6 +97,8 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.engine != "vllm" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.engine):
+            raise ValueError(f"engine: expected `vllm` or MODULE:FUNCTION, got {self.engine!r}")
         if self.keep_images is not None and self.keep_images >= self.max_images:
             raise ValueError(f"keep_images: must be < max_images ({self.max_images}), got {self.keep_images}")
         if self.kv_block_size % 16:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,29 @@ def budget_limits(job: JobConfig) -> BudgetLimits | None:
     if r.scheduler != "ctb" or r.ctb_budget != "adaptive":
         return None
     return BudgetLimits(floor_tokens=r.kv_budget_tokens or 1, max_factor=r.ctb_max_overcommit)
+
+
+def make_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:
+    """The rank's engine, by `rollout.engine`: vLLM, or the factory it names (`engine_factory`)."""
+    if job.rollout.engine == "vllm":
+        return vllm_engine(job, model_path, weights_version)
+    engine = engine_factory(job.rollout.engine)(job, model_path, weights_version)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"rollout.engine: {job.rollout.engine} returned a {type(engine).__name__}, not a "
+                        "tiderl.rollout.engine.Engine")
+    return engine
+
+
+def engine_factory(spec: str) -> Callable[[JobConfig, str | Path, int], Engine]:
+    """The factory `rollout.engine` names (MODULE:FUNCTION); a ValueError names what could not be loaded."""
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load {spec}: {type(e).__name__}: {e}") from None
+    if not callable(factory):
+        raise ValueError(f"{spec} is a {type(factory).__name__}, not a function")
+    return factory
 
 
 def vllm_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:

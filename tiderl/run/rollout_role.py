@@ -161,17 +161,18 @@ def _weights(ctx: RankContext) -> WeightsSource:
 
 
 def _engine(ctx: RankContext, version: int) -> Engine:
-    """The rank's vLLM engine, built once from the job config and kept across role changes. Built on
-    the verified weights of `version`, or on newer ones where `version` was pruned meanwhile."""
-    from tiderl.rollout.from_config import vllm_engine
+    """The rank's engine (`rollout.engine`), built once from the job config and kept across role changes.
+    Built on the verified weights of `version`, or on newer ones where `version` was pruned meanwhile."""
+    from tiderl.rollout.from_config import make_engine
 
     engine = ctx.engine
     if engine is None:
         t0 = time.monotonic()
         weights, engine = _weights(ctx).load(
-            version, lambda w: vllm_engine(ctx.config, w.path, weights_version=w.version))
+            version, lambda w: make_engine(ctx.config, w.path, weights_version=w.version))
         up_s = time.monotonic() - t0
-        log.info("rank %d: vLLM engine up in %.1f s (weights v%d)", ctx.rank, up_s, weights.version)
+        log.info("rank %d: %s engine up in %.1f s (weights v%d)", ctx.rank, ctx.config.rollout.engine, up_s,
+                 weights.version)
         ctx.store.record_event(f"rank{ctx.rank}", "engine_up", f"rank {ctx.rank}: engine up in {up_s:.1f} s "
                                f"(weights v{weights.version})", rank=ctx.rank, data={"seconds": round(up_s, 3)})
         if weights.version != weights.asked:
