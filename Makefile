@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiderl-installed
 
-.PHONY: setup demo test test-fast coverage clean-venv
+.PHONY: setup demo test test-fast coverage coverage-gap clean-venv
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ test: setup
 
 coverage: setup
 	bash tools/coverage.sh
+
+# The lines a real short run executes that the fast tests never reach (after `make coverage`).
+coverage-gap: setup
+	$(PY) tools/coverage_gap.py --fast .coverage-data
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not juicefs and not vllm and not slurm"

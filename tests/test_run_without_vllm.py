@@ -16,22 +16,32 @@ import pytest
 from run_checks import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTED = ["rollout.engine=fake_engine:for_job", "model.init_train_steps=0", "trainer.num_steps=3",
+SCRIPTED = ["rollout.engine=fake_engine:for_job", "model.init_train_steps=5", "trainer.num_steps=3",
             "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4", "rollout.max_concurrency=8",
             "rollout.eval_every_steps=2", "rollout.eval_groups=2", "trainer.checkpoint_every=2"]
 
 
-def tiderl(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+def tiderl(*args: str, timeout_s: float = 600, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if cache is not None:
+        env["TIDERL_CACHE"] = str(cache)
     return subprocess.run([sys.executable, "-m", "tiderl", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout_s, env=env)
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache of these tests' own: the first run builds its tiny model (a short warm start) as a new
+    user's first run does, the next finds it built."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.mark.parametrize("system", ["tiderl", "sync"])
-def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str) -> None:
+def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, cache: Path) -> None:
     run_dir = tmp_path / "run"
     sets = SCRIPTED + [f"system={system}"]
-    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir),
+                 cache=cache)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
     assert status["state"] == "finished" and status["version"] == 3

@@ -259,9 +259,9 @@ def measure_turns(job, model_path: Path, m: dict, sessions: int, turns: int, pro
     `sessions` loops of `turns` generations each, the context growing by the answer and an observation.
     The overhead is the mean latency minus what the measured iteration and prefill costs account for."""
     from tiderl.rollout.engine import SamplingSpec
-    from tiderl.rollout.from_config import vllm_engine
+    from tiderl.rollout.vllm_engine import for_job
 
-    engine = vllm_engine(job, model_path)
+    engine = for_job(job, model_path)
     rng = random.Random(2)
     vocab = model_vocab(model_path)
     latencies: list[float] = []

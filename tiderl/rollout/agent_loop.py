@@ -3,7 +3,9 @@
 The context grows by id pieces only (see `tiderl.rollout.chat`): the model's
 sampled ids go in exactly as sampled (loss mask 1, with their logprobs and weights
 version), the environment's answers go in as the ids of the rendered environment
-message (loss mask 0). Nothing is ever re-tokenised.
+message (loss mask 0). Nothing is ever re-tokenised. With the sliding image window
+(`LoopLimits.keep_images`) the oldest pictures leave the engine's context and the
+trajectory records where (`Trajectory.prunes`, docs/rollout.md).
 
 A `TurnGate` (the task scheduler) sees every turn boundary: it may hold a task
 before its next generation (CTB pauses it there) and learns the task's context
@@ -155,10 +157,8 @@ async def run_task(
             counts = [fmt.image_count(i.width, i.height) for i in images]
             d = trajectory.dropped
             drop = limits.images_to_drop(len(trajectory.images) - d, len(images))
-            freed = sum(trajectory.image_tokens[i] + e - s - 1 for i, (s, e) in enumerate(trajectory.image_spans)
-                        if d <= i < d + drop)
-            if (trajectory.engine_tokens - freed + len(piece) + sum(counts) - len(counts) >= limits.max_context_tokens
-                    or len(trajectory.images) - d - drop + len(images) > limits.max_images):
+            after = trajectory.engine_tokens - trajectory.tokens_freed_by(drop) + len(piece) + sum(counts) - len(counts)
+            if after >= limits.max_context_tokens or len(trajectory.images) - d - drop + len(images) > limits.max_images:
                 finish = "max_context"
                 break
             if drop:  # the trajectory splits here; the engine's cache keeps the context before the oldest image

@@ -55,11 +55,14 @@ def budget_limits(job: JobConfig) -> BudgetLimits | None:
     return BudgetLimits(floor_tokens=r.kv_budget_tokens or 1, max_factor=r.ctb_max_overcommit)
 
 
+VLLM_FACTORY = "tiderl.rollout.vllm_engine:for_job"  # `rollout.engine: vllm`
+
+
 def make_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:
-    """The rank's engine, by `rollout.engine`: vLLM, or the factory it names (`engine_factory`)."""
-    if job.rollout.engine == "vllm":
-        return vllm_engine(job, model_path, weights_version)
-    engine = engine_factory(job.rollout.engine)(job, model_path, weights_version)
+    """The rank's engine, by `rollout.engine`: the factory it names (`engine_factory`; `vllm`: `VLLM_FACTORY`).
+    vLLM's spawns: call under `if __name__ == "__main__":` in scripts."""
+    engine = engine_factory(VLLM_FACTORY if job.rollout.engine == "vllm" else job.rollout.engine)(
+        job, model_path, weights_version)
     if not isinstance(engine, Engine):
         raise TypeError(f"rollout.engine: {job.rollout.engine} returned a {type(engine).__name__}, not a "
                         "tiderl.rollout.engine.Engine")
@@ -76,27 +79,6 @@ def engine_factory(spec: str) -> Callable[[JobConfig, str | Path, int], Engine]:
     if not callable(factory):
         raise ValueError(f"{spec} is a {type(factory).__name__}, not a function")
     return factory
-
-
-def vllm_engine(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> Engine:
-    """The rank's vLLM engine. Spawns: call under `if __name__ == "__main__":` in scripts."""
-    from tiderl.rollout.vllm_engine import VllmEngine
-
-    r = job.rollout
-    max_len = job.model.max_context_tokens
-    if r.kv_cache_blocks is not None:
-        max_len = min(max_len, (r.kv_cache_blocks - 1) * r.kv_block_size)
-    return VllmEngine(
-        model_path,
-        kv_cache_gib=r.kv_cache_gib,
-        num_kv_blocks=r.kv_cache_blocks,
-        block_size=r.kv_block_size,
-        max_model_len=max_len,
-        max_num_seqs=r.max_concurrency,
-        seed=job.seed,
-        weights_version=weights_version,
-        max_images=r.max_images if ImageTokens.of_model(model_path) is not None else 0,
-    )
 
 
 def rollout_worker(

@@ -254,6 +254,12 @@ class Trajectory:
         kept = self.image_tokens[d:]
         return len(self.token_ids) - sum(e - s for s, e in self.image_spans[:d]) + sum(kept) - len(kept)
 
+    def tokens_freed_by(self, drop: int) -> int:
+        """Engine tokens the context loses when the window prunes `drop` more images (each its tokens and the
+        rest of its placeholder)."""
+        d = self.dropped
+        return sum(n + e - s - 1 for n, (s, e) in zip(self.image_tokens[d:d + drop], self.image_spans[d:d + drop]))
+
     def context(self) -> tuple[list[int], list[PngImage]]:
         """The ids and images the engine gets: the whole stream while nothing was pruned."""
         d = self.dropped

@@ -21,10 +21,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.images import PngImage
+from tiderl.rollout.chat import ImageTokens
 from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
+
+if TYPE_CHECKING:
+    from tiderl.config.job import JobConfig
 
 _COUNTERS = {
     "vllm:prefix_cache_queries": "prefix_cache_queries",
@@ -307,3 +311,23 @@ def _set_result(future: asyncio.Future[Generation], value: Generation) -> None:
 def _set_exception(future: asyncio.Future[Generation], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def for_job(job: JobConfig, model_path: str | Path, weights_version: int = 0) -> VllmEngine:
+    """A rollout rank's vLLM engine from the job config (`rollout.engine: vllm`). Spawns: call under
+    `if __name__ == "__main__":` in scripts."""
+    r = job.rollout
+    max_len = job.model.max_context_tokens
+    if r.kv_cache_blocks is not None:
+        max_len = min(max_len, (r.kv_cache_blocks - 1) * r.kv_block_size)
+    return VllmEngine(
+        model_path,
+        kv_cache_gib=r.kv_cache_gib,
+        num_kv_blocks=r.kv_cache_blocks,
+        block_size=r.kv_block_size,
+        max_model_len=max_len,
+        max_num_seqs=r.max_concurrency,
+        seed=job.seed,
+        weights_version=weights_version,
+        max_images=r.max_images if ImageTokens.of_model(model_path) is not None else 0,
+    )
