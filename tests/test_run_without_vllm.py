@@ -60,3 +60,45 @@ def test_an_engine_that_cannot_be_loaded_is_a_config_error(tmp_path: Path) -> No
     assert not run_dir.exists()
     out = tiderl("run", "jobs/quickstart.yaml", "--set", "rollout.engine=not a factory", "--run-dir", str(run_dir))
     assert out.returncode == 2 and "MODULE:FUNCTION" in out.stderr, out.stderr
+
+
+def test_ctrl_c_stops_every_rank_cleanly_and_the_run_resumes(tmp_path: Path, cache: Path) -> None:
+    """Ctrl-C on `tiderl run`: the launcher stops its ranks by signal (each records itself `stopped`), the run
+    is `cancelled`; `--resume` carries it on to the end with nothing lost or trained twice."""
+    import signal
+    import time
+
+    from tiderl.store import RunStore
+    from tiderl.store.engine import StoreError
+
+    run_dir = tmp_path / "run"
+    sets = SCRIPTED + ["trainer.num_steps=4", "env.latency=fixed:0.3"]
+    env = {**os.environ, "TIDERL_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "tiderl", "run", "jobs/quickstart.yaml",
+                             *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir)],
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    version = 0
+    while version < 1 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        try:
+            store = RunStore.for_run_dir(run_dir)
+            try:
+                version = store.run_info().version
+            finally:
+                store.close()
+        except (StoreError, FileNotFoundError, OSError):
+            pass
+    assert proc.poll() is None and version >= 1, "the run ended or stalled before version 1"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
+    assert status["state"] == "cancelled" and status["version"] < 4, out[-3000:]
+    assert all(r["state"] in ("stopped", "finished") for r in status["ranks"]), status["ranks"]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
+    assert "stopped by signal" in logs
+    resumed = tiderl("run", "--resume", str(run_dir), cache=cache)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert json.loads(tiderl("status", str(run_dir), "--json").stdout)["version"] == 4
+    assert check_run(run_dir, max_staleness=1)["versions"] == 4
