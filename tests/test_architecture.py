@@ -1,6 +1,7 @@
 """Rules of the package's shape, read from the source with `ast` (nothing is imported):
 one name per concept (no top-level class name defined in two modules), no import cycle
-among the modules' module-level imports, and none among the subpackages (the layers)."""
+among the modules' module-level imports, and none among the subpackages (the layers), counting
+the imports inside functions too (a lazy import hides a cycle between layers, it does not remove it)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,24 @@ def _module_level_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.Imp
                 yield from _module_level_imports(block)
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports at module level. `from a.b import c` is the module
+def _all_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import of the module, inside functions too, but not under `if TYPE_CHECKING:`."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _all_imports(node.orelse)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, ()):
+                    if isinstance(child, ast.ExceptHandler):
+                        yield from _all_imports(child.body)
+                    elif isinstance(child, ast.stmt):
+                        yield from _all_imports([child])
+
+
+def import_graph(modules: dict[str, Path], *, inside_functions: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at module level (with `inside_functions`, anywhere). `from a.b import c` is the module
     `a.b.c` when that is a module, else `a.b`; relative imports are resolved against the importer.
     Importing `a.b.c` also runs the packages `a.b` and `a` first: those count too, except the
     importer's own packages (a package's `__init__` importing its submodules is no cycle)."""
@@ -61,7 +78,8 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _module_level_imports(ast.parse(path.read_text(), str(path)).body):
+        body = ast.parse(path.read_text(), str(path)).body
+        for node in (_all_imports(body) if inside_functions else _module_level_imports(body)):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
                 continue
@@ -126,7 +144,7 @@ def test_no_module_level_import_cycle():
 
 
 def test_no_import_cycle_between_subpackages():
-    graph = import_graph(module_files())
+    graph = import_graph(module_files(), inside_functions=True)
     cycle = find_cycle(package_graph(graph))
     edges = [f"{a} -> {b}" for a, b in zip(cycle or [], (cycle or [])[1:])]
     culprits = [f"{m} imports {t}" for pair in edges for m, targets in sorted(graph.items()) for t in sorted(targets)
@@ -153,8 +171,11 @@ def test_the_checks_see_a_duplicate_and_a_cycle(tmp_path: Path):
     })
     modules = module_files(pkg)
     assert duplicated_class_names(modules) == {"Thing": ["pkg.a", "pkg.sub.b"]}
-    # Imports under TYPE_CHECKING and inside functions do not count.
+    # Imports under TYPE_CHECKING and inside functions do not count at module level; between layers the
+    # ones inside functions do.
     assert find_cycle(import_graph(modules)) is None
+    assert find_cycle(package_graph(import_graph(modules, inside_functions=True))) == ["pkg.a", "pkg.sub", "pkg.c",
+                                                                                       "pkg.a"]
     (pkg / "c.py").write_text("from .a import Thing\n")  # relative, resolved to pkg.a
     assert find_cycle(import_graph(modules)) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
     # No module cycle, but a layer cycle: `import pkg.e.f` runs `pkg/e/__init__.py` first, which

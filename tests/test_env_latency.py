@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiderl.envs.hilo import HiloEnv
-from tiderl.envs.latency import LatencySpecError, parse_latency
+from tiderl.config.latency import LatencySpecError, parse_latency
 from tiderl.envs.protocol import ErrorCode, ProtocolError
 from tiderl.envs.sessions import SessionState, SessionTable
 

@@ -19,7 +19,7 @@ from tiderl.models.tiny_model import train_tokenizer
 from tiderl.run.context import RankContext
 from tiderl.run.control import ControlPlane
 from tiderl.run.rollout_role import run_rollout
-from tiderl.run.systems import behaviour
+from tiderl.systems import behaviour
 from tiderl.rundir import create_run
 from tiderl.store import RunStore, codec
 from tiderl.trainer.publish import _write_checksums

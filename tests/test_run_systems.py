@@ -1,4 +1,4 @@
-"""The `system:` behaviour table (tiderl/run/systems.py): one test per invariant."""
+"""The `system:` behaviour table (tiderl/systems.py): one test per invariant."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from tiderl.config.job import System
 from tiderl.policy.ra2p import Ra2pMode
-from tiderl.run.systems import SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles
+from tiderl.systems import SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles
 from tiderl.store.types import Role
 
 

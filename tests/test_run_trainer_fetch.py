@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from tiderl.config import load_job
 from tiderl.rundir import create_run
-from tiderl.run.systems import behaviour
+from tiderl.systems import behaviour
 from tiderl.run.trainer_role import _fetch
 from tiderl.store.types import NewGroup, PlanRecord, Role, TaskKind
 

@@ -15,7 +15,7 @@ from tiderl.config import load_job
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.rundir import create_run
 from tiderl.run.context import RankContext
-from tiderl.run.systems import behaviour
+from tiderl.systems import behaviour
 from tiderl.run.trainer_role import run_actor_step
 from tiderl.store.types import FinishedTrajectory, NewGroup, PlanRecord, RankReport, Role, TaskKind
 from tiderl.trainer.publish import verify

@@ -18,7 +18,7 @@ from tiderl.rollout.from_config import chat_format
 from tiderl.models.tiny_vl_model import TinyVisionSpec, init_vl_model
 from tiderl.rundir import create_run
 from tiderl.run.context import RankContext
-from tiderl.run.systems import behaviour
+from tiderl.systems import behaviour
 from tiderl.run.trainer_role import run_actor_step
 from tiderl.store import codec
 from tiderl.store.types import FinishedTrajectory, NewGroup, PlanRecord, RankReport, Role, RunState, TaskKind

@@ -15,12 +15,12 @@ from tiderl.config import ConfigError
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
-    "status": ("tiderl.status", "Show a run's state, version, ranks, buffer and goodput."),
+    "status": ("tiderl.status_cli", "Show a run's state, version, ranks, buffer and goodput."),
     "report": ("tiderl.report.cli", "Write a run's figures (PNG) and Markdown summary: goodput, rewards, waits, roles."),
     "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
     "init-model": ("tiderl.models.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
-    "run": ("tiderl.run.cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
+    "run": ("tiderl.run_cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
     "submit": ("tiderl.slurm.cli", "Submit a job to Slurm (submitit): one job, ranks as one srun step; --wait follows it."),
     "logs": ("tiderl.logs", "Show or follow (-f) a run's logs, local or Slurm, with rank and role prefixes."),
     "cancel": ("tiderl.slurm.cancel", "Cancel a run: its Slurm jobs (scancel) and its run state."),

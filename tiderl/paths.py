@@ -95,6 +95,11 @@ class RunPaths:
     def env_token(self) -> Path:
         return self.root / "env.token"
 
+    @property
+    def env_urls(self) -> Path:
+        """The env servers' URLs of the launch (JSON list), which every rank and `tiderl status` read."""
+        return self.root / "env_urls.json"
+
     def weights_version(self, version: int) -> Path:
         return version_dir(self.weights, version)
 

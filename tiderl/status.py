@@ -1,15 +1,9 @@
-"""`tiderl status RUN_DIR [--json] [--check] [--watch [S]]`: run state, version, ranks and roles,
-buffer, goodput, and a diagnosis of who waits for what (`tiderl.diagnose`).
-
-`--check` prints a one-line verdict plus the findings and exits 1 when the run
-is stalled or a finding is an error (for a cron job or a Slurm epilog), 0
-otherwise, 2 when RUN_DIR is not a run or its run.db is corrupt. The store is
-opened read-only: a run directory one may only read can be inspected. `--watch` redraws the status every few seconds.
-"""
+"""A run's status document: state, version, ranks and roles, buffer, goodput, and a diagnosis of who waits
+for what (`tiderl.diagnose`), its rendering, and the launcher's progress line and summary. The command
+`tiderl status` is `tiderl.status_cli` (it also looks up the run's Slurm jobs)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -17,31 +11,19 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from tiderl import diagnose as dg
-from tiderl.report.data import CTB_LEVELS, CTB_SUMS
 
 STEP_KEYS = ("version", "success_rate", "reward_mean", "consumed_tokens", "duration_s", "goodput_tok_s",
              "ras", "tprm_s", "ra2p_mode", "max_staleness")
 RWT_WINDOW_S = 30.0  # a rollout rank counts as waiting if it recorded RWT within this window
 ENV_PROBE_TIMEOUT_S = 2.0
-EXIT_OK, EXIT_ATTENTION, EXIT_NOT_A_RUN = 0, 1, 2
+# What CTB decided and what the prefix cache kept (metrics of the rollout ranks: increments summed; levels averaged).
+CTB_SUMS = ("ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted",
+            "prefix_cache_queries", "prefix_cache_hits")
+CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, help="Run directory (holds run.db).")
-    parser.add_argument("--json", action="store_true",
-                        help="Print one JSON object instead of tables (with --watch: one per line, JSON Lines).")
-    parser.add_argument("--check", action="store_true",
-                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or a finding is an error.")
-    parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
-                        help="Redraw every SECONDS (default 2) until Ctrl-C.")
-    parser.add_argument("--stall-after-s", type=float, default=None,
-                        help="Stalled after this many seconds without a new version (default: the run's "
-                             "monitor.stall_after_s).")
-    parser.add_argument("--no-probe", action="store_true", help="Do not ask the env servers for /health.")
 
 
 TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max")
@@ -85,7 +67,7 @@ def collect(store: Any) -> dict[str, Any]:
 
 # ---- the snapshot the diagnosis reads ---------------------------------------------------------------
 def limits_of(config: Any, stall_after_s: float | None = None) -> dg.Limits:
-    from tiderl.run.systems import behaviour, feed_allowance
+    from tiderl.systems import behaviour, feed_allowance
 
     system = behaviour(config.system, max_staleness=config.rollout.max_staleness, ra2p_mode=config.trainer.ra2p_mode)
     return dg.Limits(
@@ -153,10 +135,10 @@ def probe_env_servers(run_dir: Path, env: Any = None,
     """Ask each env server of the run (RUN_DIR/env_urls.json) for /health, with the run's token
     (`env`: the job's `env:` section; the token source is the one the ranks use)."""
     from tiderl.envs.launch import TokenError, read_token
-    from tiderl.run.context import ENV_URLS_FILE
+    from tiderl.paths import RunPaths
 
     try:
-        urls = json.loads((run_dir / ENV_URLS_FILE).read_text())
+        urls = json.loads(RunPaths(run_dir).env_urls.read_text())
     except (OSError, ValueError):
         return ()  # not started yet: the launcher writes the file once the servers are up
     if not urls:
@@ -181,24 +163,15 @@ def _probe(url: str, timeout_s: float, token: str | None = None) -> dg.EnvServer
         return dg.EnvServerView(url=url, is_reachable=False, error=f"{type(e).__name__}: {e}")
 
 
-def slurm_jobs(run_dir: Path) -> list[dict[str, Any]] | None:
-    """The run's Slurm jobs; None where the Slurm job lookup is not available."""
-    try:
-        from tiderl.slurm.runjobs import slurm_jobs_of_run
-    except ImportError:
-        return None
-    return slurm_jobs_of_run(run_dir)
-
-
-def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = None,
-                    probe: bool = True) -> dict[str, Any]:
-    """`collect` plus `diagnosis` (and `slurm` where the Slurm lookup exists): what --json prints."""
+def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = None, probe: bool = True,
+                    jobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`collect` plus `diagnosis` (and `slurm`: the run's Slurm `jobs`, where the caller looked them up): what
+    `tiderl status --json` prints."""
     from tiderl.config import load_job
     from tiderl.paths import RunPaths
 
     doc = {"at": time.time()} | collect(store)
     config = load_job(RunPaths(run_dir).config)
-    jobs = slurm_jobs(run_dir)
     is_live = doc["state"] not in dg.TERMINAL_STATES
     snap = snapshot(store, limits_of(config, stall_after_s), now=time.time(),
                     env_servers=probe_env_servers(run_dir, config.env) if probe and is_live else (),
@@ -292,51 +265,6 @@ def _f(value: float | None, digits: int) -> str:
 
 
 # ---- the command -------------------------------------------------------------------------------------
-def _show(args: argparse.Namespace, store: Any, out: TextIO) -> int:
-    doc = status_document(args.run_dir, store, stall_after_s=args.stall_after_s, probe=not args.no_probe)
-    if args.json:
-        text = json.dumps(doc, default=str)
-    elif args.check:
-        # The verdict line already says stalled and why.
-        text = "\n".join([verdict(doc), *render_diagnosis(doc["diagnosis"], skip=("stalled",))[1:]])
-    else:
-        text = render(doc)
-    print(text, file=out, flush=True)
-    return EXIT_ATTENTION if args.check and doc["diagnosis"]["needs_attention"] else EXIT_OK
-
-
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from tiderl.rundir import RunDirError, open_run
-
-    out = out or sys.stdout
-    try:
-        _, store = open_run(args.run_dir, read_only=True)
-    except RunDirError as e:
-        print(f"tiderl status: {e}", file=sys.stderr)
-        return EXIT_NOT_A_RUN
-    try:
-        if args.watch is None:
-            return _show(args, store, out)
-        if args.watch <= 0:
-            print(f"tiderl status: --watch: expected a positive number of seconds, got {args.watch}",
-                  file=sys.stderr)
-            return EXIT_NOT_A_RUN
-        is_tty = out.isatty()
-        code = EXIT_OK
-        try:
-            while True:
-                if not args.json:  # --json --watch is JSON Lines: one document per line, nothing else
-                    if is_tty:
-                        print("\x1b[H\x1b[2J", end="", file=out)  # cursor home, clear screen
-                    print(time.strftime("%H:%M:%S"), file=out)
-                code = _show(args, store, out)
-                time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return code
-    finally:
-        store.close()
-
-
 # The launcher's progress line and end-of-run summary, `tiderl submit --wait`'s too.
 
 def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, int] | None = None) -> str:

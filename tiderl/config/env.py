@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiderl.config.latency import LatencySpecError, parse_latency
 from tiderl.config.schema import option, section
 
 
@@ -66,8 +67,6 @@ class EnvConfig:
     )
 
     def __post_init__(self) -> None:
-        from tiderl.envs.latency import LatencySpecError, parse_latency
-
         try:
             parse_latency(self.latency)
         except LatencySpecError as e:

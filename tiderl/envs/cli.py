@@ -100,7 +100,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.env_command != "serve":
         raise SystemExit(f"tiderl env: unknown command {args.env_command!r}")
-    from tiderl.envs.latency import LatencySpecError
+    from tiderl.config.latency import LatencySpecError
     from tiderl.envs.registry import EnvUnavailableError, UnknownEnvError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

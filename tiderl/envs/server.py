@@ -46,7 +46,7 @@ from tiderl.envs.httpio import (
     json_response,
     read_body,
 )
-from tiderl.envs.latency import LatencyProfile, parse_latency
+from tiderl.config.latency import LatencyProfile, parse_latency
 from tiderl.envs.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,

@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.report.figures import FIGURES, write_all
     from tiderl.report.summary import render
     from tiderl.rundir import RunDirError, open_run
+    from tiderl.slurm.runjobs import slurm_jobs_of_run
     from tiderl.status import status_document
 
     try:
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
             progress.step("reading the run store")
             try:
                 data = report_data.load(store)
-                diagnosis = status_document(args.run_dir, store, probe=False)["diagnosis"]
+                diagnosis = status_document(args.run_dir, store, probe=False,
+                                            jobs=slurm_jobs_of_run(args.run_dir))["diagnosis"]
             finally:
                 store.close()
             figures = write_all(data, out, on_figure=lambda name: progress.step(f"drawing {name}.png"))

@@ -6,15 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiderl.status import CTB_LEVELS, CTB_SUMS
 from tiderl.store.types import RunRecord
 
 # Metrics the figures read (names as the ranks record them).
 WAIT_METRICS = ("rwt_s", "twt_s")
 CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
-# What CTB decided and what the prefix cache kept, per weights version (increments summed; levels averaged).
-CTB_SUMS = ("ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted",
-            "prefix_cache_queries", "prefix_cache_hits")
-CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from tiderl.envs import make_env
 from tiderl.envs.base import StepResult
 from tiderl.envs.client import EndResult, StartResult, StepWithImages
 from tiderl.envs.images import ImageEnvironment, PngImage, check_png
-from tiderl.envs.latency import parse_latency
+from tiderl.config.latency import parse_latency
 
 
 class EnvLink(Protocol):

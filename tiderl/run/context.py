@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths, atomic_write_text
-from tiderl.run.systems import SystemBehaviour, behaviour
+from tiderl.systems import SystemBehaviour, behaviour
 from tiderl.store import PlanRecord, RunStore
 
 if TYPE_CHECKING:  # the mechanisms a rank builds on first use (torch, vLLM): not imported to open a context
@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # the mechanisms a rank builds on first use (torch, vLLM): no
     from tiderl.rollout.local_env import EnvLink
     from tiderl.trainer.rank import ActorRank, RefRank
 
-ENV_URLS_FILE = "env_urls.json"
 MODEL_FILE = "model_dir.txt"
 
 
@@ -31,7 +30,7 @@ class RunStopped(Exception):
 def write_run_files(paths: RunPaths, model_dir: Path, env_urls: list[str]) -> None:
     """What the launcher hands every rank besides the config: the model and the env servers."""
     atomic_write_text(paths.root / MODEL_FILE, str(model_dir))
-    atomic_write_text(paths.root / ENV_URLS_FILE, json.dumps(env_urls))
+    atomic_write_text(paths.env_urls, json.dumps(env_urls))
 
 
 @dataclass
@@ -64,7 +63,7 @@ class RankContext:
                            ra2p_mode=config.trainer.ra2p_mode)
         return cls(rank=rank, config=config, paths=paths, store=store, system=system,
                    model_dir=Path((paths.root / MODEL_FILE).read_text().strip()),
-                   env_urls=json.loads((paths.root / ENV_URLS_FILE).read_text()))
+                   env_urls=json.loads(paths.env_urls.read_text()))
 
     def weights_dir(self, version: int) -> Path:
         return self.model_dir if version == 0 else self.paths.weights_version(version)

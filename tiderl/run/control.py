@@ -24,7 +24,7 @@ from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
-from tiderl.run.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, initial_roles
+from tiderl.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, initial_roles
 from tiderl.store import RunStore
 from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
                                 TaskKind)

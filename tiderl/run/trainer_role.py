@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tiderl.paths import atomic_write_text, when_room
 from tiderl.policy.ra2p import ready_at_start, time_per_ready_microbatch_s
 from tiderl.run.context import RankContext
-from tiderl.run.systems import FetchPolicy
+from tiderl.systems import FetchPolicy
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
                                 TaskKind, VersionRecord)
 

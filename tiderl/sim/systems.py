@@ -18,7 +18,7 @@ starts from F); a fixed-partition system without `@F` sweeps the cluster's
 `rollout_fraction_sweep` and keeps the best goodput.
 
 `run:sync`, `run:async`, `run:stream` and `run:tiderl` are the four `system:`
-values of `tiderl run` (tiderl/run/systems.py), for comparing the simulator
+values of `tiderl run` (tiderl/systems.py), for comparing the simulator
 with the real job: one trainer step waits for its whole fetch before
 computing; `run:sync` is a staleness-0 barrier on a fixed split (not VeRL's
 time sharing); `run:stream` trains `groups_min` groups per step with a swap
