@@ -147,3 +147,16 @@ def for_job(job: Any, model_path: str | Path, weights_version: int = 0) -> FakeE
                         kv_capacity_tokens=(job.rollout.kv_cache_blocks or 256) * block,
                         weights_version=weights_version)
     return engine
+
+
+SCRIPTED_ENGINE = "fake_engine:for_job"  # `rollout.engine` of a run with this module's engine
+
+
+def scripted_run_env(cache: Path | None = None) -> dict[str, str]:
+    """The environment of a `tiderl` process whose ranks load `SCRIPTED_ENGINE` (tests/ on `PYTHONPATH`);
+    with `cache`, its own model cache (`TIDERL_CACHE`)."""
+    import os
+
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path} | ({"TIDERL_CACHE": str(cache)} if cache is not None else {})

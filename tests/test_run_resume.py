@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_engine import SCRIPTED_ENGINE, scripted_run_env
 from run_checks import check_run
 from tiderl.store import RunStore
 from tiderl.store.engine import StoreError
@@ -33,12 +34,11 @@ ENGINES = [pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm]), "sc
 
 
 def _engine_sets(engine: str) -> list[str]:
-    return [] if engine == "vllm" else ["--set", "rollout.engine=fake_engine:for_job", "--set", "model.init_train_steps=0"]
+    return [] if engine == "vllm" else ["--set", f"rollout.engine={SCRIPTED_ENGINE}", "--set", "model.init_train_steps=0"]
 
 
 def _launch(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "tiderl", "run", *args], cwd=ROOT, text=True, env=env,
+    return subprocess.Popen([sys.executable, "-m", "tiderl", "run", *args], cwd=ROOT, text=True, env=scripted_run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -6,27 +6,24 @@ processes execute but the vLLM engine's own (issue 17's coverage target)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fake_engine import SCRIPTED_ENGINE, scripted_run_env
 from run_checks import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTED = ["rollout.engine=fake_engine:for_job", "model.init_train_steps=5", "trainer.num_steps=3",
+SCRIPTED = [f"rollout.engine={SCRIPTED_ENGINE}", "model.init_train_steps=5", "trainer.num_steps=3",
             "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4", "rollout.max_concurrency=8",
             "rollout.eval_every_steps=2", "rollout.eval_groups=2", "trainer.checkpoint_every=2"]
 
 
 def tiderl(*args: str, timeout_s: float = 600, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if cache is not None:
-        env["TIDERL_CACHE"] = str(cache)
     return subprocess.run([sys.executable, "-m", "tiderl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+                          timeout=timeout_s, env=scripted_run_env(cache))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +46,7 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, c
     facts = check_run(run_dir, max_staleness=0 if system == "sync" else 1)
     assert facts["versions"] == 3
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
-    assert "fake_engine:for_job engine up" in logs
+    assert f"{SCRIPTED_ENGINE} engine up" in logs
 
 
 def test_an_engine_that_cannot_be_loaded_is_a_config_error(tmp_path: Path) -> None:
@@ -74,11 +71,9 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_run_resumes(tmp_path: Path, cac
     run_dir = tmp_path / "run"
     steps = 12  # each takes seconds (0.3 s environment steps): Ctrl-C after the first lands long before the end
     sets = SCRIPTED + [f"trainer.num_steps={steps}", "env.latency=fixed:0.3"]
-    env = {**os.environ, "TIDERL_CACHE": str(cache),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "tiderl", "run", "jobs/quickstart.yaml",
                              *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir)],
-                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=scripted_run_env(cache), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     version = 0
     while version < 1 and time.monotonic() < deadline and proc.poll() is None:
