@@ -129,3 +129,22 @@ def test_a_version_published_while_the_feeder_counts_does_not_overfeed(tmp_path:
     assert not plane.tick()
     groups = store.groups_by_state(TaskKind.TRAIN)
     assert groups[GroupState.CONSUMED] == 4 and sum(groups.values()) == 4
+
+
+def test_the_feed_counts_in_the_batch_the_coming_step_fetches(tmp_path: Path, monkeypatch) -> None:
+    """tiderl: (staleness + 1) x ERS's planned fetch size, so adaptive retention's smaller batches do not
+    feed groups that would wait past the staleness bound; stream, which trains groups_min as soon as
+    they are ready, keeps (staleness + 1) x groups_ideal in flight, as the simulator does
+    (tiderl.systems.feed_batch_groups)."""
+    import dataclasses
+
+    from tiderl.run import control
+
+    planned = control.ers.plan
+    monkeypatch.setattr(control.ers, "plan", lambda *a, **k: dataclasses.replace(planned(*a, **k), fetch_groups=2))
+    sets = ("trainer.groups_ideal=4", "trainer.groups_min=2", "rollout.max_staleness=1", "rollout.eval_every_steps=0")
+    for system, batch in (("tiderl", 2), ("stream", 4), ("async", 4)):
+        store, config = _store(tmp_path / system, f"system={system}", *sets)
+        ControlPlane(config, store).tick()
+        assert store.plan_at(0).fetch_groups == {"tiderl": 2, "stream": 2, "async": 4}[system]
+        assert store.buffer_state().tasks_pending == (1 + 1) * batch * config.rollout.group_size, system

@@ -8,7 +8,8 @@ import pytest
 
 from tiderl.config.job import System
 from tiderl.policy.ra2p import Ra2pMode
-from tiderl.systems import SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles
+from tiderl.systems import (SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles,
+                            oldest_trainable_version)
 from tiderl.store.types import Role
 
 
@@ -86,3 +87,10 @@ def test_feed_bound_keeps_at_most_staleness_plus_one_batches(staleness: int) -> 
         assert outstanding == (staleness + 1) * batch
         outstanding -= 3  # a step consumed some groups
     assert feed_allowance(100, batch, staleness) == 0
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_5_step_v_trains_nothing_older_than_v_minus_staleness(staleness: int) -> None:
+    for version in range(6):
+        bound = oldest_trainable_version(version, staleness)
+        assert version - bound == staleness  # the newest `staleness + 1` versions are trainable, no older one

@@ -218,3 +218,16 @@ def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
     assert rank.num_resident == 0 and len(rank.paused) == 6
     side._ctb_pass(0.0, rank)
     assert rank.num_resident == 6 and not rank.paused
+
+
+def test_a_group_older_than_the_staleness_bound_is_dropped_as_the_real_trainer_drops_it():
+    # run:stream trains groups_min groups a step while the feeder keeps (staleness + 1) x groups_ideal
+    # in flight, as the real run's stream does: groups wait past the bound and the trainer drops them
+    # (the real run of jobs/bench-latency.yaml dropped 34 of 76 finished groups). The places they free
+    # are fed again, so every step still trains its whole fetch.
+    r = run("run:stream", num_gpus=8)
+    _, cluster = small_specs(8)
+    assert r["stale_dropped_groups"] > 0 and r["stale_dropped_gen_tokens"] > 0
+    assert r["max_staleness"] <= cluster.training.max_staleness
+    assert r["steps"] == STEPS
+    assert r["consumed_trajectories"] == sum(s["fetch_groups"] for s in r["per_step"]) * small_specs()[0].group_size

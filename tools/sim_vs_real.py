@@ -18,7 +18,8 @@ for the cluster; group size, groups a step, evaluations and the context limit fo
 The measured costs stay the calibration file's. Every value replaced is listed in `job_settings`;
 a task type whose turn limit differs from the run's `env.max_turns` is reported in
 `job_mismatch` (not replaced: the turn statistics belong to that limit).
-Figures compared, each the same quantity on both sides:
+Figures compared, each the same quantity on both sides (and, beside them, the training groups each side
+dropped as older than the staleness bound over the whole run):
 - steady goodput: generated tokens trained by versions 2..N per second between the publication of
   version 1 and of version N (bench_systems' `steady_goodput_tok_s`: start-up left out);
 - mean step time: seconds between two publications, versions 2..N;
@@ -110,6 +111,23 @@ def real_steps(run_dir: Path) -> list[dict]:
     return [{"end_s": r.created_at, "gen_tokens": r.consumed_tokens,
              "rwt_s": sums.get(("rwt_s", r.version - 1)), "twt_s": sums.get(("twt_s", r.version - 1))}
             for r in rows]
+
+
+def real_stale_drops(run_dir: Path) -> int:
+    """Training groups the real trainer dropped as older than the staleness bound (the store's
+    `groups_dropped` events, each listing the groups it marked failed)."""
+    from sqlalchemy import select
+
+    from tiderl.store import RunStore
+    from tiderl.store.schema import events
+
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        rows = store.tx.read(lambda c: c.execute(
+            select(events.c.data).where(events.c.kind == "groups_dropped")).all())
+    finally:
+        store.close()
+    return sum(len(json.loads(r.data or "{}").get("groups", [])) for r in rows)
 
 
 def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dict, dict, list[str]]:
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = json.loads(args.bench.read_text().strip().splitlines()[-1])
     cluster_doc = yaml.safe_load(args.cluster.read_text())
     workload_doc = yaml.safe_load(args.workload.read_text())
-    measured, simulated, raw, settings, mismatches = {}, {}, {}, {}, set()
+    measured, simulated, raw, settings, mismatches, drops = {}, {}, {}, {}, set(), {}
     for name, run in bench.items():
         if not isinstance(run, dict) or "error" in run or "run_dir" not in run:
             continue
@@ -235,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         result = simulate(name, config["rollout"]["scheduler"], workload, cluster, run["steps"], args.seed)
         simulated[name] = steady_from_steps(sim_steps(result))
         raw[name] = {k: result[k] for k in ("goodput_gen_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "gpu_s",
-                                            "ra2p", "roles_timeline")}
+                                            "ra2p", "roles_timeline", "stale_dropped_groups")}
+        drops[name] = {"measured": real_stale_drops(run_dir), "simulated": result["stale_dropped_groups"]}
     out = compare(measured, simulated)
+    out["stale_dropped_groups"] = drops
     out["workload"], out["cluster"] = str(args.workload), str(args.cluster)
     if args.job is not None:
         out["job"] = str(args.job)
@@ -259,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             m, s, e = v["measured"], v["simulated"], v["error"]
             print(f"{name:8} {fig:22} {m if m is None else round(m, 2)!s:>10} "
                   f"{s if s is None else round(s, 2)!s:>10} {'-' if e is None else f'{e:+.0%}':>8}")
+    print("training groups dropped as stale (whole run), measured / simulated: " + ", ".join(
+        f"{name} {d['measured']} / {d['simulated']}" for name, d in drops.items()))
     print("over 25%:", ", ".join(out["over_threshold"]) or "none")
     return 0
 

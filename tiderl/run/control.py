@@ -24,7 +24,7 @@ from tiderl.paths import RunPaths
 from tiderl.policy import ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
-from tiderl.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, initial_roles
+from tiderl.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles
 from tiderl.store import RunStore
 from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
                                 TaskKind)
@@ -55,6 +55,9 @@ class ControlPlane:
         # The roles an evaluation's preemptive plan replaced (in memory: a resumed run plans on from its
         # current roles, as the rate planner would).
         self._evaluation_memory = EvaluationMemory()
+        # The fetch size of the latest plan, which the feed bound counts in (groups_ideal until a plan;
+        # a resumed run plans again before its next step).
+        self._planned_fetch = config.trainer.groups_ideal
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -94,9 +97,10 @@ class ControlPlane:
         # after the counts only makes this tick feed less, and the next tick feeds the rest.
         version = self.store.position()[1]
         total, outstanding = sum(counts.values()), sum(counts[s] for s in OUTSTANDING)
-        batch = self.config.trainer.groups_ideal
+        ideal = self.config.trainer.groups_ideal
         # No more groups than the remaining steps can train (generation past the end is waste).
-        remaining = (self.config.trainer.num_steps - version) * batch - outstanding
+        remaining = (self.config.trainer.num_steps - version) * ideal - outstanding
+        batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, self._planned_fetch, ideal)
         n = min(feed_allowance(outstanding, batch, self.system.max_staleness), max(0, remaining))
         if n:
             g = self.config.rollout.group_size
@@ -158,6 +162,7 @@ class ControlPlane:
                         f"{new['predicted_goodput_tok_s']:.0f} tok/s)" if old and new else "")
                 log.info("version %d: ERS %s moves %s%s", version, reason,
                          ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves), seen)
+        self._planned_fetch = fetch
         plan = PlanRecord(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
         self.store.plan_roles(version, current, ra2p_mode=mode, fetch_groups=fetch, reason=reason)
         self._record_step(version)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tiderl.paths import atomic_write_text, when_room
 from tiderl.policy.ra2p import ready_at_start, time_per_ready_microbatch_s
 from tiderl.run.context import RankContext
-from tiderl.systems import FetchPolicy
+from tiderl.systems import FetchPolicy, oldest_trainable_version
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
                                 TaskKind, VersionRecord)
 
@@ -122,7 +122,7 @@ async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
     ras: int | None = None
     arrivals: list[float] = []  # seconds after the step start when another micro-batch became ready
     seen_tokens = 0
-    bound = plan.version - ctx.system.max_staleness
+    bound = oldest_trainable_version(plan.version, ctx.system.max_staleness)
     while len(groups) < need:
         ctx.position()
         buf = ctx.store.buffer_state()

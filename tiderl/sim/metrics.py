@@ -209,6 +209,8 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         "bound_tok_s": round(min(compute_bound, latency_bound), 1),
         "bound_term": "compute" if compute_bound <= latency_bound else "staleness_latency",
         "latency_bound": latency_parts,
+        "stale_dropped_groups": sim.dropped_groups,
+        "stale_dropped_gen_tokens": sim.dropped_gen_tokens,
         "rwt_s": round(acc["rwt"], 1),
         "twt_s": round(sim.twt_gpu_s, 1),
         "kv_hit_rate": round(counters["hit"] / counters["query"], 4) if counters["query"] else None,

@@ -42,6 +42,7 @@ from tiderl.sim.spec import ClusterSpec, WorkloadSpec
 from tiderl.sim.systems import System
 from tiderl.sim.trainer import SimStepStats, Trainer
 from tiderl.sim.workload import TaskSampler
+from tiderl.systems import feed_allowance, feed_batch_groups, oldest_trainable_version
 
 
 class SimulationStalled(RuntimeError):
@@ -164,6 +165,8 @@ class Simulation:
         self.consumed_tasks: list[SimTask] = []
         self.eval_tasks_done: list[SimTask] = []
         self.staleness_seen: list[int] = []
+        self.dropped_groups = 0  # training groups dropped as older than the staleness bound
+        self.dropped_gen_tokens = 0
         self.twt_gpu_s = 0.0
         self.eval_block_gpu_s = 0.0
         self.regroup_gpu_s = 0.0
@@ -233,16 +236,19 @@ class Simulation:
         return w.eval_every_steps > 0 and w.eval_groups > 0 and version % w.eval_every_steps == 0
 
     def _release(self, t: float) -> None:
-        """Release what the staleness bound allows, plus this version's evaluation round."""
+        """Release this version's evaluation round and what the staleness bound allows."""
         if self._eval_due(self.version):
             self.eval_outstanding = self.workload.eval_groups
             self.rollout.release(t, self._new_groups(self.workload.eval_groups, True), front=True)
-        # Groups in flight (released, not yet consumed) <= (max_staleness + 1) x fetch size: AReaL's
-        # (version + s + 1) x B rule when every step consumes B_ideal, and still a bound in versions
-        # when ERS's adaptive retention fetches fewer groups per step.
-        consumed = len(self.consumed_tasks) // self.workload.group_size
-        batch = self.b_ideal if self.system.fetch_min else self.fetch
-        allowed = consumed + (self.staleness + 1) * batch - self.train_released
+        self._release_training(t)
+
+    def _release_training(self, t: float) -> None:
+        # Groups in flight (released, not yet consumed) <= (max_staleness + 1) x the batch the coming
+        # step fetches (`feed_batch_groups`, as the run's control plane): AReaL's (version + s + 1) x B
+        # rule. A group dropped as stale is no longer outstanding either: its place is fed again.
+        done = len(self.consumed_tasks) // self.workload.group_size + self.dropped_groups
+        batch = feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
+        allowed = feed_allowance(self.train_released - done, batch, self.staleness)
         if allowed > 0:
             self.train_released += allowed
             groups = self._new_groups(allowed, False)
@@ -290,9 +296,18 @@ class Simulation:
         self._offer(t)
 
     def _offer(self, t: float) -> None:
-        for group in self.trainer.offer(t, self.buffer):
+        bound = oldest_trainable_version(self.version, self.staleness)
+        claimed, dropped = self.trainer.offer(t, self.buffer, lambda g: g.version_start < bound)
+        for group in claimed:
             self.consumed_tasks.extend(group.tasks)
             self.staleness_seen.append(self.version - group.version_start)
+        if dropped:
+            # The real trainer drops a stale group when it claims it (the store marks it failed); the
+            # control plane sees the freed place at its next tick and feeds a new group.
+            self.dropped_groups += len(dropped)
+            self.dropped_gen_tokens += sum(g.gen_tokens for g in dropped)
+            c = self.cluster.control
+            self.schedule(self._after(t, c.control_tick_s, c.report_interval_s), self._refeed)
 
     # -- asynchronous steps ------------------------------------------------------------------
     def _num(self, role: Role) -> int:
@@ -433,6 +448,12 @@ class Simulation:
     def _feed(self, t: float) -> None:
         self._release(t)
         self.rollout.dispatch(t)
+
+    def _refeed(self, t: float) -> None:
+        """The places of dropped groups fed again (no evaluation round: that belongs to a publish)."""
+        if not self.done:
+            self._release_training(t)
+            self.rollout.dispatch(t)
 
     # -- synchronous system ------------------------------------------------------------------
     def _sync_start_version(self, t: float) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from tiderl.policy.ra2p import Ra2pMode, smallest_last_microbatches, zigzag_dispatch
 from tiderl.sim.costs import Costs
+from tiderl.sim.rollout import SimGroup
 
 
 class TrainerKind(enum.Enum):
@@ -110,14 +111,20 @@ class Trainer:
     def capacity_tokens(self) -> int:
         return self.micro_batch_tokens * self.stats.num_actors  # type: ignore[union-attr]
 
-    def offer(self, t: float, buffer: deque) -> list:
-        """Claim ready groups (up to the fetch size), form micro-batches, run. Returns the claimed groups."""
+    def offer(self, t: float, buffer: deque[SimGroup],
+              stale: Callable[[SimGroup], bool] | None = None) -> tuple[list[SimGroup], list[SimGroup]]:
+        """Claim ready groups (up to the fetch size) in the order they became ready, form micro-batches,
+        run. A claimed group that `stale` rejects is dropped, as the real trainer drops a group older than
+        the staleness bound, and the next ready one taken instead. Returns (claimed, dropped)."""
         if not self.active or self.done:
-            return []
+            return [], []
         st = self.stats
-        claimed = []
+        claimed, dropped = [], []
         while self.claimed < st.fetch_groups and buffer:
             group = buffer.popleft()
+            if stale is not None and stale(group):
+                dropped.append(group)
+                continue
             claimed.append(group)
             self.claimed += 1
             st.consumed_gen_tokens += group.gen_tokens
@@ -129,7 +136,7 @@ class Trainer:
         if claimed:
             self._form(t)
             self._run(t)
-        return claimed
+        return claimed, dropped
 
     # -- formation ---------------------------------------------------------------------------
     def _form(self, t: float) -> None:
