@@ -203,3 +203,31 @@ def test_the_store_marks_a_step_during_which_an_evaluation_group_was_open(tmp_pa
     store.tx.write(lambda c: c.exec_driver_sql(f"update task_groups set state='evaluated', completed_at={t1 + 1}"))
     assert store.step_window(2, t1 + 0.5, t1 + 10).evaluation  # completed during the step
     assert not store.step_window(3, t1 + 2, t1 + 10).evaluation  # completed before it
+
+
+def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(tmp_path: Path) -> None:
+    from tiderl.rundir import create_run
+    from tiderl.run.control import ControlPlane
+    from tiderl.store.types import FinishedTrajectory, RankReport, Role
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_job(root / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0"])
+    _, store = create_run(config, tmp_path / "run")
+    store.register_initial_version("model", "0")
+    ControlPlane(config, store).tick()  # feeds the first groups
+    store.register_rank(1, Role.ROLLOUT)
+    store.register_rank(0, Role.ACTOR)
+    claims = [c for c in store.claim_tasks(1, 1000) if c.kind.value == "train"]
+    store.report(RankReport(rank=1, finished=[FinishedTrajectory(
+        task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], logprobs=[0.0, -1.0, -1.0, -1.0],
+        token_versions=[-1, 0, 0, 0], num_turns=1, reward=float(c.index_in_group % 2), success=True)
+        for c in claims]))
+    got = store.claim_ready_groups(0, 2)
+    groups = sorted({t.group_id for t in got})
+    t0 = time.time()
+    assert store.drop_claimed_groups(0, groups[:1], "test") == 1
+    t1 = time.time()
+    dropped = sum(t.num_tokens for t in got if t.group_id == groups[0])
+    assert dropped > 0
+    assert store.step_window(1, t0 - 0.001, t1 + 1).stale_dropped_tokens == dropped
+    assert store.step_window(1, t1 + 1, t1 + 2).stale_dropped_tokens == 0  # dropped before that step

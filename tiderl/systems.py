@@ -108,11 +108,15 @@ def feed_batch_groups(fetch_min: bool, planned_fetch: int, groups_ideal: int) ->
     return groups_ideal if fetch_min else planned_fetch
 
 
-def feed_allowance(outstanding_groups: int, batch_groups: int, max_staleness: int) -> int:
+def feed_allowance(outstanding_groups: int, batch_groups: int, max_staleness: int, cap: int | None = None) -> int:
     """How many more training groups the feeder may create now.
 
     Groups created but not yet trained are at most (staleness + 1) batches: a
     group generated now is then trained within `max_staleness` versions in
     the steady state (the trainer's stale filter enforces the bound exactly).
+    `cap`: a smaller limit planned by ERS (tiderl.policy.admission), never above that bound.
     """
-    return max(0, (max_staleness + 1) * batch_groups - outstanding_groups)
+    limit = (max_staleness + 1) * batch_groups
+    if cap is not None:
+        limit = min(limit, cap)
+    return max(0, limit - outstanding_groups)

@@ -66,6 +66,13 @@ class ErsConfig:
         help="After a rollout scale-down that leaves a generation deficit, fetch fewer groups per step "
         "(halfway toward trainer.groups_min) so a reservoir of ready data remains.",
     )
+    adaptive_admission: bool = option(
+        True,
+        help="Fewer training groups in flight than the staleness bound allows while the trainer drops "
+        "groups as too stale (stragglers that finished after the last step that could train them), more "
+        "again while it waits for data and drops none: an eighth of a batch a step, between one batch and "
+        "(staleness + 1) batches (tiderl.policy.admission).",
+    )
     host_slots: float | None = option(
         None,
         gt=0,

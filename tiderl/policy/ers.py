@@ -252,6 +252,9 @@ class StepObservation:
     """TPRM the step observed (None: no post-start arrival)."""
     ras_microbatches: int = 0
     """Micro-batches (global: every actor rank's share) ready when the step started (its RAS)."""
+    stale_dropped_tokens: int = 0
+    """Tokens of the training groups the trainer dropped during the step as older than the staleness
+    bound (generated, never trained)."""
     evaluation: bool = False
     """An evaluation ran during the step: its tasks took rollout capacity and the trainer's wait and the
     groups' latency are partly the evaluation's, so the rate window and the latency memory leave it out."""

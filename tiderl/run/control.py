@@ -21,7 +21,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
-from tiderl.policy import ers, ers_rate
+from tiderl.policy import admission, ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles
@@ -58,6 +58,7 @@ class ControlPlane:
         # The fetch size of the latest plan, which the feed bound counts in (groups_ideal until a plan;
         # a resumed run plans again before its next step).
         self._planned_fetch = config.trainer.groups_ideal
+        self._inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -101,7 +102,7 @@ class ControlPlane:
         # No more groups than the remaining steps can train (generation past the end is waste).
         remaining = (self.config.trainer.num_steps - version) * ideal - outstanding
         batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, self._planned_fetch, ideal)
-        n = min(feed_allowance(outstanding, batch, self.system.max_staleness), max(0, remaining))
+        n = min(feed_allowance(outstanding, batch, self.system.max_staleness, self._inflight_cap), max(0, remaining))
         if n:
             g = self.config.rollout.group_size
             self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, total + i), g)
@@ -154,6 +155,10 @@ class ControlPlane:
             self._evaluation_memory.note(tuple(before), decision.reason)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
+            if cfg.ers.adaptive_admission and cfg.ers.enabled:
+                steps = self._observations(version)
+                batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, fetch, cfg.trainer.groups_ideal)
+                self._inflight_cap = admission.inflight_cap(self._inflight_cap, steps, batch, self.system.max_staleness)
             mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
             reason = decision.reason.value
             if decision.moves:
@@ -221,7 +226,7 @@ class ControlPlane:
             # cost model in global micro-batches of `actors` shares.
             tprm_s=row["tprm_s"] * actors if row["tprm_s"] is not None else None,
             ras_microbatches=int(row["ras"]) // actors if row["ras"] is not None else 0,
-            evaluation=window.evaluation)
+            stale_dropped_tokens=window.stale_dropped_tokens, evaluation=window.evaluation)
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")

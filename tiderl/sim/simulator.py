@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from tiderl.policy import ers
+from tiderl.policy import admission, ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
@@ -72,6 +72,8 @@ class StepRecord:
     hol_s: float = 0.0
     consumed_gen_tokens: int = 0
     rwt_gpu_s: float = 0.0
+    stale_dropped_groups: int = 0  # dropped at this step's claims
+    inflight_cap: int | None = None  # ERS's adaptive admission for the step (None: the staleness bound's)
 
 
 class Simulation:
@@ -144,6 +146,8 @@ class Simulation:
                                                         group_size=workload.group_size),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
+        self.adaptive_admission = self.ers_limits.enabled and e.adaptive_admission
+        self.inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
         self.evaluation_memory = EvaluationMemory()
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
         self.fetch = self.b_min if system.fetch_min else self.b_ideal
@@ -167,6 +171,8 @@ class Simulation:
         self.staleness_seen: list[int] = []
         self.dropped_groups = 0  # training groups dropped as older than the staleness bound
         self.dropped_gen_tokens = 0
+        self.dropped_at_record = 0
+        self.step_dropped_tokens = 0  # this step's, for ERS (trajectory tokens, as produced_tokens)
         self.twt_gpu_s = 0.0
         self.eval_block_gpu_s = 0.0
         self.regroup_gpu_s = 0.0
@@ -248,7 +254,7 @@ class Simulation:
         # rule. A group dropped as stale is no longer outstanding either: its place is fed again.
         done = len(self.consumed_tasks) // self.workload.group_size + self.dropped_groups
         batch = feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
-        allowed = feed_allowance(self.train_released - done, batch, self.staleness)
+        allowed = feed_allowance(self.train_released - done, batch, self.staleness, self.inflight_cap)
         if allowed > 0:
             self.train_released += allowed
             groups = self._new_groups(allowed, False)
@@ -306,6 +312,7 @@ class Simulation:
             # control plane sees the freed place at its next tick and feeds a new group.
             self.dropped_groups += len(dropped)
             self.dropped_gen_tokens += sum(g.gen_tokens for g in dropped)
+            self.step_dropped_tokens += sum(sum(g.seq_tokens) for g in dropped)
             c = self.cluster.control
             self.schedule(self._after(t, c.control_tick_s, c.report_interval_s), self._refeed)
 
@@ -369,8 +376,10 @@ class Simulation:
             trainer_wait_s=min(duration, stats.twt_gpu_s / trainers + block),
             tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
             ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
+            stale_dropped_tokens=self.step_dropped_tokens,
             evaluation=self._eval_due(self.version)))  # the step played this version's evaluation round
         self.groups_seen = []
+        self.step_dropped_tokens = 0
 
     def _rollout_busy_rank_s(self) -> float:
         """Rollout rank-seconds with the engine generating since the last publish (after the accounting
@@ -432,6 +441,9 @@ class Simulation:
             if self._num(Role.ACTOR) != actors:
                 restart_s = max(sync_s, self.costs.regroup_s(self._num(Role.ACTOR)))
                 self.regroup_gpu_s += restart_s * self._num(Role.ACTOR)
+        if self.adaptive_admission:  # with the plan, as the control plane decides it
+            batch = feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
+            self.inflight_cap = admission.inflight_cap(self.inflight_cap, self.observations, batch, self.staleness)
         self._record_roles(t)
         c = self.cluster.control
         # A polled control loop: the plan of the new version is written at the next control tick and
@@ -529,8 +541,11 @@ class Simulation:
                 eval_block_s=block,
                 ers_reason=None,
                 consumed_gen_tokens=stats.consumed_gen_tokens,
+                stale_dropped_groups=self.dropped_groups - self.dropped_at_record,
+                inflight_cap=self.inflight_cap,
             )
         )
+        self.dropped_at_record = self.dropped_groups
 
     def _end(self, t: float) -> None:
         self.rollout.account_all(t, force=True)

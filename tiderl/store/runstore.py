@@ -718,7 +718,7 @@ class RunStore:
 
     def step_window(self, version: int, start_ts: float, end_ts: float) -> StepWindow:
         """What ERS reads of the step that published `version` (tiderl.policy.ers.StepObservation): the
-        trajectory tokens it trained on, the training groups completed in
+        trajectory tokens it trained on and those of the groups it dropped as stale, the training groups completed in
         [start_ts, end_ts) (their tokens, creation-to-completion seconds and slowest task's environment
         seconds), the rank-seconds of the rollout and wait metrics recorded in it, by metric and role, and
         whether an evaluation group was open during it."""
@@ -736,6 +736,13 @@ class RunStore:
                                     metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
                              .group_by(metrics.c.name, metrics.c.role)).all()
             consumed = c.execute(select(versions.c.trained_tokens).where(versions.c.version == version)).scalar()
+            # The groups the trainer dropped in the step: each drop is one `groups_dropped` event, written
+            # in the transaction that dropped them (drop_claimed_groups), listing its groups.
+            dropped = [g for (data,) in c.execute(select(events.c.data).where(
+                events.c.kind == "groups_dropped", events.c.ts >= start_ts, events.c.ts < end_ts))
+                for g in json.loads(data or "{}").get("groups", [])]
+            dropped_tokens = c.execute(select(func.sum(trajectories.c.num_tokens)).where(
+                trajectories.c.group_id.in_(dropped))).scalar() if dropped else 0
             evals = c.execute(select(func.count()).select_from(task_groups).where(
                 task_groups.c.kind == TaskKind.EVAL.value, task_groups.c.created_at < end_ts,
                 or_(task_groups.c.state == GroupState.OPEN.value, task_groups.c.completed_at >= start_ts))).scalar()
@@ -745,7 +752,7 @@ class RunStore:
                 group_latency_sum_s=sum(max(0.0, r.completed_at - r.created_at) for r in rows),
                 group_env_sum_s=sum(r.env_s or 0.0 for r in rows),
                 rank_s={(name, role): float(v or 0.0) for name, role, v in sums},
-                consumed_tokens=int(consumed or 0))
+                consumed_tokens=int(consumed or 0), stale_dropped_tokens=int(dropped_tokens or 0))
 
         return self.tx.read(read)
 

@@ -153,6 +153,7 @@ class StepWindow:
     rank_s: dict[tuple[str, str], float]  # (metric, role) -> seconds summed over ranks
     consumed_tokens: int  # trajectory tokens the step trained on
     evaluation: bool = False  # an evaluation group was open during the step
+    stale_dropped_tokens: int = 0  # trajectory tokens of the groups the trainer dropped as stale in the step
 
 
 CUT_FINISHES = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a task its limits cut
