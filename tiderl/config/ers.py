@@ -69,9 +69,10 @@ class ErsConfig:
     adaptive_admission: bool = option(
         True,
         help="Fewer training groups in flight than the staleness bound allows while the trainer drops "
-        "groups as too stale (stragglers that finished after the last step that could train them), more "
-        "again while it waits for data and drops none: an eighth of a batch a step, between one batch and "
-        "(staleness + 1) batches (tiderl.policy.admission).",
+        "groups as too stale (stragglers that finished after the last step that could train them) on busy "
+        "engines, more again while it waits for data: an eighth of a batch a step, between one batch and "
+        "(staleness + 1) batches, judged on the last three steps without an evaluation "
+        "(tiderl.policy.admission). A resumed run starts again from the staleness bound.",
     )
     host_slots: float | None = option(
         None,

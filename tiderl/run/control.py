@@ -158,7 +158,11 @@ class ControlPlane:
             if cfg.ers.adaptive_admission and cfg.ers.enabled:
                 steps = self._observations(version)
                 batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, fetch, cfg.trainer.groups_ideal)
-                self._inflight_cap = admission.inflight_cap(self._inflight_cap, steps, batch, self.system.max_staleness)
+                cap = admission.inflight_cap(self._inflight_cap, steps, batch, self.system.max_staleness)
+                if cap != self._inflight_cap:
+                    log.info("version %d: ERS admits at most %d training groups in flight (was %s)", version, cap,
+                             self._inflight_cap if self._inflight_cap is not None else "the staleness bound's")
+                self._inflight_cap = cap
             mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
             reason = decision.reason.value
             if decision.moves:
