@@ -101,12 +101,17 @@ class ControlPlane:
         ideal = self.config.trainer.groups_ideal
         # No more groups than the remaining steps can train (generation past the end is waste).
         remaining = (self.config.trainer.num_steps - version) * ideal - outstanding
-        batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, self._planned_fetch, ideal)
-        n = min(feed_allowance(outstanding, batch, self.system.max_staleness, self._inflight_cap), max(0, remaining))
+        n = min(feed_allowance(outstanding, self._feed_batch(), self.system.max_staleness, self._inflight_cap),
+                max(0, remaining))
         if n:
             g = self.config.rollout.group_size
             self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, total + i), g)
                                    for i in range(n)])
+
+    def _feed_batch(self) -> int:
+        """The batch the feed bound counts in, for the latest plan's fetch size."""
+        return feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, self._planned_fetch,
+                                 self.config.trainer.groups_ideal)
 
     def feed_eval(self, version: int) -> None:
         every = self.config.rollout.eval_every_steps
@@ -155,14 +160,6 @@ class ControlPlane:
             self._evaluation_memory.note(tuple(before), decision.reason)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
-            if cfg.ers.adaptive_admission and cfg.ers.enabled:
-                steps = self._observations(version)
-                batch = feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, fetch, cfg.trainer.groups_ideal)
-                cap = admission.inflight_cap(self._inflight_cap, steps, batch, self.system.max_staleness)
-                if cap != self._inflight_cap:
-                    log.info("version %d: ERS admits at most %d training groups in flight (was %s)", version, cap,
-                             self._inflight_cap if self._inflight_cap is not None else "the staleness bound's")
-                self._inflight_cap = cap
             mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
             reason = decision.reason.value
             if decision.moves:
@@ -172,6 +169,13 @@ class ControlPlane:
                 log.info("version %d: ERS %s moves %s%s", version, reason,
                          ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves), seen)
         self._planned_fetch = fetch
+        if self.system.uses_ers and cfg.ers.adaptive_admission and cfg.ers.enabled:
+            cap = admission.inflight_cap(self._inflight_cap, self._observations(version), self._feed_batch(),
+                                         self.system.max_staleness)
+            if cap != self._inflight_cap:
+                log.info("version %d: ERS admits at most %d training groups in flight (was %s)", version, cap,
+                         self._inflight_cap if self._inflight_cap is not None else "the staleness bound's")
+            self._inflight_cap = cap
         plan = PlanRecord(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
         self.store.plan_roles(version, current, ra2p_mode=mode, fetch_groups=fetch, reason=reason)
         self._record_step(version)

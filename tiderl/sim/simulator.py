@@ -253,14 +253,17 @@ class Simulation:
         # step fetches (`feed_batch_groups`, as the run's control plane): AReaL's (version + s + 1) x B
         # rule. A group dropped as stale is no longer outstanding either: its place is fed again.
         done = len(self.consumed_tasks) // self.workload.group_size + self.dropped_groups
-        batch = feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
-        allowed = feed_allowance(self.train_released - done, batch, self.staleness, self.inflight_cap)
+        allowed = feed_allowance(self.train_released - done, self._feed_batch(), self.staleness, self.inflight_cap)
         if allowed > 0:
             self.train_released += allowed
             groups = self._new_groups(allowed, False)
             for group in groups:
                 self.released_s[group.id] = t
             self.rollout.release(t, groups)
+
+    def _feed_batch(self) -> int:
+        """The batch the feed bound counts in (the run's control plane's function)."""
+        return feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
 
     @staticmethod
     def _after(t: float, *intervals: float) -> float:
@@ -442,8 +445,8 @@ class Simulation:
                 restart_s = max(sync_s, self.costs.regroup_s(self._num(Role.ACTOR)))
                 self.regroup_gpu_s += restart_s * self._num(Role.ACTOR)
         if self.adaptive_admission:  # with the plan, as the control plane decides it
-            batch = feed_batch_groups(self.system.fetch_min, self.fetch, self.b_ideal)
-            self.inflight_cap = admission.inflight_cap(self.inflight_cap, self.observations, batch, self.staleness)
+            self.inflight_cap = admission.inflight_cap(self.inflight_cap, self.observations, self._feed_batch(),
+                                                       self.staleness)
         self._record_roles(t)
         c = self.cluster.control
         # A polled control loop: the plan of the new version is written at the next control tick and
