@@ -20,3 +20,32 @@ def test_a_killed_rollout_rank_loses_and_doubles_nothing(tmp_path: Path) -> None
     assert result["trajectories_lost"] == 0, result
     assert result["consumed_twice"] == 0, result
     assert result["recovery_s"] is not None, result
+
+
+def test_groups_dropped_as_too_stale_are_not_counted_lost(tmp_path: Path) -> None:
+    """A group the control plane drops while open (a trajectory already older than the bound) fails its
+    pending tasks; the campaign counts it dropped on purpose, and a group failed by a task's errors lost."""
+    from chaos import exactly_once
+
+    from tiderl.config.store import StoreConfig
+    from tiderl.store import FinishedTrajectory, NewGroup, RankReport, Role, RunStore, TaskFailure, TaskKind
+
+    s = RunStore.for_run_dir(tmp_path, StoreConfig())
+    s.create_schema()
+    s.init_run(name="t", system="async", config_yaml="system: async\n")
+    s.register_initial_version("weights/v0", "sum0")
+    s.register_rank(0, Role.ROLLOUT)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
+    claims = s.claim_tasks(0, 4)
+    doomed, failing = sorted({c.group_id for c in claims})
+    first = next(c for c in claims if c.group_id == doomed)
+    s.report(RankReport(rank=0, finished=[FinishedTrajectory(
+        task_id=first.task_id, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], token_versions=[-1, 0],
+        num_turns=1, reward=1.0, success=True)], released=[c.task_id for c in claims if c.group_id == doomed
+                                                          and c is not first]))
+    assert s.drop_doomed_groups(1, "test") == [doomed]
+    for c in claims:
+        if c.group_id == failing:
+            s.report(RankReport(rank=0, failed=[TaskFailure(c.task_id, "boom")]), max_attempts=1)
+    result = exactly_once(tmp_path / "run.db")
+    assert result["dropped_stale"] == 2 and result["lost"]["failed"] == 2, result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tiderl.config import load_job
@@ -173,3 +174,35 @@ def test_the_feed_keeps_within_ers_adaptive_admission(tmp_path: Path, monkeypatc
     store, config = _store(tmp_path / "off", *sets, "ers.adaptive_admission=false")
     ControlPlane(config, store).tick()
     assert calls == [] and store.buffer_state().tasks_pending == 2 * 4 * config.rollout.group_size
+
+
+def test_a_new_version_drops_the_open_groups_no_step_may_train_and_feeds_their_places(tmp_path: Path) -> None:
+    """At each new version the control plane drops the open groups holding a trajectory older than the
+    step's staleness bound (the trainer would drop them at its claim, after generating the rest of them)
+    and the feed replaces them."""
+    store, config = _store(tmp_path, "system=async", "rollout.max_staleness=1", "rollout.eval_every_steps=0",
+                           "trainer.num_steps=4")
+    plane = ControlPlane(config, store)
+    plane.tick()
+    store.register_rank(1, Role.ROLLOUT)
+    store.register_rank(0, Role.ACTOR)
+    claims = [c for c in store.claim_tasks(1, 1000) if c.kind.value == "train"]
+    first = min(c.group_id for c in claims)
+    straggler = next(c for c in claims if c.group_id == first)
+    # One task of the first group finishes on version 0's weights; the group stays open.
+    store.report(RankReport(rank=1, finished=[FinishedTrajectory(
+        task_id=straggler.task_id, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], token_versions=[-1, 0],
+        num_turns=1, reward=1.0, success=True)]))
+    for version in (0, 1):  # the trainer publishes versions 1 and 2 from other groups
+        store.publish_version(VersionRecord(version=version + 1, path="w", checksum="c", trajectory_ids=[],
+                                            step_started_at=0.0, duration_s=1.0), owner=0)
+        before = store.groups_by_state(TaskKind.TRAIN)
+        plane.tick()
+        after = store.groups_by_state(TaskKind.TRAIN)
+        if version == 0:  # step 1 may still train version 0's tokens
+            assert after[GroupState.FAILED] == 0
+    # Step 2's bound is version 1: the first group can never be trained.
+    assert after[GroupState.FAILED] == before[GroupState.FAILED] + 1
+    assert sum(after.values()) == sum(before.values()) + 1  # its place fed again
+    assert first in json.loads(store.tx.read(lambda c: c.exec_driver_sql(
+        "select data from events where kind = 'groups_dropped'").scalar_one()))["groups"]

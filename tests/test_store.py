@@ -336,3 +336,43 @@ def test_a_task_reported_twice_in_one_tick_counts_once(tmp_path: Path, store_url
     assert (out["accepted"], out["dropped"]) == (0, 1)
     assert s.buffer_state().tasks_running == 1
     s.close()
+
+
+def test_open_groups_holding_a_trajectory_older_than_the_bound_are_dropped(tmp_path: Path,
+                                                                            store_url: str | None) -> None:
+    """drop_doomed_groups: an open training group that already holds a trajectory generated before the
+    bound can never be trained; it fails now (not after its other tasks were generated), its pending
+    tasks fail, a task its rank still plays fails at release and its late trajectory revives nothing."""
+    import json
+
+    from tiderl.store.schema import events, task_groups, tasks
+
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, seed, 3) for seed in (1, 2, 3)])
+    claims = s.claim_tasks(0, 9)
+    by_group: dict[int, list] = {}
+    for c in claims:
+        by_group.setdefault(c.group_id, []).append(c)
+    old, fresh, untouched = sorted(by_group)
+
+    def at(claim, version: int) -> FinishedTrajectory:
+        return FinishedTrajectory(task_id=claim.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                                  logprobs=[0.0, -1.0, -1.0], token_versions=[-1, version, version + 1], num_turns=1,
+                                  reward=1.0, success=True)
+
+    s.report(RankReport(rank=0, finished=[at(by_group[old][0], 1), at(by_group[fresh][0], 2)],
+                        released=[by_group[old][1].task_id]))  # one task of the old group back to pending
+    assert s.drop_doomed_groups(2, "older than version 2") == [old]
+    assert s.drop_doomed_groups(2, "older than version 2") == []  # once
+    rows = s.tx.read(lambda c: c.execute(select(tasks.c.group_id, tasks.c.state, tasks.c.last_error)).all())
+    states = {(g, st) for g, st, _ in rows}
+    assert (old, "failed") in states and (old, "pending") not in states  # the released task will not restart
+    assert {st for g, st, _ in rows if g in (fresh, untouched)} <= {"running", "done"}
+    assert any("older than version 2" in (e or "") for g, _, e in rows if g == old)
+    # The task still running in the dropped group: its trajectory is accepted but makes no ready group.
+    s.report(RankReport(rank=0, finished=[at(by_group[old][2], 3)]))
+    assert s.tx.read(lambda c: c.execute(select(task_groups.c.state).where(task_groups.c.id == old)).scalar_one()) \
+        == "failed"
+    event = s.tx.read(lambda c: c.execute(select(events.c.data).where(events.c.kind == "groups_dropped")).all())
+    assert [json.loads(d)["groups"] for (d,) in event] == [[old]]
+    assert s.claim_ready_groups(2, 10) == []

@@ -553,7 +553,7 @@ def _task_findings(snap: Snapshot) -> list[Finding]:
     if snap.failed_groups:
         out.append(Finding(Kind.GROUPS_FAILED, Severity.INFO if snap.state in TERMINAL_STATES else Severity.WARNING,
                            f"{_plural(snap.failed_groups, 'group')} failed for good (a task ran out of attempts, or "
-                           "the trainer dropped it as too stale) and will never be trained",
+                           "it was dropped as too stale) and will never be trained",
                            data={"failed_groups": snap.failed_groups}))
     stale = [e for e in snap.events if e.kind == "stale_dropped"]
     if stale:

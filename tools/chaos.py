@@ -187,7 +187,8 @@ def exactly_once(db: Path) -> dict[str, Any]:
 
     lost: tasks of training groups that are not trained whole: failed by errors, still outstanding
     (open, ready, claimed) at the end, or consumed with fewer trajectories than the group has.
-    Groups the trainer dropped as too stale are counted apart (`dropped_stale`): dropped on purpose.
+    Groups dropped as too stale (by the trainer, or open by the control plane) are counted apart
+    (`dropped_stale`): dropped on purpose.
     twice: consumed trajectories beyond what the versions count, groups trained in more than one
     version, a prompt trained in two groups, a task with two trajectories, an evaluation trained."""
     run = _query(db, "SELECT state, version, message FROM runs WHERE id = 1")[0]
@@ -197,6 +198,10 @@ def exactly_once(db: Path) -> dict[str, Any]:
     counted = sum(v["num_trajectories"] for v in _query(db, "SELECT num_trajectories FROM versions WHERE version > 0"))
     consumed = [t for t in trajs if t["state"] == "consumed"]
     failed_tasks = {t["group_id"] for t in tasks if t["state"] == "failed"}
+    # Dropped on purpose: by the trainer at its claim, or by the control plane while still open (a
+    # trajectory of the group already older than the bound; its pending tasks then fail with it).
+    dropped = {g for (data,) in _query(db, "SELECT data FROM events WHERE kind = 'groups_dropped'")
+               for g in json.loads(data or "{}").get("groups", [])}
     by_group: dict[int, list[sqlite3.Row]] = {}
     for t in consumed:
         by_group.setdefault(t["group_id"], []).append(t)
@@ -206,7 +211,7 @@ def exactly_once(db: Path) -> dict[str, Any]:
         if g["kind"] != "train":
             continue
         if g["state"] == "failed":
-            if gid in failed_tasks:
+            if gid in failed_tasks and gid not in dropped:
                 lost["failed"] += g["size"]
             else:
                 dropped_stale += g["size"]

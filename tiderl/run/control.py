@@ -24,7 +24,8 @@ from tiderl.paths import RunPaths
 from tiderl.policy import admission, ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
-from tiderl.systems import FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles
+from tiderl.systems import (FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles,
+                            oldest_trainable_version)
 from tiderl.store import RunStore
 from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
                                 TaskKind)
@@ -79,6 +80,7 @@ class ControlPlane:
         planned = self.store.latest_planned_version()
         if planned is None or planned < version:
             self.plan(version)
+            self.drop_doomed(version)
         if version < self.config.trainer.num_steps:
             self.feed()
         self.feed_eval(version)
@@ -107,6 +109,18 @@ class ControlPlane:
             g = self.config.rollout.group_size
             self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, total + i), g)
                                    for i in range(n)])
+
+    def drop_doomed(self, version: int) -> list[int]:
+        """Drop the open training groups that hold a trajectory older than the staleness bound of step
+        `version` (RunStore.drop_doomed_groups): the trainer would drop them when it claimed them, after
+        their remaining tasks had been generated for nothing. Their places are fed again."""
+        bound = oldest_trainable_version(version, self.system.max_staleness)
+        dropped = self.store.drop_doomed_groups(
+            bound, f"a trajectory older than version {bound}, the staleness bound of step {version}")
+        if dropped:
+            log.info("version %d: %d open groups dropped, a trajectory of each older than version %d",
+                     version, len(dropped), bound)
+        return dropped
 
     def _feed_batch(self) -> int:
         """The batch the feed bound counts in, for the latest plan's fetch size."""

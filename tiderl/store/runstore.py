@@ -466,7 +466,7 @@ class RunStore:
                 failed_groups = select(task_groups.c.id).where(task_groups.c.state == GroupState.FAILED.value)
                 c.execute(update(tasks).where(tasks.c.id.in_(touched), tasks.c.state == StoreTaskState.PENDING.value,
                                               tasks.c.group_id.in_(failed_groups)).values(
-                    state=StoreTaskState.FAILED.value, last_error="another task of its group failed for good",
+                    state=StoreTaskState.FAILED.value, last_error="its group failed or was dropped meanwhile",
                     progress=None))
             handed = [dict(tid=t, prog=json.dumps(p)) for t, p in report.handed_over.items()
                       if t in set(report.released)]
@@ -539,6 +539,30 @@ class RunStore:
                                             message=f"{len(held)} groups dropped: {reason}",
                                             data=json.dumps({"groups": held})))
             return len(held)
+
+        return self.tx.write(write)
+
+    def drop_doomed_groups(self, oldest_version: int, reason: str) -> list[int]:
+        """Never finish the open training groups that already hold a trajectory generated before
+        `oldest_version` (the staleness bound of the coming step): no step may train them any more, so
+        their unfinished tasks would be generated for nothing (a rollout rank would even restart the
+        ones it holds, at its reload). The groups fail, their trajectories are dropped, their pending
+        tasks fail; a task still running fails when its rank releases it and its late trajectory joins
+        no group. One `groups_dropped` event lists them (the step's drops, as the trainer's). Returns
+        the groups dropped."""
+        def write(c: Connection) -> list[int]:
+            doomed = sorted({g for (g,) in c.execute(select(trajectories.c.group_id).join(
+                task_groups, task_groups.c.id == trajectories.c.group_id).where(
+                task_groups.c.kind == TaskKind.TRAIN.value, task_groups.c.state == GroupState.OPEN.value,
+                trajectories.c.min_version < oldest_version))})
+            if not doomed:
+                return []
+            for gid in doomed:
+                _fail_group(c, gid, f"its group was dropped: {reason}")
+            c.execute(insert(events).values(ts=time.time(), rank=None, source="store", kind="groups_dropped",
+                                            message=f"{len(doomed)} open groups dropped: {reason}",
+                                            data=json.dumps({"groups": doomed})))
+            return doomed
 
         return self.tx.write(write)
 
@@ -1057,11 +1081,11 @@ def _already_published(c: Connection, step: VersionRecord) -> bool:
     return consumed == len(set(ids))
 
 
-def _fail_group(c: Connection, gid: int) -> None:
+def _fail_group(c: Connection, gid: int, reason: str = "another task of its group failed for good") -> None:
     c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=GroupState.FAILED.value))
     c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
     c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == StoreTaskState.PENDING.value).values(
-        state=StoreTaskState.FAILED.value, last_error="another task of its group failed for good"))
+        state=StoreTaskState.FAILED.value, last_error=reason))
 
 
 # ---- the heartbeat watch: whom a watcher may declare dead ----------------------------------------
