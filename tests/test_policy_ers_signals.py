@@ -231,3 +231,5 @@ def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(
     assert dropped > 0
     assert store.step_window(1, t0 - 0.001, t1 + 1).stale_dropped_tokens == dropped
     assert store.step_window(1, t1 + 1, t1 + 2).stale_dropped_tokens == 0  # dropped before that step
+    assert store.dropped_groups() == groups[:1] == store.dropped_groups(t0 - 0.001, t1 + 1)
+    assert store.dropped_groups(t1 + 1, t1 + 2) == []

@@ -375,4 +375,5 @@ def test_open_groups_holding_a_trajectory_older_than_the_bound_are_dropped(tmp_p
         == "failed"
     event = s.tx.read(lambda c: c.execute(select(events.c.data).where(events.c.kind == "groups_dropped")).all())
     assert [json.loads(d)["groups"] for (d,) in event] == [[old]]
+    assert s.dropped_groups() == [old]
     assert s.claim_ready_groups(2, 10) == []

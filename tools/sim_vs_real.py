@@ -114,20 +114,15 @@ def real_steps(run_dir: Path) -> list[dict]:
 
 
 def real_stale_drops(run_dir: Path) -> int:
-    """Training groups the real trainer dropped as older than the staleness bound (the store's
-    `groups_dropped` events, each listing the groups it marked failed)."""
-    from sqlalchemy import select
-
+    """Training groups of the real run dropped as older than the staleness bound: by its trainer at the
+    claim or by its control plane while still open (generation that was never trained)."""
     from tiderl.store import RunStore
-    from tiderl.store.schema import events
 
     store = RunStore.for_run_dir(run_dir)
     try:
-        rows = store.tx.read(lambda c: c.execute(
-            select(events.c.data).where(events.c.kind == "groups_dropped")).all())
+        return len(store.dropped_groups())
     finally:
         store.close()
-    return sum(len(json.loads(r.data or "{}").get("groups", [])) for r in rows)
 
 
 def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dict, dict, list[str]]:

@@ -760,11 +760,7 @@ class RunStore:
                                     metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
                              .group_by(metrics.c.name, metrics.c.role)).all()
             consumed = c.execute(select(versions.c.trained_tokens).where(versions.c.version == version)).scalar()
-            # The groups the trainer dropped in the step: each drop is one `groups_dropped` event, written
-            # in the transaction that dropped them (drop_claimed_groups), listing its groups.
-            dropped = [g for (data,) in c.execute(select(events.c.data).where(
-                events.c.kind == "groups_dropped", events.c.ts >= start_ts, events.c.ts < end_ts))
-                for g in json.loads(data or "{}").get("groups", [])]
+            dropped = _dropped_groups(c, start_ts, end_ts)
             dropped_tokens = c.execute(select(func.sum(trajectories.c.num_tokens)).where(
                 trajectories.c.group_id.in_(dropped))).scalar() if dropped else 0
             evals = c.execute(select(func.count()).select_from(task_groups).where(
@@ -779,6 +775,11 @@ class RunStore:
                 consumed_tokens=int(consumed or 0), stale_dropped_tokens=int(dropped_tokens or 0))
 
         return self.tx.read(read)
+
+    def dropped_groups(self, start_ts: float | None = None, end_ts: float | None = None) -> list[int]:
+        """The training groups dropped as too stale to train in [start_ts, end_ts) (all of the run's when
+        unbounded): those the trainer dropped at its claim and those the control plane dropped while open."""
+        return self.tx.read(lambda c: _dropped_groups(c, start_ts, end_ts))
 
     def buffer_state(self) -> BufferState:
         row = self.view("buffer_state")[0]
@@ -1079,6 +1080,17 @@ def _already_published(c: Connection, step: VersionRecord) -> bool:
     consumed = c.execute(select(func.count()).where(trajectories.c.id.in_(ids),
                                                    trajectories.c.consumed_version == step.version)).scalar_one()
     return consumed == len(set(ids))
+
+
+def _dropped_groups(c: Connection, start_ts: float | None, end_ts: float | None) -> list[int]:
+    """Each drop (drop_claimed_groups, drop_doomed_groups) writes one `groups_dropped` event in the
+    transaction that drops its groups, listing them."""
+    q = select(events.c.data).where(events.c.kind == "groups_dropped")
+    if start_ts is not None:
+        q = q.where(events.c.ts >= start_ts)
+    if end_ts is not None:
+        q = q.where(events.c.ts < end_ts)
+    return [g for (data,) in c.execute(q) for g in json.loads(data or "{}").get("groups", [])]
 
 
 def _fail_group(c: Connection, gid: int, reason: str = "another task of its group failed for good") -> None:
