@@ -233,7 +233,7 @@ def test_a_retry_after_a_cut_off_commit_claims_and_publishes_nothing_twice(tmp_p
     s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
     write = s.tx.write
-    monkeypatch.setattr(s.tx, "write", lambda fn: (write(fn), write(fn))[1])
+    monkeypatch.setattr(s.tx, "write", lambda fn, **kw: (write(fn, **kw), write(fn, **kw))[1])
     a = s.claim_tasks(0, 2)
     assert [c.task_id for c in a] == [1, 2] and [c.attempts for c in a] == [1, 1]
     out = s.report(RankReport(rank=0, finished=[traj(c.task_id, r) for c, r in zip(a, [1.0, 0.0])],
@@ -290,9 +290,10 @@ def _statements(s: RunStore) -> list[str]:
 
 def test_a_typical_tick_is_seven_statements(tmp_path: Path, store_url: str | None) -> None:
     """A rank's tick (its heartbeat, one finished trajectory that completes no group, a metric, the claim of
-    one task) is one transaction of 7 statements: the write lock, the heartbeat, the task marked done and
-    found owned (one UPDATE ... RETURNING), the trajectory, the group-completion check, the metric, the
-    claim (one UPDATE ... RETURNING). A tick with nothing finished and nothing to claim is 2-3."""
+    one task) is one transaction of 7 statements: the lock (SQLite: the write lock; PostgreSQL: the rows of
+    the groups it touches), the heartbeat, the task marked done and found owned (one UPDATE ... RETURNING),
+    the trajectory, the group-completion check, the claim (one WITH ... UPDATE ... RETURNING), the metric. A
+    tick with nothing finished and nothing to claim is the heartbeat (and SQLite's write lock)."""
     from tiderl.store import MetricPoint
 
     s = make_store(tmp_path, url=store_url)
@@ -304,10 +305,11 @@ def test_a_typical_tick_is_seven_statements(tmp_path: Path, store_url: str | Non
                               claim=ClaimRequest(limit=1, weights_version=0)))
     assert (out["accepted"], out["dropped"]) == (1, 0) and [c.task_id for c in out["claims"]] == [2]
     assert len(sent) == 7, sent
-    assert sent.count("UPDATE") == 3 and sent.count("INSERT") == 2
+    assert sent.count("UPDATE") == 2 and sent.count("WITH") == 1 and sent.count("INSERT") == 2
+    assert sent[-1] == "INSERT"  # the metric last: after every statement that may wait on a lock
     sent.clear()
     s.report(RankReport(rank=1, role=Role.ROLLOUT, version=0))
-    assert len(sent) == 2, sent  # the write lock and the heartbeat
+    assert len(sent) == (1 if s.dialect == "postgresql" else 2), sent  # the heartbeat (and the write lock)
     s.close()
 
 

@@ -29,6 +29,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
+from tiderl.store.cursor import MetricCursor
 from tiderl.store.engine import StoreError
 from tiderl.store.types import BufferState
 
@@ -69,7 +70,7 @@ class RunCollector(Collector):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self._families: list[Metric] = []
-        self._after_id = 0
+        self._points = MetricCursor(list(COUNTERS) + list(LEVELS))
         self._totals: dict[tuple[str, str, str], float] = defaultdict(float)  # (name, rank, role) -> sum
         self._levels: dict[tuple[str, str, str], float] = {}  # (name, rank, role) -> latest value
 
@@ -127,18 +128,12 @@ class RunCollector(Collector):
 
     # ---- parts -------------------------------------------------------------------------------------
     def _read_points(self, store: Any) -> None:
-        names = list(COUNTERS) + list(LEVELS)
-        while True:
-            rows = store.metric_rows_after(self._after_id, names)
-            for r in rows:
-                key = (r["name"], _label(r["rank"]), r["role"] or "")
-                if r["name"] in COUNTERS:
-                    self._totals[key] += float(r["value"])
-                else:
-                    self._levels[key] = float(r["value"])
-                self._after_id = r["id"]
-            if len(rows) < 50_000:
-                return
+        for r in self._points.read(store):
+            key = (r["name"], _label(r["rank"]), r["role"] or "")
+            if r["name"] in COUNTERS:
+                self._totals[key] += float(r["value"])
+            else:
+                self._levels[key] = float(r["value"])
 
     def _point_families(self) -> list[Metric]:
         fams: list[Metric] = []

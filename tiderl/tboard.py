@@ -26,6 +26,7 @@ from typing import Any
 
 from tiderl.evalstats import wilson_interval
 from tiderl.paths import DISK_FULL_ERRNOS, atomic_write_text
+from tiderl.store.cursor import MetricCursor
 from tiderl.store.engine import StoreError
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class TensorBoardLog:
             self.writers.append(WandbWriter(Path(run_dir), run_name))
         state = self._load()
         self.version = int(state.get("version", 0))  # steps of versions up to this one are written
-        self.metric_id = int(state.get("metric_id", 0))
+        self.points = MetricCursor(ACTOR_METRICS + WAITS, settled=int(state.get("metric_id", 0)),
+                                   seen=state.get("metric_seen", []))
         self.evals = set(state.get("evals", []))
         self.waits: dict[str, float] = {n: float(state.get(n, 0.0)) for n in WAITS}
         self._next_at = 0.0
@@ -105,9 +107,7 @@ class TensorBoardLog:
             log.warning("TensorBoard not updated, the disk is full: %s", e)
 
     def _write(self) -> None:
-        rows = self.store.metric_rows_after(self.metric_id, ACTOR_METRICS + WAITS)
-        for row in rows:
-            self.metric_id = max(self.metric_id, int(row["id"]))
+        for row in self.points.read(self.store):
             v = row["version"]
             if row["name"] in WAITS:
                 self.waits[row["name"]] += float(row["value"])
@@ -142,7 +142,8 @@ class TensorBoardLog:
         for w in self.writers:
             w.flush()
         atomic_write_text(self.dir / "written.json", json.dumps(
-            {"version": self.version, "metric_id": self.metric_id, "evals": sorted(self.evals)} | self.waits))
+            {"version": self.version, "metric_id": self.points.settled, "metric_seen": sorted(self.points.seen),
+             "evals": sorted(self.evals)} | self.waits))
 
     def close(self) -> None:
         self.tick(force=True)

@@ -219,7 +219,7 @@ def _postgres_engine(url: str, *, busy_timeout_s: float, lock_key: int) -> Engin
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        if conn.get_execution_options().get("tiderl_immediate", False):
+        if conn.get_execution_options().get("tiderl_run_lock", False):
             # PostgreSQL's BEGIN IMMEDIATE: the run's writers take turns (waits past lock_timeout: 55P03, retried).
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_key})")
 
@@ -259,13 +259,16 @@ class Transactor:
         self.unreachable_at: float | None = None  # wall time this process last found the store unreachable
         self._outage_lock = threading.Lock()
 
-    def write(self, fn: Callable[[Connection], T]) -> T:
-        return self._run(fn, immediate=True)
+    def write(self, fn: Callable[[Connection], T], *, run_lock: bool = True) -> T:
+        """Run `fn` in a write transaction. `run_lock=False` (PostgreSQL): without the run's writer lock,
+        for a transaction that locks the rows it depends on itself (the rank's report and heartbeat,
+        runstore.py); SQLite has one write lock per database and takes it either way."""
+        return self._run(fn, immediate=True, run_lock=run_lock)
 
     def read(self, fn: Callable[[Connection], T]) -> T:
         return self._run(fn, immediate=False)
 
-    def _run(self, fn: Callable[[Connection], T], *, immediate: bool) -> T:
+    def _run(self, fn: Callable[[Connection], T], *, immediate: bool, run_lock: bool = True) -> T:
         full_since: float | None = None
         down_since: float | None = None
         down_wall = 0.0
@@ -273,7 +276,7 @@ class Transactor:
         last_error = ""
         while True:
             try:
-                result = self._run_locked(fn, immediate=immediate)
+                result = self._run_locked(fn, immediate=immediate, run_lock=run_lock)
             except _Unreachable as e:
                 # Whatever the transaction did was rolled back, or (COMMIT cut off) committed: the store's
                 # writes are idempotent across this retry.
@@ -321,11 +324,11 @@ class Transactor:
         if not already and self.on_outage_end is not None:
             self.on_outage_end(started_at, seconds, error)
 
-    def _run_locked(self, fn: Callable[[Connection], T], *, immediate: bool) -> T:
+    def _run_locked(self, fn: Callable[[Connection], T], *, immediate: bool, run_lock: bool = True) -> T:
         delay_s = 0.01
         for attempt in range(self.max_retries + 1):
             try:
-                with self._connection(immediate) as conn, conn.begin():
+                with self._connection(immediate, run_lock) as conn, conn.begin():
                     return fn(conn)
             except OperationalError as e:
                 if _is_full(e):
@@ -358,12 +361,12 @@ class Transactor:
         raise AssertionError("unreachable")
 
     @contextmanager
-    def _connection(self, immediate: bool) -> Iterator[Connection]:
+    def _connection(self, immediate: bool, run_lock: bool = True) -> Iterator[Connection]:
         with self.engine.connect() as conn:
             if self.engine.dialect.name == "postgresql":
                 # Writers take turns (the begin event's advisory lock) and see every commit before theirs;
                 # readers see one snapshot.
                 yield conn.execution_options(isolation_level="READ COMMITTED" if immediate else "REPEATABLE READ",
-                                             tiderl_immediate=immediate)
+                                             tiderl_immediate=immediate, tiderl_run_lock=immediate and run_lock)
             else:
                 yield conn.execution_options(tiderl_immediate=immediate)

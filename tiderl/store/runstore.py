@@ -15,9 +15,21 @@ Exactly-once rules (each enforced inside one write transaction):
   `reclaim_expired` returns its running tasks to pending and its claimed
   trajectories to ready, in the same transaction that marks it dead.
 
-On PostgreSQL the same rules hold the same way: a run's write transactions take
-turns there too (an advisory lock, PostgreSQL's `BEGIN IMMEDIATE`; see
-`engine.py`), so the code below has one path for both backends.
+On PostgreSQL the same rules hold: a run's write transactions take turns there
+too (an advisory lock, PostgreSQL's `BEGIN IMMEDIATE`; see `engine.py`), except
+the ranks' reports and heartbeats, the bulk of a run's commits, which lock the
+rows they depend on instead, so that ranks do not queue behind each other:
+- a report first locks the groups of the tasks it finishes, fails or releases
+  (`SELECT ... FOR UPDATE`, in id order), so a group's completion counts every
+  sibling trajectory committed before it, and a group completes or fails once
+  (`_fail_group` fails only an open group; the control plane's drop skips a
+  group a report completed meanwhile);
+- its updates of tasks name the owner and the running state, which
+  PostgreSQL re-checks on a row another transaction changed (a reclaim);
+- its claim's subquery locks the pending rows it picks and skips those another
+  claim holds (`FOR UPDATE SKIP LOCKED`).
+SQLite has one write lock per database and takes it for every write, so the
+code below has one path for both backends.
 
 Across a store outage (PostgreSQL: the server restarted), a transaction whose
 COMMIT was cut off is retried not knowing whether it committed. The claims and
@@ -308,7 +320,7 @@ class RunStore:
         self.tx.write(upsert)
 
     def heartbeat(self, rank: int) -> None:
-        self.tx.write(lambda c: _heartbeat(c, rank, time.time()))
+        self.tx.write(lambda c: _heartbeat(c, rank, time.time()), run_lock=False)  # one row: its own lock
         self._beats[rank] = time.monotonic()
 
     def beat_age_s(self, rank: int) -> float | None:
@@ -442,6 +454,12 @@ class RunStore:
             attempts[0] += 1
             now = time.time()
             _heartbeat(c, report.rank, now, role=report.role, version=report.version)
+            touched = [t.task_id for t in report.finished] + [f.task_id for f in report.failed] + list(report.released)
+            if touched and c.dialect.name == "postgresql":
+                # Without the run's writer lock (below): the groups of the tasks this tick finishes, fails or
+                # releases are locked first, in id order, so that a group's completion counts every sibling
+                # trajectory another report committed and a group fails or completes once.
+                c.execute(_LOCK_GROUPS_OF_TASKS, dict(p_ids=sorted(set(touched))))
             accepted, dropped = _accept_trajectories(c, report.rank, report.finished, now)
             for f in report.failed:
                 row = c.execute(select(tasks.c.attempts, tasks.c.group_id).where(
@@ -451,9 +469,12 @@ class RunStore:
                     continue
                 final = row.attempts >= max_attempts
                 retry_at = now + retry_backoff_s * 2 ** max(0, row.attempts - 1) if retry_backoff_s > 0 else None
-                c.execute(update(tasks).where(tasks.c.id == f.task_id).values(
-                    state=(StoreTaskState.FAILED if final else StoreTaskState.PENDING).value, owner_rank=None,
-                    claim_token=None, last_error=f.reason[:2000], updated_at=now, retry_at=retry_at))
+                if not c.execute(update(tasks).where(  # still its: a reclaim may have come between
+                        tasks.c.id == f.task_id, tasks.c.owner_rank == report.rank,
+                        tasks.c.state == StoreTaskState.RUNNING.value).values(
+                        state=(StoreTaskState.FAILED if final else StoreTaskState.PENDING).value, owner_rank=None,
+                        claim_token=None, last_error=f.reason[:2000], updated_at=now, retry_at=retry_at)).rowcount:
+                    continue
                 if final:
                     _fail_group(c, row.group_id)
             if report.released:
@@ -481,6 +502,10 @@ class RunStore:
                     env_server=bindparam("t_server")),
                     [dict(tid=w.task_id, t_turn=w.turn, t_phase=w.phase, t_since=w.phase_since,
                           t_server=w.env_server) for w in report.whereabouts])
+            claims = (_claim(c, report.rank, report.claim, now, token, retry=attempts[0] > 1)
+                      if report.claim is not None else [])
+            # Last, after every statement that may wait on a row lock: the ids these rows draw become visible
+            # a moment later (tiderl.store.cursor counts on it).
             if report.metrics:
                 c.execute(_INSERT_METRICS, [dict(ts=now, version=m.version, rank=report.rank, role=m.role, name=m.name,
                                                  value=float(m.value)) for m in report.metrics])
@@ -488,11 +513,11 @@ class RunStore:
                 c.execute(insert(events), [dict(ts=now, rank=report.rank, source="rank", kind=e.kind,
                                                 message=e.message, data=json.dumps(e.data) if e.data else None)
                                            for e in report.events])
-            claims = (_claim(c, report.rank, report.claim, now, token, retry=attempts[0] > 1)
-                      if report.claim is not None else [])
             return {"accepted": accepted, "dropped": dropped, "claims": claims}
 
-        out = self.tx.write(write)
+        # The run's writers take turns, but a report locks the rows it depends on itself (PostgreSQL; SQLite
+        # has one write lock): ranks report at once, each waiting only for reports of the same groups.
+        out = self.tx.write(write, run_lock=False)
         self._beats[report.rank] = time.monotonic()
         return out
 
@@ -557,8 +582,10 @@ class RunStore:
                 trajectories.c.min_version < oldest_version))})
             if not doomed:
                 return []
-            for gid in doomed:
-                _fail_group(c, gid, f"its group was dropped: {reason}")
+            # Reports do not take the run's writer lock: a group a report completes meanwhile stays complete.
+            doomed = [gid for gid in doomed if _fail_group(c, gid, f"its group was dropped: {reason}")]
+            if not doomed:
+                return []
             c.execute(insert(events).values(ts=time.time(), rank=None, source="store", kind="groups_dropped",
                                             message=f"{len(doomed)} open groups dropped: {reason}",
                                             data=json.dumps({"groups": doomed})))
@@ -932,6 +959,9 @@ _MARK_DONE = update(tasks).where(
     state=StoreTaskState.DONE.value, updated_at=bindparam("p_now")).returning(
     tasks.c.id, tasks.c.group_id, tasks.c.kind)
 _INSERT_TRAJECTORIES = insert(trajectories)
+_LOCK_GROUPS_OF_TASKS = select(task_groups.c.id).where(task_groups.c.id.in_(
+    select(tasks.c.group_id).where(tasks.c.id.in_(bindparam("p_ids", expanding=True))))).order_by(
+    task_groups.c.id).with_for_update()
 _INSERT_METRICS = insert(metrics)
 _counts = (select(trajectories.c.group_id, func.count().label("n"))
            .where(trajectories.c.group_id.in_(bindparam("p_gids", expanding=True)))
@@ -1014,8 +1044,8 @@ def _claim(c: Connection, rank: int, request: ClaimRequest, now: float, token: s
         limit = claim_limit(limit, held, n_running + n_claimable, alive)
         if limit <= 0:
             return []
-    # Writers of a run take turns (SQLite's write lock, the run's advisory lock on PostgreSQL), so the
-    # tasks the UPDATE's subquery picks are still pending when it updates them.
+    # The tasks the UPDATE's subquery picks are still pending when it updates them: SQLite's writers take
+    # turns; PostgreSQL's subquery locks the rows it picks and passes over those another claim holds.
     rows = sorted(c.execute(claim, params | {"p_lim": limit}), key=lambda r: r.id)
     carried = [r.id for r in rows if r.progress is not None]
     if carried:  # progress is carried on once: if this claimer dies, the session may have moved past it
@@ -1036,8 +1066,11 @@ def _claim_statements(kinds: tuple[str, ...], pinned: bool) -> tuple[Any, Any]:
     if pinned:
         where.append(~is_eval | tasks.c.group_id.in_(
             select(task_groups.c.id).where(task_groups.c.eval_version == bindparam("p_wv"))))
-    picked = (select(tasks.c.id).where(*where).order_by(case((is_eval, 0), else_=1), tasks.c.id)
-              .limit(bindparam("p_lim")).correlate(None))  # its own FROM tasks, not the UPDATE's row
+    # Its own FROM tasks, not the UPDATE's row. SKIP LOCKED (PostgreSQL): reports claim without the run's
+    # writer lock, each passing over the pending rows another claim is taking.
+    # A CTE, evaluated once: PostgreSQL may run an IN subquery with LIMIT ... FOR UPDATE more than once.
+    picked = select(select(tasks.c.id).where(*where).order_by(case((is_eval, 0), else_=1), tasks.c.id)
+                    .limit(bindparam("p_lim")).with_for_update(skip_locked=True).cte("picked").c.id)
     eval_version = (select(task_groups.c.eval_version).where(task_groups.c.id == tasks.c.group_id)
                     .correlate(tasks).scalar_subquery())
     claim = update(tasks).where(tasks.c.id.in_(picked), tasks.c.state == StoreTaskState.PENDING.value).values(
@@ -1093,11 +1126,17 @@ def _dropped_groups(c: Connection, start_ts: float | None, end_ts: float | None)
     return [g for (data,) in c.execute(q) for g in json.loads(data or "{}").get("groups", [])]
 
 
-def _fail_group(c: Connection, gid: int, reason: str = "another task of its group failed for good") -> None:
-    c.execute(update(task_groups).where(task_groups.c.id == gid).values(state=GroupState.FAILED.value))
+def _fail_group(c: Connection, gid: int, reason: str = "another task of its group failed for good") -> bool:
+    """Fail the group `gid` if it is still open (its row locked until the commit: a report completing it
+    waits, then finds it failed); its trajectories are dropped, its pending tasks fail. Returns whether it
+    was open."""
+    if not c.execute(update(task_groups).where(task_groups.c.id == gid, task_groups.c.state == GroupState.OPEN.value)
+                     .values(state=GroupState.FAILED.value)).rowcount:
+        return False
     c.execute(update(trajectories).where(trajectories.c.group_id == gid).values(state=TrajectoryState.DROPPED.value))
     c.execute(update(tasks).where(tasks.c.group_id == gid, tasks.c.state == StoreTaskState.PENDING.value).values(
         state=StoreTaskState.FAILED.value, last_error=reason))
+    return True
 
 
 # ---- the heartbeat watch: whom a watcher may declare dead ----------------------------------------
