@@ -242,8 +242,12 @@ class RankLoadSpec:
 
     @property
     def low_water_groups(self) -> int:
-        """Open groups below which the control plane feeds more (enough that ranks never run dry)."""
-        return max(64, 4 * self.num_ranks * self.tasks_per_tick // self.group_size)
+        """Open groups below which the control plane feeds more (enough that ranks never run dry). An open
+        group may hold no pending task (its tasks running, or done and waiting for a sibling), and the
+        tasks in flight can span a group per rank: twice that keeps pending tasks for every claim. (A
+        quarter of it let 128 ranks flat out drain the pool between feeds: a tick that claims nothing is a
+        cheaper commit, which flatters the capacity.)"""
+        return max(64, 2 * self.num_ranks * self.tasks_per_tick)
 
 
 def prepare_ranks(spec: RankLoadSpec) -> None:

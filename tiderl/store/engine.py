@@ -20,7 +20,9 @@ commit latency). The store's transactions read rows and then update them
 - a write transaction first takes a transaction-scoped advisory lock, one per
   run (keyed by the run's schema), then runs READ COMMITTED: writers of one run
   take turns, each seeing everything committed before it; runs sharing a server
-  do not wait for each other. SERIALIZABLE instead was tried and measured: the
+  do not wait for each other. A write that locks the rows it depends on itself
+  (`write(fn, run_lock=False)`: the ranks' reports and heartbeats, runstore.py)
+  skips the run's lock. SERIALIZABLE instead was tried and measured: the
   claim query reads the whole pending set, so 4 writers aborted each other
   (SQLSTATE 40001) past every retry;
 - read transactions run REPEATABLE READ: one snapshot for all their statements,
