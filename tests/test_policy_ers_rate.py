@@ -305,3 +305,26 @@ def test_3_moves_to_rollout_may_have_their_own_limit():
     assert q.reason is ErsReason.RATE_TO_TRAINER and len(q.moves) == 1
     with pytest.raises(ValueError, match="max_rollout_moves_per_step"):
         replace(ELASTIC, max_rollout_moves_per_step=0)
+
+
+def test_a_step_bound_by_arrivals_keeps_its_duration_and_the_others_take_the_splits_compute():
+    """Steps priced one by one (the module docstring's goodput): in a window alternating between a step
+    the trainer waited out (bound by arrivals) and one it worked through (bound by its compute), more actor
+    ranks shorten only the second kind, and the prediction says so where the window's means would not."""
+    alternating = signals(obs(2, 2, wait_s=6.0, duration_s=16.0), obs(2, 2, wait_s=0.0, duration_s=8.0),
+                          obs(2, 2, wait_s=6.0, duration_s=16.0), obs(2, 2, wait_s=0.0, duration_s=8.0))
+    model = estimate(alternating, LIMITS)
+    assert model is not None and len(model.window) == 4
+    two, three = predict_tok_s(Split(2, 2, 0), model), predict_tok_s(Split(2, 3, 0), model)
+    assert two[0] == three[0] or abs(two[0] - three[0]) < 0.05 * two[0]  # about the same supply
+    step_two = model.step_tokens / two[1]
+    # The waited steps keep their 16 s (the same supply); the others take the 2-actor compute and overhead.
+    assert step_two > (16.0 + 0.0) / 2
+    assert three[1] > two[1]  # more actors: the compute-bound steps shorten
+    # A window with no wait prices every step at the split's compute: demand scales as before.
+    busy = estimate(signals(obs(2, 2), obs(2, 2)), LIMITS)
+    assert busy is not None
+    assert predict_tok_s(Split(2, 3, 0), busy)[1] > predict_tok_s(Split(2, 2, 0), busy)[1]
+    # Fewer rollout ranks than the window's slow the arrivals of the waited steps in proportion.
+    one = predict_tok_s(Split(1, 2, 0), model)
+    assert one[1] < two[1]

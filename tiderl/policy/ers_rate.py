@@ -47,7 +47,16 @@ Model (every rate from the signals' window of recent steps, as measured)
   plus a period per micro-batch, see :func:`_compute_s`); ``overhead`` the measured busy time of
   the trainer beyond that (optimizer, publish, polling). Without stage times
   the measured consumption rate per actor rank scales with M.
-- Goodput of a split: ``min(G_gen(n), D(M, R))``.
+- Goodput of a split: ``min(G_gen(n), D(M, R))``, where with stage times the
+  step time behind ``D`` is priced step by step over the window, not from its
+  means: a step in which the trainer waited ``SUPPLY_WAIT_SHARE`` of the time
+  or more was bound by arrivals, and takes its measured duration scaled by
+  ``G_gen(window's split) / G_gen(n)``, or the split's compute if longer; any
+  other step takes the split's compute. Steps alternate between the two under
+  the staleness bound (a cohort of groups arrives, then the trainer works it
+  off): more actor ranks shorten the compute-bound ones even where the
+  means show generation short (text-agentic at 32 GPUs: +1.6% over seeds 0-2,
+  docs/RESULTS.md).
 - A shared host (``limits.host``, :mod:`tiderl.policy.host`): the window's
   rates were measured at the speed its busy ranks left each other; a split
   with other busy ranks runs at ``speed(split) / speed(window)`` of them (its
@@ -119,7 +128,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from tiderl.policy.ers import ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, finish_plan, move_roles
+from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
+                               move_roles)
 from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
 from tiderl.policy.ers_trainer import refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
@@ -184,6 +194,10 @@ class RateModel:
     """Share of the window each trainer rank computed (not waiting for data)."""
     trainer_ranks: int = 1
     """Actor and ref ranks of the window's split."""
+    window: tuple[StepObservation, ...] = ()
+    """The window's steps (each step's wait and duration price a split's step, :func:`predict_tok_s`)."""
+    current: Split | None = None
+    """The window's split."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
@@ -235,6 +249,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         busy_rollout=min(last.rollout_ranks, busy_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
+        window=tuple(window),
+        current=Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0),
     )
 
 
@@ -329,21 +345,30 @@ def concurrency_share(rollout: int, model: RateModel) -> float:
     return min(1.0, rollout * model.rank_groups / model.inflight_groups)
 
 
-def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
-    """(supply, demand, goodput) of a split, tokens per second."""
+def _supply_tok_s(split: Split, model: RateModel) -> float:
     f = host_factor(split, model)
     latency = latency_s(split.rollout, model, f)
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
         held = latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
-        supply = model.little_tokens / held
-    else:
-        supply = split.rollout * model.supply_tok_s_per_rank * f
+        return model.little_tokens / held
+    return split.rollout * model.supply_tok_s_per_rank * f
+
+
+def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
+    """(supply, demand, goodput) of a split, tokens per second."""
+    f = host_factor(split, model)
+    supply = _supply_tok_s(split, model)
     if split.actors < 1:
         return supply, 0.0, 0.0
     if model.stage_times is not None:
         step_s = (_compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
                              model.micro_batch_tokens_per_actor) + model.overhead_s) / f
+        if model.window and model.current is not None:  # step by step (the module docstring)
+            base = _supply_tok_s(model.current, model)
+            slower = base / supply if supply > 0 else 1.0
+            step_s = sum(max(o.duration_s * slower if o.trainer_wait_s >= SUPPLY_WAIT_SHARE * o.duration_s
+                             else 0.0, step_s) for o in model.window) / len(model.window)
     else:
         step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
     demand = model.step_tokens / step_s if step_s > 0 else math.inf
