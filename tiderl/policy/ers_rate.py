@@ -196,8 +196,9 @@ class RateModel:
     """Actor and ref ranks of the window's split."""
     window: tuple[StepObservation, ...] = ()
     """The window's steps (each step's wait and duration price a split's step, :func:`predict_tok_s`)."""
-    current: Split | None = None
-    """The window's split."""
+    window_supply_tok_s: float = 0.0
+    """The supply of the window's own split (:func:`predict_tok_s` scales the window's arrival-bound steps
+    by it over a split's; 0: not computed)."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
@@ -231,7 +232,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     total_s = sum(s.duration_s for s in window)
     env = min(signals.group_env_s or 0.0, latency or 0.0)
     curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
-    return RateModel(
+    model = RateModel(
         supply_tok_s_per_rank=produced / busy_rank_s,
         step_tokens=step_tokens,
         overhead_s=overhead,
@@ -250,8 +251,10 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
         window=tuple(window),
-        current=Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0),
     )
+    own_split = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
+    own = _supply_tok_s(own_split, model, host_factor(own_split, model))
+    return replace(model, window_supply_tok_s=own)
 
 
 def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,
@@ -345,8 +348,8 @@ def concurrency_share(rollout: int, model: RateModel) -> float:
     return min(1.0, rollout * model.rank_groups / model.inflight_groups)
 
 
-def _supply_tok_s(split: Split, model: RateModel) -> float:
-    f = host_factor(split, model)
+def _supply_tok_s(split: Split, model: RateModel, f: float) -> float:
+    """The split's supply, its busy ranks running at `f` (:func:`host_factor`) of the window's speed."""
     latency = latency_s(split.rollout, model, f)
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
@@ -358,15 +361,14 @@ def _supply_tok_s(split: Split, model: RateModel) -> float:
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     """(supply, demand, goodput) of a split, tokens per second."""
     f = host_factor(split, model)
-    supply = _supply_tok_s(split, model)
+    supply = _supply_tok_s(split, model, f)
     if split.actors < 1:
         return supply, 0.0, 0.0
     if model.stage_times is not None:
         step_s = (_compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
                              model.micro_batch_tokens_per_actor) + model.overhead_s) / f
-        if model.window and model.current is not None:  # step by step (the module docstring)
-            base = _supply_tok_s(model.current, model)
-            slower = base / supply if supply > 0 else 1.0
+        if model.window and model.window_supply_tok_s > 0:  # step by step (the module docstring)
+            slower = model.window_supply_tok_s / supply if supply > 0 else 1.0
             step_s = sum(max(o.duration_s * slower if o.trainer_wait_s >= SUPPLY_WAIT_SHARE * o.duration_s
                              else 0.0, step_s) for o in model.window) / len(model.window)
     else:
