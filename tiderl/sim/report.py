@@ -34,7 +34,17 @@ def _job(args: tuple) -> dict:
 
 def run_many(workload_path: str, cluster_path: str, systems: list[System], steps: int, seed: int,
              jobs: int) -> list[dict]:
-    work = [(workload_path, cluster_path, s, steps, seed) for s in systems]
+    return _map([(workload_path, cluster_path, s, steps, seed) for s in systems], jobs)
+
+
+def run_seeds(workload_path: str, cluster_path: str, systems: list[System], steps: int, seeds: list[int],
+              jobs: int) -> list[list[dict]]:
+    """Every system under every seed, `jobs` at a time: one list of results (in `seeds` order) per system."""
+    results = _map([(workload_path, cluster_path, s, steps, seed) for s in systems for seed in seeds], jobs)
+    return [results[i * len(seeds):(i + 1) * len(seeds)] for i in range(len(systems))]
+
+
+def _map(work: list[tuple], jobs: int) -> list[dict]:
     if jobs <= 1 or len(work) == 1:
         return [_job(w) for w in work]
     with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
