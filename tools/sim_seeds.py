@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"sim_seeds: --systems: {e}") from None
         if system.sweep and system.rollout_fraction is None:
             raise SystemExit(f"sim_seeds: --systems: {name} sweeps rollout fractions; name one (NAME@F)")
-        if not system.synchronous and system.rollout_fraction is None:
-            system = replace(system, rollout_fraction=cluster.training.default_rollout_fraction)
-        systems.append(system)
+        systems.append(report.at_default_fraction(system, cluster.training.default_rollout_fraction))
     runs = report.run_seeds(args.workload, args.cluster, systems, args.steps, seeds, args.jobs)
     goodputs = [[r["goodput_tok_s"] for r in per_system] for per_system in runs]
     out = summarise(names, goodputs, seeds)

@@ -8,7 +8,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except SimSystemError as e:
         print(f"tiderl sim: {e}", file=sys.stderr)
         return 2
-    if not system.sweep and not system.synchronous and system.rollout_fraction is None:
-        system = replace(system, rollout_fraction=default)
-    runs = report.expand(system, fractions)
+    runs = report.expand(report.at_default_fraction(system, default), fractions)
     results = report.run_many(args.workload, args.cluster, runs, args.steps, args.seed, args.jobs)
     result = report.best_of(results) if len(results) > 1 else results[0]
     best = f"\nbest: {result['system']}" if len(results) > 1 else ""

@@ -51,6 +51,14 @@ def _map(work: list[tuple], jobs: int) -> list[dict]:
         return pool.map(_job, work, chunksize=1)
 
 
+def at_default_fraction(system: System, default: float) -> System:
+    """A system that runs one split (neither synchronous nor a sweep) and names no fraction runs at the
+    cluster's default rollout fraction."""
+    if not system.sweep and not system.synchronous and system.rollout_fraction is None:
+        return replace(system, rollout_fraction=default)
+    return system
+
+
 def expand(system: System, fractions: tuple[float, ...]) -> list[System]:
     """A fixed-partition system without @F becomes its sweep."""
     if system.synchronous or system.rollout_fraction is not None or not system.sweep:
