@@ -207,6 +207,16 @@ def test_7_host_speed_moves_the_prediction_both_ways():
     assert s_more[1] < s_now[1]  # the trainer is slower beside a third engine
 
 
+def test_7_a_rollout_rank_holding_tasks_is_busy_on_the_host_while_its_engine_waits():
+    # Engines generating a tenth of the time, but both ranks hold tasks throughout (they wait on their
+    # environment): both load the host (turns, environment calls), as the simulator's shared host counts them.
+    holding = replace(obs(2, 1, wait_s=2.0), rollout_busy_rank_s=2.0)
+    assert estimate(signals(holding, holding), SHARED).busy_rollout == pytest.approx(2.0)
+    # One of them with no task at all for the whole window: one rank on the host.
+    one_empty = replace(holding, rollout_idle_rank_s=10.0)
+    assert estimate(signals(one_empty, one_empty), SHARED).busy_rollout == pytest.approx(1.0)
+
+
 def test_cold_start_on_a_shared_host_fills_only_the_room_the_host_has():
     cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None)
     # One slot, a rollout rank weighing 1.6: one engine already fills the host; the ref rank idles.

@@ -220,6 +220,37 @@ def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
     assert rank.num_resident == 6 and not rank.paused
 
 
+def test_a_rank_whose_tasks_wait_on_their_environment_is_not_idle_for_ers():
+    # The real rollout rank counts `rollout_idle_s` only with no task at all; a rank whose tasks wait on the
+    # environment, nothing left to claim, is RWT (the simulated one) but not idle: ERS reads the same.
+    import heapq
+
+    from tiderl.policy.ctb import PriorityWeights
+    from test_sim_mechanics import costs
+
+    from tiderl.sim import rollout as sr
+    from tiderl.sim.workload import TaskPlan
+
+    events: list = []
+    side = sr.RolloutSide(costs(kv_capacity_tokens=10_000, max_num_seqs=64),
+                          lambda t, fn, *a: heapq.heappush(events, (t, len(events), fn, a)),
+                          lambda t, g: None, ctb=True, env_concurrency=64, weights=PriorityWeights())
+    side.add_rank(0.0, 0, 0.0)
+    rank = side.ranks[0]
+    plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
+    task = sr.SimTask(0, plan, False, 10)
+    task.group = sr.SimGroup(0, [task], False, "t", 0)
+    side.tasks[task.id] = task
+    side._place(0.0, task, rank)  # starting its environment session: held, the engine without work
+    side.account_all(0.0)  # as `dispatch` accounts after placing
+    side.account_all(5.0, force=True)
+    assert side.rwt_rank_s() == pytest.approx(5.0) and side.empty_rank_s() == 0.0
+    rank.tasks.clear()  # no task at all from t = 5 (as `_finish` accounts after removing a task)
+    side.account_all(5.0)
+    side.account_all(8.0, force=True)
+    assert side.rwt_rank_s() == pytest.approx(8.0) and side.empty_rank_s() == pytest.approx(3.0)
+
+
 def test_a_group_older_than_the_staleness_bound_is_dropped_as_the_real_trainer_drops_it():
     # run:stream trains groups_min groups a step while the feeder keeps (staleness + 1) x groups_ideal
     # in flight, as the real run's stream does: groups wait past the bound and the trainer drops them

@@ -2,7 +2,7 @@
 (and, from a finished run's store, the job's workload file).
 
     python tools/calibrate_cpu.py [--job jobs/quickstart.yaml] [--set KEY=VALUE ...]
-        [--num-ranks 3] [--out jobs/sim/cpu.cluster.yaml]
+        [--out jobs/sim/cpu.cluster.yaml]
         [--workload-from RUN_DIR --workload-out jobs/sim/hilo-bench.workload.yaml]
         [--repeats 5] [--batches 1,2,4,8,16] [--decode-tokens 32]
 

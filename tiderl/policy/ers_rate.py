@@ -62,7 +62,9 @@ Model (every rate from the signals' window of recent steps, as measured)
   with other busy ranks runs at ``speed(split) / speed(window)`` of them (its
   generation latency beyond the environment's, the trainer's compute, tail
   and overhead). Busy ranks of a split: the window's busy trainer share of
-  each trainer rank; the window's busy rollout ranks, at most the split's
+  each trainer rank; the window's busy rollout ranks (ranks holding tasks: a
+  rank's processes handle turns and environment calls as well as engine
+  iterations, as the simulator's shared host counts them), at most the split's
   rollout ranks (the same tasks in flight on fewer engines), or spread at the
   window's busy share per rank over more. Rollout ranks may then be left
   ``IDLE`` (their engines kept, claiming nothing): a split may hold idle
@@ -189,7 +191,7 @@ class RateModel:
     host: HostShare | None = None
     """The shared host (None: an accelerator per rank)."""
     busy_rollout: float = 0.0
-    """Rollout ranks busy on average over the window (the engine generating)."""
+    """Rollout ranks busy on the host on average over the window (holding tasks, :func:`_holding_ranks`)."""
     trainer_busy_share: float = 1.0
     """Share of the window each trainer rank computed (not waiting for data)."""
     trainer_ranks: int = 1
@@ -247,7 +249,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         inflight_groups=(limits.max_staleness + 1) * limits.groups_ideal,
         rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks else math.inf,
         host=limits.host,
-        busy_rollout=min(last.rollout_ranks, busy_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
+        busy_rollout=_holding_ranks(window, total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
         window=tuple(window),
@@ -255,6 +257,13 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     own_split = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
     own = _supply_tok_s(own_split, model, host_factor(own_split, model))
     return replace(model, window_supply_tok_s=own)
+
+
+def _holding_ranks(window: Sequence[StepObservation], total_s: float) -> float:
+    """Rollout ranks holding tasks on average over the window: busy on the host while they play (turn
+    handling and environment calls as well as engine iterations), idle only with no task at all."""
+    held = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
+    return min(float(window[-1].rollout_ranks), held / total_s)
 
 
 def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,

@@ -211,7 +211,7 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         "latency_bound": latency_parts,
         "stale_dropped_groups": sim.dropped_groups,
         "stale_dropped_gen_tokens": sim.dropped_gen_tokens,
-        "rwt_s": round(acc["rwt"], 1),
+        "rwt_s": round(sim.rollout.rwt_rank_s(), 1),
         "twt_s": round(sim.twt_gpu_s, 1),
         "kv_hit_rate": round(counters["hit"] / counters["query"], 4) if counters["query"] else None,
         "step_time_s": round(sum(r.duration_s for r in records) / len(records), 3) if records else None,
@@ -221,7 +221,7 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         "max_staleness": max(sim.staleness_seen, default=0),
         "gpu_s": {
             "rollout_busy": round(acc["busy"], 1),
-            "rollout_idle_env": round(acc["idle"], 1),
+            "rollout_idle_env": round(acc["idle"] + acc["idle_held"], 1),
             "rollout_weight_sync": round(acc["stall"], 1),
             "trainer_busy": round(sum(s.busy_gpu_s for s in stats), 1),
             "trainer_swap": round(sum(s.swap_gpu_s for s in stats), 1),

@@ -168,7 +168,8 @@ class RolloutSide:
         self.tasks: dict[int, SimTask] = {}
         self.env_active = 0
         self.version = 0
-        self.accounts = {"busy": 0.0, "rwt": 0.0, "idle": 0.0, "stall": 0.0, "off": 0.0}
+        self.accounts = {"busy": 0.0, "rwt": 0.0, "rwt_held": 0.0, "idle": 0.0, "idle_held": 0.0, "stall": 0.0,
+                         "off": 0.0}
         self.off = False  # sync systems: the rollout ranks are training
         self.retired = {"query": 0.0, "hit": 0.0, "prefill": 0.0, "decode": 0.0, "preempt": 0}
         self.allowance_left = 0  # groups the staleness bound still lets the feeder release
@@ -279,8 +280,8 @@ class RolloutSide:
             state = "stall"
         elif rank.engine.has_work():
             state = "busy"
-        else:
-            state = "rwt" if self.blocked() else "idle"
+        else:  # no engine work: nothing left to claim ("rwt") or not; tasks held (on the environment, paused) or none
+            state = ("rwt" if self.blocked() else "idle") + ("_held" if rank.tasks else "")
         if force or state != rank.acct_state:
             self.accounts[rank.acct_state] += t - rank.acct_t
             rank.acct_t = t
@@ -289,6 +290,15 @@ class RolloutSide:
     def account_all(self, t: float, force: bool = False) -> None:
         for rank in self.ranks.values():
             self._account(rank, t, force)
+
+    def rwt_rank_s(self) -> float:
+        """Rank-seconds without engine work and nothing left to claim (the simulated RWT), so far."""
+        return self.accounts["rwt"] + self.accounts["rwt_held"]
+
+    def empty_rank_s(self) -> float:
+        """Rank-seconds holding no task at all, so far: what a real rollout rank counts as `rollout_idle_s`
+        and ERS reads as its idle rank-seconds (a rank whose tasks wait on their environment is not idle)."""
+        return self.accounts["rwt"] + self.accounts["idle"]
 
     # -- engine events -----------------------------------------------------------------------
     def set_trainer_busy(self, num_ranks: int) -> float:

@@ -178,6 +178,7 @@ class Simulation:
         self.regroup_gpu_s = 0.0
         self.rwt_at_publish = 0.0
         self.rwt_since_publish = 0.0
+        self.empty_at_publish = 0.0
         self.busy_at_publish = 0.0
         # What ERS reads: one StepObservation per step, and each training group's release and completion.
         self.observations: list[StepObservation] = []
@@ -392,12 +393,15 @@ class Simulation:
         return since
 
     def _rollout_idle_rank_s(self, t: float) -> float:
-        """Rollout rank-seconds with nothing to play (behind the staleness bound) since the last publish."""
+        """Rollout rank-seconds holding no task since the last publish (as the real ranks count
+        `rollout_idle_s`); sets the step's RWT (nothing to play: behind the staleness bound) beside it."""
         self.rollout.account_all(t, force=True)
-        rwt = self.rollout.accounts["rwt"]
+        rwt = self.rollout.rwt_rank_s()
         self.rwt_since_publish = rwt - self.rwt_at_publish
         self.rwt_at_publish = rwt
-        return self.rwt_since_publish
+        empty = self.rollout.empty_rank_s()
+        since, self.empty_at_publish = empty - self.empty_at_publish, empty
+        return since
 
     def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
         self.evaluation_memory.note(tuple(self.roles), plan.reason)
