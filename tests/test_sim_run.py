@@ -187,9 +187,8 @@ def test_ctb_adaptive_budget_in_the_simulator_as_in_the_run(monkeypatch):
     assert not changes  # fixed: never adjusted
 
 
-def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
-    # Paused tasks are already the rank's (claimed): the claim share limits new tasks only. A rank holding
-    # all the paused tasks of the run resumes them when room comes, even with no share left to claim.
+def _rollout_side(ranks: int, tasks: int):
+    """A simulated rollout side of `ranks` ranks (CTB) and one group of `tasks` two-turn tasks, not placed."""
     import heapq
 
     from tiderl.policy.ctb import PriorityWeights
@@ -202,14 +201,23 @@ def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
     side = sr.RolloutSide(costs(kv_capacity_tokens=10_000, max_num_seqs=64),
                           lambda t, fn, *a: heapq.heappush(events, (t, len(events), fn, a)),
                           lambda t, g: None, ctb=True, env_concurrency=64, weights=PriorityWeights())
-    side.add_rank(0.0, 0, 0.0)
-    side.add_rank(0.0, 1, 0.0)
+    for index in range(ranks):
+        side.add_rank(0.0, index, 0.0)
     plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
-    tasks = [sr.SimTask(i, plan, False, 10) for i in range(6)]
-    group = sr.SimGroup(0, tasks, False, "t", 0)
-    for task in tasks:
+    group_tasks = [sr.SimTask(i, plan, False, 10) for i in range(tasks)]
+    group = sr.SimGroup(0, group_tasks, False, "t", 0)
+    for task in group_tasks:
         task.group = group
         side.tasks[task.id] = task
+    return side, group_tasks
+
+
+def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
+    # Paused tasks are already the rank's (claimed): the claim share limits new tasks only. A rank holding
+    # all the paused tasks of the run resumes them when room comes, even with no share left to claim.
+    from tiderl.sim import rollout as sr
+
+    side, tasks = _rollout_side(ranks=2, tasks=6)
     rank = side.ranks[0]
     for task in tasks:  # all six on rank 0, paused there (its share of six on two ranks is three)
         side._place(0.0, task, rank)
@@ -223,24 +231,8 @@ def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
 def test_a_rank_whose_tasks_wait_on_their_environment_is_not_idle_for_ers():
     # The real rollout rank counts `rollout_idle_s` only with no task at all; a rank whose tasks wait on the
     # environment, nothing left to claim, is RWT (the simulated one) but not idle: ERS reads the same.
-    import heapq
-
-    from tiderl.policy.ctb import PriorityWeights
-    from test_sim_mechanics import costs
-
-    from tiderl.sim import rollout as sr
-    from tiderl.sim.workload import TaskPlan
-
-    events: list = []
-    side = sr.RolloutSide(costs(kv_capacity_tokens=10_000, max_num_seqs=64),
-                          lambda t, fn, *a: heapq.heappush(events, (t, len(events), fn, a)),
-                          lambda t, g: None, ctb=True, env_concurrency=64, weights=PriorityWeights())
-    side.add_rank(0.0, 0, 0.0)
+    side, (task,) = _rollout_side(ranks=1, tasks=1)
     rank = side.ranks[0]
-    plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
-    task = sr.SimTask(0, plan, False, 10)
-    task.group = sr.SimGroup(0, [task], False, "t", 0)
-    side.tasks[task.id] = task
     side._place(0.0, task, rank)  # starting its environment session: held, the engine without work
     side.account_all(0.0)  # as `dispatch` accounts after placing
     side.account_all(5.0, force=True)

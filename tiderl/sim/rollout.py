@@ -59,6 +59,10 @@ _CTB_STATE = {
 }
 
 
+# A rank without engine work: [nothing left to claim][holding tasks (on their environment, paused)].
+_NO_WORK = (("idle", "idle_held"), ("rwt", "rwt_held"))
+
+
 class SimGroup:
     __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version")
 
@@ -280,8 +284,8 @@ class RolloutSide:
             state = "stall"
         elif rank.engine.has_work():
             state = "busy"
-        else:  # no engine work: nothing left to claim ("rwt") or not; tasks held (on the environment, paused) or none
-            state = ("rwt" if self.blocked() else "idle") + ("_held" if rank.tasks else "")
+        else:
+            state = _NO_WORK[self.blocked()][bool(rank.tasks)]
         if force or state != rank.acct_state:
             self.accounts[rank.acct_state] += t - rank.acct_t
             rank.acct_t = t
