@@ -191,7 +191,7 @@ class RateModel:
     host: HostShare | None = None
     """The shared host (None: an accelerator per rank)."""
     busy_rollout: float = 0.0
-    """Rollout ranks busy on the host on average over the window (holding tasks, :func:`_holding_ranks`)."""
+    """Rollout ranks busy on the host on average over the window (holding a task, see :func:`estimate`)."""
     trainer_busy_share: float = 1.0
     """Share of the window each trainer rank computed (not waiting for data)."""
     trainer_ranks: int = 1
@@ -209,9 +209,12 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     if len(window) < MIN_WINDOW_STEPS or signals.micro_batch_tokens < 1:
         return None
     produced = sum(s.produced_tokens for s in window)
+    # Rank-seconds holding a task: busy on a shared host (turns and environment calls as well as engine
+    # iterations); idle only with no task at all.
+    held_rank_s = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
     busy_rank_s = sum(s.rollout_busy_rank_s for s in window)
     if busy_rank_s <= 0:  # the engines' busy time was not measured: count every rank-second with work
-        busy_rank_s = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
+        busy_rank_s = held_rank_s
     consumed = sum(s.consumed_tokens for s in window)
     trainer_busy = [max(0.0, s.duration_s - s.trainer_wait_s) for s in window]
     if produced <= 0 or busy_rank_s <= 0 or consumed <= 0 or sum(trainer_busy) <= 0:
@@ -249,7 +252,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         inflight_groups=(limits.max_staleness + 1) * limits.groups_ideal,
         rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks else math.inf,
         host=limits.host,
-        busy_rollout=_holding_ranks(window, total_s) if total_s > 0 else float(last.rollout_ranks),
+        busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
         window=tuple(window),
@@ -257,13 +260,6 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     own_split = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
     own = _supply_tok_s(own_split, model, host_factor(own_split, model))
     return replace(model, window_supply_tok_s=own)
-
-
-def _holding_ranks(window: Sequence[StepObservation], total_s: float) -> float:
-    """Rollout ranks holding tasks on average over the window: busy on the host while they play (turn
-    handling and environment calls as well as engine iterations), idle only with no task at all."""
-    held = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
-    return min(float(window[-1].rollout_ranks), held / total_s)
 
 
 def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,
