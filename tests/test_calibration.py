@@ -34,7 +34,7 @@ MEASURED = {
     "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
 }
 TRAJECTORIES = {
-    "versions": 12, "turns_min": 1, "turns_max": 6,
+    "versions": 12, "turns_min": 1, "turns_max": 6, "agent_capped": 0,
     "start": {"n": 96, "turns_mean": 4.4, "tokens_mean": 104.4, "gen_tokens_per_turn": 2.36, "prompt_tokens": 26.0},
     "end": {"n": 96, "turns_mean": 4.9, "tokens_mean": 116.2, "gen_tokens_per_turn": 2.32, "prompt_tokens": 26.0},
 }
@@ -69,6 +69,18 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     assert workload.groups_per_step == 2 and workload.group_size == 8
     task = workload.task_types[0]
     assert task.turns_mean.start == pytest.approx(4.4) and task.env_latency.mean_s == pytest.approx(0.015)
+    assert task.turns_max == 6  # the quickstart's env.max_turns
+
+
+def test_the_turn_cap_is_the_agent_loops_where_trajectories_reached_it(tmp_path):
+    """With no trajectory cut at env.max_turns, the environment ended every episode itself (hilo's own
+    limit below the agent loop's): the most turns seen is the cap the simulated tasks meet."""
+    job = load_job(ROOT / "jobs" / "quickstart.yaml", [*BENCH_SETS, "env.max_turns=8"])
+    path = tmp_path / "hilo.workload.yaml"
+    for capped, seen, cap in ((3, 8, 8), (0, 8, 8), (0, 5, 5)):
+        path.write_text(calibrate.workload_yaml({**TRAJECTORIES, "agent_capped": capped, "turns_max": seen}, ENV,
+                                                job, tmp_path / "run", "2026-01-01"))
+        assert load_workload(path).task_types[0].turns_max == cap, (capped, seen)
 
 
 def test_every_calibrated_value_names_its_source(tmp_path):

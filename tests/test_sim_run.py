@@ -187,7 +187,7 @@ def test_ctb_adaptive_budget_in_the_simulator_as_in_the_run(monkeypatch):
     assert not changes  # fixed: never adjusted
 
 
-def _rollout_side(ranks: int, tasks: int):
+def _rollout_side(ranks: int, tasks: int, on_group_done=lambda t, g: None):
     """A simulated rollout side of `ranks` ranks (CTB) and one group of `tasks` two-turn tasks, not placed."""
     import heapq
 
@@ -200,7 +200,7 @@ def _rollout_side(ranks: int, tasks: int):
     events: list = []
     side = sr.RolloutSide(costs(kv_capacity_tokens=10_000, max_num_seqs=64),
                           lambda t, fn, *a: heapq.heappush(events, (t, len(events), fn, a)),
-                          lambda t, g: None, ctb=True, env_concurrency=64, weights=PriorityWeights())
+                          on_group_done, ctb=True, env_concurrency=64, weights=PriorityWeights())
     for index in range(ranks):
         side.add_rank(0.0, index, 0.0)
     plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
@@ -210,6 +210,35 @@ def _rollout_side(ranks: int, tasks: int):
         task.group = group
         side.tasks[task.id] = task
     return side, group_tasks
+
+
+def test_an_open_group_holding_a_task_older_than_the_bound_is_dropped_and_its_late_task_joins_none():
+    # The control plane drops, at each new version, the open training groups that hold a finished task
+    # older than the coming step's bound (RunStore.drop_doomed_groups): tasks not started never start,
+    # a running one finishes into no group. A group with no finished task, or none older, is kept.
+    side, tasks = _rollout_side(ranks=1, tasks=4)
+    group = tasks[0].group
+    for task in tasks[:2]:
+        group.remaining.remove(task)
+        side._place(0.0, task, side.ranks[0])  # placed at version 0
+    assert side.drop_doomed(1) == []  # no task of the group has finished
+    side._finish(1.0, tasks[0])
+    side.candidates.append(group)  # tasks 2 and 3 wait to be claimed
+    assert side.drop_doomed(0) == []  # its finished task is not older than version 0
+    assert side.drop_doomed(1) == [group] and group.dropped
+    assert not side.candidates and not group.remaining
+    assert set(side.tasks) == {tasks[1].id}  # the tasks never started are gone; the running one runs on
+    assert side.drop_doomed(1) == []  # dropped once
+
+    done: list = []
+    side, tasks = _rollout_side(ranks=1, tasks=2, on_group_done=lambda t, g: done.append(g))
+    for task in tasks:
+        task.group.remaining.remove(task)
+        side._place(0.0, task, side.ranks[0])
+    side._finish(1.0, tasks[0])
+    assert side.drop_doomed(1) == [tasks[0].group]
+    side._finish(2.0, tasks[1])  # the group's last task: it would complete the group
+    assert done == [] and not side.tasks
 
 
 def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
@@ -256,18 +285,38 @@ def test_a_group_older_than_the_staleness_bound_is_dropped_as_the_real_trainer_d
     assert r["consumed_trajectories"] == sum(s["fetch_groups"] for s in r["per_step"]) * small_specs()[0].group_size
 
 
+def test_the_feed_counts_a_claimed_group_outstanding_until_its_step_publishes():
+    # The control plane counts the store's claimed groups as outstanding (feed_allowance over open, ready
+    # and claimed): a place frees when the step that claimed the group publishes, or when a group is
+    # dropped. Refeeding at a mid-step drop must not count the running step's claimed groups as done.
+    workload, cluster = small_specs(8)
+    checked: list[int] = []
+
+    class Checked(Simulation):
+        def _release_training(self, t: float) -> None:
+            super()._release_training(t)
+            published = sum(st.consumed_seqs for st in self.step_stats) // workload.group_size
+            outstanding = self.train_released - published - self.dropped_groups
+            assert outstanding <= (self.staleness + 1) * self._feed_batch(), (self.version, outstanding)
+            checked.append(outstanding)
+
+    r = Checked(workload, cluster, parse_system("run:stream"), steps=STEPS, seed=0).run()
+    assert r["stale_dropped_groups"] > 0 and len(checked) > STEPS  # refeeds after drops were checked
+
+
 def test_ers_admits_fewer_groups_while_the_trainer_drops_stragglers():
-    """text-agentic x h100x8: with (staleness + 1) x B groups in flight the trainer drops about a fifth
-    of what is generated as stale; ERS's adaptive admission lowers the cap after such steps (one
-    eighth of a batch a step, never below a batch) and the run drops fewer groups than with it off."""
+    """text-agentic x h100x8: with (staleness + 1) x B groups in flight the staleness bound drops groups
+    (36 in 60 steps of seed 0 with admission off); ERS's adaptive admission lowers the cap after
+    steps that drop (one eighth of a batch a step, never below a batch; from version 42 here) and the
+    run drops fewer groups than with it off."""
     root = Path(__file__).resolve().parents[1]
     import yaml
 
     workload = build(WorkloadSpec, yaml.safe_load((root / "jobs/sim/text-agentic.workload.yaml").read_text()), "w")
     cluster = build(ClusterSpec, yaml.safe_load((root / "jobs/sim/h100x8.cluster.yaml").read_text()), "c")
     off = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, adaptive_admission=False))
-    on_run = Simulation(workload, cluster, parse_system("tiderl"), steps=30, seed=0).run()
-    off_run = Simulation(workload, off, parse_system("tiderl"), steps=30, seed=0).run()
+    on_run = Simulation(workload, cluster, parse_system("tiderl"), steps=60, seed=0).run()
+    off_run = Simulation(workload, off, parse_system("tiderl"), steps=60, seed=0).run()
     full = (cluster.training.max_staleness + 1) * workload.groups_per_step
     caps = [s["inflight_cap"] for s in on_run["per_step"]]
     assert all(c is None for c in (s["inflight_cap"] for s in off_run["per_step"]))

@@ -386,7 +386,7 @@ def trajectory_stats(run_dir: Path) -> dict:
     t = trajectories.c
     try:
         rows = store.tx.read(lambda c: c.execute(
-            select(t.num_turns, t.num_tokens, t.num_generated, t.loss_mask, t.consumed_version)
+            select(t.num_turns, t.num_tokens, t.num_generated, t.loss_mask, t.consumed_version, t.finish)
             .where(t.kind == "train", t.consumed_version.is_not(None))).all())
     finally:
         store.close()
@@ -411,6 +411,9 @@ def trajectory_stats(run_dir: Path) -> dict:
         "versions": last,
         "turns_min": min(r.num_turns for r in rows),
         "turns_max": max(r.num_turns for r in rows),
+        # Trajectories the agent loop cut at env.max_turns: none, and the environment ended every
+        # episode itself (hilo's own limit is 6 turns, below the quickstart's env.max_turns 8).
+        "agent_capped": sum(1 for r in rows if r.finish == "max_turns"),
         "start": summary(first or second),
         "end": summary(second),
     }
@@ -492,7 +495,15 @@ def workload_yaml(ts: dict, env: dict, job, run_dir: Path, when: str) -> str:
     s, e = ts["start"], ts["end"]
     gen = (s["gen_tokens_per_turn"] * s["n"] + e["gen_tokens_per_turn"] * e["n"]) / (s["n"] + e["n"])
     prompt = round((s["prompt_tokens"] * s["n"] + e["prompt_tokens"] * e["n"]) / (s["n"] + e["n"]))
-    lo, hi = ts["turns_min"], max(ts["turns_max"], job.env.max_turns)
+    # The turn limit the tasks meet: the agent loop's (env.max_turns) where some trajectory reached it,
+    # else the most turns seen (the environment ends its episodes sooner; a geometric capped at the
+    # agent's limit would give the slowest task of a group turns that no task plays).
+    lo = ts["turns_min"]
+    if ts["agent_capped"] or ts["turns_max"] >= job.env.max_turns:
+        hi, hi_src = job.env.max_turns, f"[J] env.max_turns ({ts['agent_capped']} trajectories cut there)"
+    else:
+        hi = ts["turns_max"]
+        hi_src = f"[R] most turns seen: the environment ended every episode (env.max_turns {job.env.max_turns})"
 
     def turns(x: float) -> float:
         return round(min(max(x, lo), hi), 3)
@@ -518,7 +529,7 @@ task_types:
     prompt_tokens: {prompt}      # [R] tokens before the first generated one
     turns_mean: {{start: {turns(s['turns_mean'])}, end: {turns(e['turns_mean'])}}}   # [R] num_turns
     turns_min: {lo}           # [R] fewest turns seen
-    turns_max: {hi}           # [J] env.max_turns
+    turns_max: {hi}           # {hi_src}
     tokens_mean: {{start: {s['tokens_mean']:.1f}, end: {e['tokens_mean']:.1f}}}   # [R] num_tokens
     gen_tokens_per_turn: {gen:.3f}   # [R] num_generated / num_turns
     gen_tokens_sigma: 0.3  # assumption: spread of tokens per turn (rollout.max_new_tokens caps them)

@@ -16,8 +16,9 @@ settings both files take from the job ([J] in them) are replaced by each run's r
 micro-batch tokens, staleness, B_min/B_ideal, actor ranks, report interval and the `ers:` section
 for the cluster; group size, groups a step, evaluations and the context limit for the workload.
 The measured costs stay the calibration file's. Every value replaced is listed in `job_settings`;
-a task type whose turn limit differs from the run's `env.max_turns` is reported in
-`job_mismatch` (not replaced: the turn statistics belong to that limit).
+a task type whose turn limit exceeds the run's `env.max_turns` is reported in `job_mismatch` (not
+replaced: the turn statistics belong to that limit; a lower limit is the environment's own end of
+its episodes, hilo's 6 turns under an agent loop's 8).
 Figures compared, each the same quantity on both sides (and, beside them, the training groups each side
 dropped as older than the staleness bound over the whole run):
 - steady goodput: generated tokens trained by versions 2..N per second between the publication of
@@ -178,9 +179,9 @@ def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dic
         # Greedy evaluation plays one task per prompt (the control plane's feed_eval).
         put(workload, "workload", "eval_group_size", 1 if r["eval_temperature"] == 0 else r["group_size"])
     put(workload, "workload", "max_context_tokens", config["model"]["max_context_tokens"])
-    mismatch = [f"workload.task_types[{task['name']}].turns_max {task.get('turns_max')} != env.max_turns "
+    mismatch = [f"workload.task_types[{task['name']}].turns_max {task.get('turns_max')} > env.max_turns "
                 f"{config['env']['max_turns']}"
-                for task in workload.get("task_types", []) if task.get("turns_max") != config["env"]["max_turns"]]
+                for task in workload.get("task_types", []) if task.get("turns_max", 0) > config["env"]["max_turns"]]
     return cluster, workload, changed, mismatch
 
 

@@ -64,7 +64,8 @@ _NO_WORK = (("idle", "idle_held"), ("rwt", "rwt_held"))
 
 
 class SimGroup:
-    __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version")
+    __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version",
+                 "dropped")
 
     def __init__(self, gid: int, tasks: list[SimTask], is_eval: bool, task_type: str, version: int) -> None:
         self.id = gid
@@ -76,6 +77,7 @@ class SimGroup:
         self.task_type = task_type
         self.probe_tokens = tasks[0].footprint
         self.version = version
+        self.dropped = False  # doomed by the staleness bound while open (RolloutSide.drop_doomed)
 
     @property
     def seq_tokens(self) -> list[int]:
@@ -267,6 +269,27 @@ class RolloutSide:
         """Nothing left that a rollout rank could start or resume."""
         return not self.candidates and not self.orphans
 
+    def drop_doomed(self, oldest_version: int) -> list[SimGroup]:
+        """Never finish the open training groups that hold a finished task placed before `oldest_version`
+        (the coming step's staleness bound), as the control plane drops them at each new version
+        (RunStore.drop_doomed_groups): their tasks not yet started never start, the ones running finish
+        and join no group. Returns the groups dropped, in release order."""
+        doomed: dict[tuple, SimGroup] = {}
+        for task in self.tasks.values():
+            g = task.group
+            if g.id in doomed or g.is_eval or g.dropped:
+                continue
+            if any(x.stage is Stage.DONE and x.version_start < oldest_version for x in g.tasks):
+                doomed[g.id] = g
+        for g in doomed.values():
+            g.dropped = True
+            for task in g.remaining:
+                del self.tasks[task.id]
+            g.remaining.clear()
+            if g in self.candidates:
+                self.candidates.remove(g)
+        return list(doomed.values())
+
     def dispatch(self, t: float) -> None:
         if self.ctb:
             for rank in sorted(self.ranks.values(), key=lambda r: r.used):
@@ -424,7 +447,7 @@ class RolloutSide:
         group.done += 1
         for sibling in group.tasks:
             sibling.view = None
-        if group.done == len(group.tasks):
+        if group.done == len(group.tasks) and not group.dropped:  # a dropped group's late trajectory joins none
             group.ready_s = t
             self.on_group_done(t, group)
         if rank is not None and self.ranks.get(rank.index) is rank:

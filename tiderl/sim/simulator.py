@@ -37,7 +37,7 @@ from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
 from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
-from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask
+from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask, Stage
 from tiderl.sim.spec import ClusterSpec, WorkloadSpec
 from tiderl.sim.systems import System
 from tiderl.sim.trainer import SimStepStats, Trainer
@@ -155,6 +155,7 @@ class Simulation:
         self.next_group = {False: 0, True: 0}
         self.next_task = 0
         self.train_released = 0
+        self.trained_groups = 0  # training groups of the published steps
         self.eval_outstanding = 0
         self.publish_waiting = False
         self.opt_done_s = 0.0
@@ -252,8 +253,11 @@ class Simulation:
     def _release_training(self, t: float) -> None:
         # Groups in flight (released, not yet consumed) <= (max_staleness + 1) x the batch the coming
         # step fetches (`feed_batch_groups`, as the run's control plane): AReaL's (version + s + 1) x B
-        # rule. A group dropped as stale is no longer outstanding either: its place is fed again.
-        done = len(self.consumed_tasks) // self.workload.group_size + self.dropped_groups
+        # rule. A group dropped as stale is no longer outstanding either: its place is fed again. A group
+        # the running step claimed is outstanding until the step publishes, as the control plane counts
+        # the store's claimed groups: feeding on its place at a mid-step drop released groups a step
+        # early, at the older version, and the staleness bound dropped them in turn.
+        done = self.trained_groups + self.dropped_groups
         allowed = feed_allowance(self.train_released - done, self._feed_batch(), self.staleness, self.inflight_cap)
         if allowed > 0:
             self.train_released += allowed
@@ -420,6 +424,7 @@ class Simulation:
     def _publish(self, t: float) -> None:
         self.publish_waiting = False
         stats = self.trainer.finish_step()
+        self.trained_groups = len(self.consumed_tasks) // self.workload.group_size
         self.step_stats.append(stats)
         block = t - self.opt_done_s
         self.eval_block_gpu_s += block * (stats.num_actors + stats.num_refs)
@@ -465,6 +470,15 @@ class Simulation:
         self.schedule(planned + restart_s, self._begin_step)
 
     def _feed(self, t: float) -> None:
+        # The control plane's tick after a publish: the open groups the new version's staleness bound
+        # dooms are dropped (their places fed again at once), then the feed.
+        doomed = self.rollout.drop_doomed(oldest_trainable_version(self.version, self.staleness))
+        if doomed:
+            self.dropped_groups += len(doomed)
+            self.dropped_gen_tokens += sum(sum(x.plan.gen_tokens) for g in doomed for x in g.tasks
+                                           if x.stage is Stage.DONE)
+            self.step_dropped_tokens += sum(x.plan.total_tokens for g in doomed for x in g.tasks
+                                            if x.stage is Stage.DONE)
         self._release(t)
         self.rollout.dispatch(t)
 
