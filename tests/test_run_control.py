@@ -154,7 +154,7 @@ def test_the_feed_counts_in_the_batch_the_coming_step_fetches(tmp_path: Path, mo
 def test_the_feed_keeps_within_ers_adaptive_admission(tmp_path: Path, monkeypatch) -> None:
     """tiderl: the control plane asks tiderl.policy.admission for the cap at each plan, with the step that
     just ended and the feed's batch, and feeds no more than the cap; with `ers.adaptive_admission: false`
-    it feeds the staleness bound's (staleness + 1) batches."""
+    it (the default) feeds the staleness bound's (staleness + 1) batches."""
     from tiderl.run import control
 
     calls = []
@@ -166,12 +166,12 @@ def test_the_feed_keeps_within_ers_adaptive_admission(tmp_path: Path, monkeypatc
     monkeypatch.setattr(control.admission, "inflight_cap", cap)
     sets = ("system=tiderl", "trainer.groups_ideal=4", "trainer.groups_min=2", "rollout.max_staleness=1",
             "rollout.eval_every_steps=0")
-    store, config = _store(tmp_path / "on", *sets)
+    store, config = _store(tmp_path / "on", *sets, "ers.adaptive_admission=true")
     ControlPlane(config, store).tick()
     assert calls == [(None, (), 4, 1)]  # the cold start: no step observed yet
     assert store.buffer_state().tasks_pending == 5 * config.rollout.group_size
     calls.clear()
-    store, config = _store(tmp_path / "off", *sets, "ers.adaptive_admission=false")
+    store, config = _store(tmp_path / "off", *sets)
     ControlPlane(config, store).tick()
     assert calls == [] and store.buffer_state().tasks_pending == 2 * 4 * config.rollout.group_size
 

@@ -314,9 +314,9 @@ def test_ers_admits_fewer_groups_while_the_trainer_drops_stragglers():
 
     workload = build(WorkloadSpec, yaml.safe_load((root / "jobs/sim/text-agentic.workload.yaml").read_text()), "w")
     cluster = build(ClusterSpec, yaml.safe_load((root / "jobs/sim/h100x8.cluster.yaml").read_text()), "c")
-    off = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, adaptive_admission=False))
-    on_run = Simulation(workload, cluster, parse_system("tiderl"), steps=60, seed=0).run()
-    off_run = Simulation(workload, off, parse_system("tiderl"), steps=60, seed=0).run()
+    on = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, adaptive_admission=True))
+    on_run = Simulation(workload, on, parse_system("tiderl"), steps=60, seed=0).run()
+    off_run = Simulation(workload, cluster, parse_system("tiderl"), steps=60, seed=0).run()  # the default
     full = (cluster.training.max_staleness + 1) * workload.groups_per_step
     caps = [s["inflight_cap"] for s in on_run["per_step"]]
     assert all(c is None for c in (s["inflight_cap"] for s in off_run["per_step"]))

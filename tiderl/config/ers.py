@@ -67,12 +67,13 @@ class ErsConfig:
         "(halfway toward trainer.groups_min) so a reservoir of ready data remains.",
     )
     adaptive_admission: bool = option(
-        True,
+        False,
         help="Fewer training groups in flight than the staleness bound allows while the trainer drops "
         "groups as too stale (stragglers that finished after the last step that could train them) on busy "
         "engines, more again while it waits for data: an eighth of a batch a step, between one batch and "
         "(staleness + 1) batches, judged on the last three steps without an evaluation "
-        "(tiderl.policy.admission). A resumed run starts again from the staleness bound.",
+        "(tiderl.policy.admission). A resumed run starts again from the staleness bound. Off by default: "
+        "in the simulator it costs up to 2% of goodput (docs/RESULTS.md, 2026-12-04).",
     )
     host_slots: float | None = option(
         None,
