@@ -412,7 +412,7 @@ def trajectory_stats(run_dir: Path) -> dict:
         "turns_min": min(r.num_turns for r in rows),
         "turns_max": max(r.num_turns for r in rows),
         # Trajectories the agent loop cut at env.max_turns: none, and the environment ended every
-        # episode itself (hilo's own limit is 6 turns, below the quickstart's env.max_turns 8).
+        # episode itself (hilo's own limit of 6 turns under a job's env.max_turns of 8).
         "agent_capped": sum(1 for r in rows if r.finish == "max_turns"),
         "start": summary(first or second),
         "end": summary(second),

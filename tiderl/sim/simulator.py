@@ -251,7 +251,7 @@ class Simulation:
         self._release_training(t)
 
     def _release_training(self, t: float) -> None:
-        # Groups in flight (released, not yet consumed) <= (max_staleness + 1) x the batch the coming
+        # Groups in flight (released, not yet trained or dropped) <= (max_staleness + 1) x the batch the coming
         # step fetches (`feed_batch_groups`, as the run's control plane): AReaL's (version + s + 1) x B
         # rule. A group dropped as stale is no longer outstanding either: its place is fed again. A group
         # the running step claimed is outstanding until the step publishes, as the control plane counts
