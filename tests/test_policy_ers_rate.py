@@ -9,6 +9,7 @@ import pytest
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
                                     latency_s, predict_tok_s, regime, split_of)
+from tiderl.policy.ers_trainer import step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
@@ -338,3 +339,33 @@ def test_a_step_bound_by_arrivals_keeps_its_duration_and_the_others_take_the_spl
     # Fewer rollout ranks than the window's slow the arrivals of the waited steps in proportion.
     one = predict_tok_s(Split(1, 2, 0), model)
     assert one[1] < two[1]
+
+
+def test_a_split_is_priced_with_the_readiness_each_window_step_measured():
+    """The module docstring's consumption: each window step regrouped for the split's actors with the readiness
+    it measured; its own split keeps the measured step times, a colocated split pays a swap pair for every burst
+    the arrivals make, a decoupled one does not."""
+    times = StageTimes(t_ref_s=0.5, t_act_f_s=0.5, t_act_b_s=1.0, t_swap_s=2.0)
+    # 2,000 tokens on 4 actors of 250-token shares: 2 micro-batches, arriving at 4 and 8 s; 19 s a step.
+    step = replace(obs(2, 4, duration_s=19.0, wait_s=3.0), consumed_tokens=2000, tprm_s=4.0)
+    model = estimate(signals(step, step, times=times), ELASTIC)
+    assert model is not None
+    # Colocated, the readiness makes two bursts of 2 + 0.5 + 2 + 1.5 = 6 s (4-10 s and 10-16 s): its waits
+    # (8 s beyond the one burst of an all-ready step) hold the 3 s measured; the other 3 s are the rest.
+    assert model.waits_s == (0.0, 0.0) and model.overhead_s == pytest.approx(3.0)
+    assert predict_tok_s(Split(2, 4, 0), model)[1] == pytest.approx(2000 / 19.0)  # as measured
+    # One actor as a ref rank: 3 micro-batches of 750 tokens at 3, 6 and 9 s, each done 3 s later (the ref's
+    # 3 shares, then the actor's 1.5 s): 12 s, no swap pair, 15 s a step with the rest; its shorter tail
+    # (the last micro-batch's work) raises the supply, so the arrivals come `slower` times later.
+    (s_now, _, _), (s_new, d_new, _) = predict_tok_s(Split(2, 4, 0), model), predict_tok_s(Split(2, 3, 1), model)
+    slower = s_now / s_new
+    assert slower < 1.0
+    assert step_compute_s([3.0, 6.0, 9.0], 3, 1, times) == pytest.approx(12.0)
+    assert d_new == pytest.approx(2000 / (step_compute_s([3.0 * slower, 6.0 * slower, 9.0 * slower], 3, 1, times) + 3.0))
+    assert d_new > 2000 / 15.0 > 2000 / 19.0
+    # The same tokens all ready at the start: one burst (8 s) and 3 s of waits the readiness does not show,
+    # arrivals' (scaled with the supply); the rest is 19 - 8 - 3.
+    ready = replace(step, tprm_s=None)
+    model = estimate(signals(ready, ready, times=times), ELASTIC)
+    assert model is not None and model.waits_s == (3.0, 3.0) and model.overhead_s == pytest.approx(8.0)
+    assert predict_tok_s(Split(2, 4, 0), model)[1] == pytest.approx(2000 / 19.0)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import Split
+from tiderl.policy.ers_rate import Split, split_of
 from tiderl.policy.ers_trainer import readiness, refs_needed, repartition, step_compute_s
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 from tiderl.roles import Role
@@ -97,13 +97,22 @@ def test_1_no_re_partition_without_elastic_actors_stage_times_or_a_window():
     assert repartition(Split(2, 4, 0), replace(sig, window=()), ELASTIC) is None
 
 
-def test_the_planner_re_partitions_all_at_once_and_keeps_the_rollout_ranks():
-    # The rollout ranks idle a rank's worth (no more rollout) and the trainer waits (no fewer): no split
-    # move, so the planner looks at the trainer's partition.
+def test_the_split_planner_and_the_re_partition_divide_the_trainer_alike():
+    # The rollout ranks idle a rank's worth (no more rollout) and the trainer waits (no fewer). With groups of
+    # 20 s the trainer's partition decides the goodput: the split planner prices the step with its readiness,
+    # as the re-partition does, and moves the same rank from actor to ref (one move, within its limit).
     step = replace(trickle(), rollout_idle_rank_s=30.0, trainer_wait_s=8.0, produced_tokens=2000,
                    groups_completed=4, group_latency_sum_s=80.0, group_env_sum_s=40.0, rollout_busy_rank_s=10.0)
     sig = replace(signals(step, step), group_latency_s=20.0, group_env_s=10.0, tokens_per_group=500.0)
     roles = (R, R, A, A, A, A)
+    p = plan(roles, sig, replace(ELASTIC, max_moves_per_step=1))
+    assert p.reason is ErsReason.RATE_REBALANCE
+    assert split_of(p.roles) == Split(2, 3, 1) and [(m.from_role, m.to_role) for m in p.moves] == [(A, F)]
+    assert repartition(split_of(roles), sig, ELASTIC) == 1
+    # Groups of 200 s: the supply binds every partition alike, so no split is worth a move; the trainer's
+    # compute still shortens by more than the margin (13.5 s against 18 s), and the re-partition moves.
+    step = replace(step, group_latency_sum_s=800.0)
+    sig = replace(signals(step, step), group_latency_s=200.0, group_env_s=10.0, tokens_per_group=500.0)
     p = plan(roles, sig, replace(ELASTIC, max_moves_per_step=1))
     assert p.reason is ErsReason.RATE_REPARTITION
     assert p.roles == (R, R, A, A, A, F) and [(m.from_role, m.to_role) for m in p.moves] == [(A, F)]

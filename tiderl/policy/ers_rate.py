@@ -40,23 +40,27 @@ Model (every rate from the signals' window of recent steps, as measured)
 - Without a latency measurement, supply is linear: ``r`` = tokens of the
   completed groups / rollout rank-seconds with the engine generating
   (or with any task), ``G_gen(n) = n r``.
-- Consumption: a step of ``B tok`` tokens takes ``compute(M, R) + overhead``;
-  ``compute`` is the step time with the measured stage times and every
-  micro-batch ready: colocated with no ref rank (the RA2P cost model's
-  aggregation), decoupled with R ref ranks (the pipeline's fill as a latency
-  plus a period per micro-batch, see :func:`_compute_s`); ``overhead`` the measured busy time of
-  the trainer beyond that (optimizer, publish, polling). Without stage times
-  the measured consumption rate per actor rank scales with M.
-- Goodput of a split: ``min(G_gen(n), D(M, R))``, where with stage times the
-  step time behind ``D`` is priced step by step over the window, not from its
-  means: a step in which the trainer waited ``SUPPLY_WAIT_SHARE`` of the time
-  or more was bound by arrivals, and takes its measured duration scaled by
-  ``G_gen(window's split) / G_gen(n)``, or the split's compute if longer; any
-  other step takes the split's compute. Steps alternate between the two under
-  the staleness bound (a cohort of groups arrives, then the trainer works it
-  off): more actor ranks shorten the compute-bound ones even where the
-  means show generation short (text-agentic at 32 GPUs: +1.6% over seeds 0-2,
-  docs/RESULTS.md).
+- Consumption, step by step over the window (with stage times): each window
+  step's micro-batches, regrouped for the split's M actors with the readiness
+  the step measured (its RAS ready at the start, the rest at its TPRM,
+  :func:`tiderl.policy.ers_trainer.readiness`; the arrivals after the start
+  ``G_gen(window's split) / G_gen(n)`` times later), cost
+  :func:`tiderl.policy.ers_trainer.step_compute_s` with M actors and R refs:
+  colocated, the RA2P cost model's aggregation loop, a swap pair for every
+  burst the arrivals make; decoupled, the pipeline's fill and a period per
+  micro-batch (the trainer re-partition's step model). To that each step adds
+  what its own split measured beyond the same model of itself: the trainer's
+  wait beyond the waits its readiness shows (a first arrival later than TPRM
+  says: arrivals, so scaled as they are) and the rest (optimizer, publish:
+  ``overhead``, the same for every split). The window's own split is priced
+  at its measured step times; a colocated split pays the swap pairs of the
+  bursts that trickling arrivals make, a decoupled one does not (the old
+  ``overhead``, busy time beyond an all-ready step, held those swap pairs and
+  charged them to every split: at 32 GPUs the planner left 18/11/3 for
+  19/13/0 colocated and stayed, 9% slower; docs/RESULTS.md). ``D`` is the
+  window's tokens over the sum of the priced steps. Without stage times the
+  measured consumption rate per actor rank scales with M.
+- Goodput of a split: ``min(G_gen(n), D(M, R))``.
 - A shared host (``limits.host``, :mod:`tiderl.policy.host`): the window's
   rates were measured at the speed its busy ranks left each other; a split
   with other busy ranks runs at ``speed(split) / speed(window)`` of them (its
@@ -133,7 +137,7 @@ from dataclasses import dataclass, replace
 from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
                                move_roles)
 from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
-from tiderl.policy.ers_trainer import refs_needed, repartition, step_compute_s
+from tiderl.policy.ers_trainer import readiness, refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
 
@@ -168,7 +172,8 @@ class RateModel:
     step_tokens: float
     """Tokens of a full step (groups_ideal groups)."""
     overhead_s: float
-    """Trainer busy time per step beyond the cost model's compute (or the whole step without stage times)."""
+    """Per step, the time beyond the trainer's compute with the readiness measured and the waits for arrivals
+    (optimizer, publish); without stage times, the busy time of the whole step."""
     stage_times: StageTimes | None
     micro_batch_tokens_per_actor: float
     """Tokens of one actor's share of a micro-batch (for the cost model)."""
@@ -198,6 +203,10 @@ class RateModel:
     """Actor and ref ranks of the window's split."""
     window: tuple[StepObservation, ...] = ()
     """The window's steps (each step's wait and duration price a split's step, :func:`predict_tok_s`)."""
+    residuals_s: tuple[float, ...] = ()
+    """Per window step, its duration beyond its compute with the readiness it measured and `waits_s`."""
+    waits_s: tuple[float, ...] = ()
+    """Per window step, the trainer's measured wait for data beyond the waits its readiness shows."""
     window_supply_tok_s: float = 0.0
     """The supply of the window's own split (:func:`predict_tok_s` scales the window's arrival-bound steps
     by it over a split's; 0: not computed)."""
@@ -225,10 +234,20 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     per_actor_mb = float(signals.micro_batch_tokens)
     overhead = 0.0
     per_actor_rate = None
+    waits: tuple[float, ...] = ()
+    residuals: tuple[float, ...] = ()
     if times is not None:
-        extra = [busy - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
-                 for s, busy in zip(window, trainer_busy)]
-        overhead = max(0.0, sum(extra) / len(extra))
+        # Each step: its compute with the readiness it measured ends at `end`, which holds the waits for
+        # arrivals that readiness shows; the trainer's measured wait beyond those is arrivals' too (a
+        # first arrival later than TPRM says), and the rest of the step (optimizer, publish) the same for
+        # every candidate split.
+        for s in window:
+            end = _ready_compute_s(s, s.actor_ranks, s.ref_ranks, times, per_actor_mb, 1.0)
+            shown = end - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
+            wait = min(max(0.0, s.trainer_wait_s - shown), max(0.0, s.duration_s - end))
+            waits += (wait,)
+            residuals += (max(0.0, s.duration_s - end - wait),)
+        overhead = sum(residuals) / len(residuals)
     else:
         actor_s = sum(b * max(1, s.actor_ranks) for s, b in zip(window, trainer_busy))
         per_actor_rate = consumed / actor_s
@@ -256,6 +275,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
         window=tuple(window),
+        residuals_s=residuals,
+        waits_s=waits,
     )
     own_split = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
     own = _supply_tok_s(own_split, model, host_factor(own_split, model))
@@ -308,6 +329,15 @@ def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_act
         return 0.0
     n = max(1, math.ceil(tokens / (per_actor_mb * actors)))
     return step_compute_s([0.0] * n, actors, refs, times)
+
+
+def _ready_compute_s(step: StepObservation, actors: int, refs: int, times: StageTimes, per_actor_mb: float,
+                     slower: float) -> float:
+    """The compute of `step`'s tokens on `actors` and `refs` with the readiness the step measured (its
+    RAS and TPRM regrouped, :func:`tiderl.policy.ers_trainer.readiness`), the arrivals after the start
+    `slower` times later."""
+    ready = [a * slower for a in readiness(step, actors, per_actor_mb)]
+    return step_compute_s(ready, actors, refs, times)
 
 
 def host_factor(split: Split, model: RateModel) -> float:
@@ -369,13 +399,19 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     supply = _supply_tok_s(split, model, f)
     if split.actors < 1:
         return supply, 0.0, 0.0
-    if model.stage_times is not None:
-        step_s = (_compute_s(model.step_tokens, split.actors, split.refs, model.stage_times,
-                             model.micro_batch_tokens_per_actor) + model.overhead_s) / f
-        if model.window and model.window_supply_tok_s > 0:  # step by step (the module docstring)
-            slower = model.window_supply_tok_s / supply if supply > 0 else 1.0
-            step_s = sum(max(o.duration_s * slower if o.trainer_wait_s >= SUPPLY_WAIT_SHARE * o.duration_s
-                             else 0.0, step_s) for o in model.window) / len(model.window)
+    times = model.stage_times
+    if times is not None and model.window and len(model.residuals_s) == len(model.window):
+        # Step by step (the module docstring): the arrivals after each step's start come `slower` times later.
+        slower = model.window_supply_tok_s / supply if model.window_supply_tok_s > 0 and supply > 0 else 1.0
+        at_f = StageTimes(t_ref_s=times.t_ref_s / f, t_act_f_s=times.t_act_f_s / f, t_act_b_s=times.t_act_b_s / f,
+                          t_swap_s=times.t_swap_s / f)
+        total = sum(_ready_compute_s(o, split.actors, split.refs, at_f, model.micro_batch_tokens_per_actor, slower)
+                    + wait * slower + rest / f for o, wait, rest in zip(model.window, model.waits_s, model.residuals_s))
+        demand = sum(o.consumed_tokens for o in model.window) / total if total > 0 else math.inf
+        return supply, demand, min(supply, demand)
+    if times is not None:  # no window steps (a model built by hand): every micro-batch ready at the start
+        step_s = (_compute_s(model.step_tokens, split.actors, split.refs, times, model.micro_batch_tokens_per_actor)
+                  + model.overhead_s) / f
     else:
         step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
     demand = model.step_tokens / step_s if step_s > 0 else math.inf

@@ -4,22 +4,23 @@ the rate planner's trainer re-partition (``ers.policy: rate`` with
 
 Pure: no torch, no database, no HTTP, no processes.
 
-Why a re-partition. The rate model (:mod:`tiderl.policy.ers_rate`) charges
-every candidate split the window's measured ``overhead_s`` (the trainer's busy
-time beyond an all-ready step), which holds the colocated aggregation loop's
-swap pairs while data trickles in; so it cannot tell the RA2P modes apart
-where readiness decides: a large actor group fed a micro-batch every few
-seconds, where the colocated loop's final burst also holds the backlog of the
-previous one. The RA2P cost model can. When the rate planner finds no split
-worth a move, :func:`repartition` divides the trainer's ranks (actors + refs)
-anew between actor and ref, the rollout side as it is: each window step's
-micro-batches, regrouped for M actors (:func:`readiness`: the same tokens
-ready at the start, the rest arriving at the same token rate), cost
-:func:`step_compute_s` with M actors and R refs; the R with the smallest sum
-over the window wins if it beats the current one by more than
-``rate_margin``. All its moves are made at once: a path of one rank per step
-passes through splits whose few refs cannot feed many actors, far slower than
-either end, and the actors regroup once either way.
+Why a re-partition. The rate model (:mod:`tiderl.policy.ers_rate`) prices
+every candidate split's step as this module does (:func:`readiness` and
+:func:`step_compute_s`, each window step in turn), so it tells the RA2P modes
+apart where readiness decides, and it moves toward a better partition itself
+when the goodput gains. It judges goodput, min(supply, demand), though: where
+the supply binds every partition alike, a partition that shortens the
+trainer's compute gains no goodput now but shortens the tail a group waits
+for. When the rate planner finds no split worth a move, :func:`repartition`
+divides the trainer's ranks (actors + refs) anew between actor and ref, the
+rollout side as it is: each window step's micro-batches, regrouped for M
+actors (:func:`readiness`: the same tokens ready at the start, the rest
+arriving at the same token rate), cost :func:`step_compute_s` with M actors
+and R refs; the R with the smallest sum over the window wins if it beats the
+current one by more than ``rate_margin``. All its moves are made at once: a
+path of one rank per step passes through splits whose few refs cannot feed
+many actors, far slower than either end, and the actors regroup once either
+way.
 
 Invariants (tests/test_policy_ers_trainer.py)
 1. No re-partition without ``elastic_actors``, stage times and a window.
