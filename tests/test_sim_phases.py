@@ -110,6 +110,30 @@ def test_latency_scale_applies_from_its_step_on_and_not_before():
     assert e_after[0].env_latency_s == pytest.approx([3.0 * x for x in e_before[0].env_latency_s], rel=1e-12)
 
 
+def test_gen_tokens_scale_multiplies_the_same_draws_from_its_step_on_and_keeps_the_observations():
+    base = TaskSampler(load_workload(WORKLOAD), seed=3)
+    phased = TaskSampler(_workload([{"from_step": 30, "gen_tokens_scale": 4.0}]), seed=3)
+    limit = load_workload(WORKLOAD).max_context_tokens
+    compared = 0
+    for g in range(80):
+        assert phased.group(g, 29, 8, False) == base.group(g, 29, 8, False)
+        for b, a in zip(base.group(g, 30, 8, False), phased.group(g, 30, 8, False), strict=True):
+            assert a.task_type == b.task_type
+            if a.total_tokens >= limit - 4 * max(b.gen_tokens) or len(a.gen_tokens) != len(b.gen_tokens):
+                break  # cut at the context limit: the group's later draws shift (its stream is shared)
+            assert (a.obs_tokens, a.env_latency_s, a.start_latency_s) == (b.obs_tokens, b.env_latency_s,
+                                                                           b.start_latency_s)
+            # round(4 x draw) against 4 x round(draw): within 2 tokens a turn
+            assert all(abs(x - 4 * y) <= 2 for x, y in zip(a.gen_tokens, b.gen_tokens, strict=True))
+            assert sum(a.gen_tokens) > 3 * sum(b.gen_tokens)
+            compared += 1
+    assert compared >= 100
+    w = _workload([{"from_step": 30, "gen_tokens_scale": 4.0}, {"from_step": 60, "env_latency_scale": 2.0}])
+    assert [r.gen_tokens_scale for r in w.resolved_phases()] == [1.0, 4.0, 4.0]  # carried over
+    with pytest.raises(ValueError, match="gen_tokens_scale"):
+        WorkloadPhase(from_step=3, gen_tokens_scale=0.0)
+
+
 def test_share_moves_the_training_mix_from_its_step_on_and_not_before():
     w = _workload([{"from_step": 40, "share": {"webshop": 0.2, "alfworld": 0.8}}])
     sampler = TaskSampler(w, seed=7)

@@ -98,6 +98,12 @@ class WorkloadPhase:
         help="Factor on every task type's `env_start` (mean and p99; relative to the task type). "
         "null: as the phase before.",
     )
+    gen_tokens_scale: float | None = option(
+        None,
+        gt=0,
+        help="Factor on every task type's generated tokens per turn (relative to the task type): the agent's "
+        "outputs grow or shrink during training; the observations stay as they were. null: as the phase before.",
+    )
     share: dict[str, float] | None = option(
         None,
         help="New shares of training groups by task type name (>= 0; 0 drops the type from the mix; "
@@ -108,7 +114,7 @@ class WorkloadPhase:
     def __post_init__(self) -> None:
         if self.from_step < 1:
             raise ValueError(f"from_step: must be >= 1, got {self.from_step}")
-        for name in ("env_latency_scale", "env_start_scale"):
+        for name in ("env_latency_scale", "env_start_scale", "gen_tokens_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value!r}")
@@ -132,6 +138,8 @@ class ResolvedPhase:
     env_start_scale: float
     shares: tuple[float, ...]
     """Training-group share of each task type, in `task_types` order (not normalised)."""
+    gen_tokens_scale: float = 1.0
+    """Factor on every task type's generated tokens per turn."""
 
 
 @section
@@ -194,6 +202,7 @@ class WorkloadSpec:
                 current.env_latency_scale if phase.env_latency_scale is None else phase.env_latency_scale,
                 current.env_start_scale if phase.env_start_scale is None else phase.env_start_scale,
                 shares,
+                current.gen_tokens_scale if phase.gen_tokens_scale is None else phase.gen_tokens_scale,
             )
             out.append(current)
         return tuple(out)

@@ -144,11 +144,13 @@ class TaskSampler:
         u = rng.random()
         task_type = next((t for acc, t in cum if u <= acc), cum[-1][1])
         return [
-            self._task(rng, task_type, step, phase.env_latency_scale, phase.env_start_scale) for _ in range(size)
+            self._task(rng, task_type, step, phase.env_latency_scale, phase.env_start_scale, phase.gen_tokens_scale)
+            for _ in range(size)
         ]
 
     def _task(
-        self, rng: random.Random, tt: TaskType, step: int, latency_scale: float = 1.0, start_scale: float = 1.0
+        self, rng: random.Random, tt: TaskType, step: int, latency_scale: float = 1.0, start_scale: float = 1.0,
+        gen_scale: float = 1.0,
     ) -> TaskPlan:
         w = self.workload
         turns_mean = tt.turns_mean.at(step, w.drift_steps)
@@ -171,7 +173,7 @@ class TaskSampler:
         at = [0] if img else []  # where each image in the context starts: first in its message
         lat: list[float] = []
         for i in range(turns):
-            g = max(1, round(_lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
+            g = max(1, round(gen_scale * _lognormal(rng, tt.gen_tokens_per_turn, tt.gen_tokens_sigma)))
             o = max(1, round(_lognormal(rng, obs_mean, tt.obs_tokens_sigma)))
             latency = latency_scale * math.exp(lat_mu + lat_sigma * rng.gauss(0.0, 1.0))
             if ctx + g >= w.max_context_tokens:
