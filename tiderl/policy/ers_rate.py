@@ -137,7 +137,7 @@ from dataclasses import dataclass, replace
 from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
                                move_roles)
 from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
-from tiderl.policy.ers_trainer import readiness, refs_needed, repartition, step_compute_s
+from tiderl.policy.ers_trainer import ready_compute_s, refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
 
@@ -242,7 +242,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         # first arrival later than TPRM says), and the rest of the step (optimizer, publish) the same for
         # every candidate split.
         for s in window:
-            end = _ready_compute_s(s, s.actor_ranks, s.ref_ranks, times, per_actor_mb, 1.0)
+            end = ready_compute_s(s, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
             shown = end - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
             wait = min(max(0.0, s.trainer_wait_s - shown), max(0.0, s.duration_s - end))
             waits += (wait,)
@@ -331,15 +331,6 @@ def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_act
     return step_compute_s([0.0] * n, actors, refs, times)
 
 
-def _ready_compute_s(step: StepObservation, actors: int, refs: int, times: StageTimes, per_actor_mb: float,
-                     slower: float) -> float:
-    """The compute of `step`'s tokens on `actors` and `refs` with the readiness the step measured (its
-    RAS and TPRM regrouped, :func:`tiderl.policy.ers_trainer.readiness`), the arrivals after the start
-    `slower` times later."""
-    ready = [a * slower for a in readiness(step, actors, per_actor_mb)]
-    return step_compute_s(ready, actors, refs, times)
-
-
 def host_factor(split: Split, model: RateModel) -> float:
     """How much faster (> 1) or slower each busy rank of `split` runs than in the window, on a shared host
     (1 without one); see the module docstring for the busy ranks of a split."""
@@ -400,20 +391,16 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     if split.actors < 1:
         return supply, 0.0, 0.0
     times = model.stage_times
-    if times is not None and model.window and len(model.residuals_s) == len(model.window):
+    if times is not None:
         # Step by step (the module docstring): the arrivals after each step's start come `slower` times later.
         slower = model.window_supply_tok_s / supply if model.window_supply_tok_s > 0 and supply > 0 else 1.0
         at_f = StageTimes(t_ref_s=times.t_ref_s / f, t_act_f_s=times.t_act_f_s / f, t_act_b_s=times.t_act_b_s / f,
                           t_swap_s=times.t_swap_s / f)
-        total = sum(_ready_compute_s(o, split.actors, split.refs, at_f, model.micro_batch_tokens_per_actor, slower)
+        total = sum(ready_compute_s(o, split.actors, split.refs, at_f, model.micro_batch_tokens_per_actor, slower)
                     + wait * slower + rest / f for o, wait, rest in zip(model.window, model.waits_s, model.residuals_s))
         demand = sum(o.consumed_tokens for o in model.window) / total if total > 0 else math.inf
         return supply, demand, min(supply, demand)
-    if times is not None:  # no window steps (a model built by hand): every micro-batch ready at the start
-        step_s = (_compute_s(model.step_tokens, split.actors, split.refs, times, model.micro_batch_tokens_per_actor)
-                  + model.overhead_s) / f
-    else:
-        step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
+    step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
     demand = model.step_tokens / step_s if step_s > 0 else math.inf
     return supply, demand, min(supply, demand)
 

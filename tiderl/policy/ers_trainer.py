@@ -50,7 +50,7 @@ from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 if TYPE_CHECKING:
     from tiderl.policy.ers_rate import Split
 
-__all__ = ["readiness", "refs_needed", "repartition", "step_compute_s"]
+__all__ = ["readiness", "ready_compute_s", "refs_needed", "repartition", "step_compute_s"]
 
 
 def refs_needed(actors: int, times: StageTimes | None) -> int:
@@ -75,6 +75,13 @@ def readiness(step: StepObservation, actors: int, per_actor_mb: float) -> list[f
     ras = min(n, int(step.ras_microbatches * measured_mb // per_mb))
     gap = step.tprm_s * per_mb / measured_mb
     return [0.0] * ras + [gap * (i + 1) for i in range(n - ras)]
+
+
+def ready_compute_s(step: StepObservation, actors: int, refs: int, times: StageTimes, per_actor_mb: float,
+                    slower: float = 1.0) -> float:
+    """:func:`step_compute_s` of `step`'s tokens on `actors` and `refs` with the readiness the step measured
+    (:func:`readiness`), the arrivals after the start `slower` times later (the rate planner's supply ratio)."""
+    return step_compute_s([a * slower for a in readiness(step, actors, per_actor_mb)], actors, refs, times)
 
 
 def step_compute_s(ready: Sequence[float], actors: int, refs: int, times: StageTimes) -> float:
@@ -107,7 +114,7 @@ def repartition(now: Split, signals: ErsSignals, limits: ErsLimits) -> int | Non
     if limits.max_ref_ranks is not None:
         top = min(top, limits.max_ref_ranks)
     options = {r for r in range(0, top + 1) if r <= refs_needed(total - r, times)} | {now.refs}
-    cost = {refs: sum(step_compute_s(readiness(s, total - refs, mb), total - refs, refs, times)
+    cost = {refs: sum(ready_compute_s(s, total - refs, refs, times, mb)
                       for s in signals.window) for refs in sorted(options)}  # each partition priced once
     best = min(cost, key=lambda r: (cost[r], abs(r - now.refs)))
     if best == now.refs or cost[best] * (1 + limits.rate_margin) >= cost[now.refs]:
