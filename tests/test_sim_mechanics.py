@@ -163,3 +163,18 @@ def test_decoupled_pipeline_timeline():
     assert loop.done_at == [pytest.approx(4.0)]
     # Bubble: actor1's 1 s wait + drain (actor0 1 s, ref 2 s); no swap at all.
     assert t.stats.bubble_gpu_s == pytest.approx(4.0) and t.stats.num_swaps == 0
+
+
+def test_decoupled_waits_count_the_actor_ranks_apart_from_the_ref_ranks():
+    # As above, then a second micro-batch at 10 s: the ref (free at 2) waits 8 s, actor0 (free at 3)
+    # 7 s and actor1 (free at 4) 6 s. ERS's trainer wait is the actor ranks' (the control plane
+    # reads the actor ranks' `twt_s`), so the actors' 13 s are kept apart from the ref's.
+    t, loop = make(TrainerKind.RA2P)
+    t.begin_step(0.0, 2, 1, Ra2pMode.DECOUPLED, 2)
+    buffer = deque([group(1000, 1000)])
+    t.offer(0.0, buffer)
+    loop.schedule(10.0, lambda now: (buffer.append(group(1000, 1000)), t.offer(now, buffer)))
+    loop.run()
+    assert loop.done_at == [pytest.approx(14.0)]
+    assert t.stats.twt_gpu_s == pytest.approx(8.0 + 7.0 + 6.0)
+    assert t.stats.actor_wait_gpu_s == pytest.approx(7.0 + 6.0)

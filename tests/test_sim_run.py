@@ -133,15 +133,18 @@ def test_one_seed_plays_out_the_same_in_every_run():
     assert all(r == rows[0] for r in rows)
 
 
-def test_on_a_shared_host_ers_leaves_the_spare_rank_idle():
+def test_on_a_shared_host_the_cold_start_idles_the_spare_ref_rank_for_the_first_step_only():
     from tiderl.sim.spec import load_cluster, load_workload
 
     root = Path(__file__).resolve().parents[1] / "jobs" / "sim"
     workload = load_workload(root / "hilo-bench.workload.yaml")
     cluster = load_cluster(root / "cpu.cluster.yaml")
     shared = Simulation(workload, cluster, parse_system("tiderl"), steps=6, seed=0).run()
-    # One engine already takes the whole host (one slot): the spare ref rank idles from the cold start on.
-    assert {(e["rollout"], e["actor"], e["ref"]) for e in shared["roles_timeline"]} == {(1, 1, 0)}
+    # The one engine already takes the host (a busy rollout rank weighs ~2 slots): the cold start leaves the
+    # spare ref rank idle rather than a second engine; once the first step is over it is a ref rank again.
+    timeline = [(e["version"], e["rollout"], e["actor"], e["ref"]) for e in shared["roles_timeline"]]
+    assert timeline[0] == (0, 1, 1, 0) and timeline[1] == (1, 1, 1, 1)
+    assert shared["per_step"][0]["ers_reason"] == "preemption_end"  # the plan made at the end of step 0
     # Told every rank has a device of its own, the cold-start rule rolls out on the spare rank too.
     dedicated = dataclasses.replace(cluster, measured=dataclasses.replace(cluster.measured, host_compute_slots=None))
     first = Simulation(workload, dedicated, parse_system("tiderl"), steps=6, seed=0).run()["roles_timeline"][0]
@@ -325,3 +328,22 @@ def test_ers_admits_fewer_groups_while_the_trainer_drops_stragglers():
     assert on_run["stale_dropped_groups"] < off_run["stale_dropped_groups"]
     # Every step still trains its whole fetch.
     assert on_run["consumed_trajectories"] == sum(s["fetch_groups"] for s in on_run["per_step"]) * workload.group_size
+
+
+def test_ers_sees_the_actor_ranks_wait_as_the_control_plane_reads_it():
+    # A decoupled split: the ref ranks wait too, but the control plane's trainer wait is the actor
+    # ranks' `twt_s` per actor rank, so the simulator's observation must be the actors' alone.
+    workload, cluster = small_specs(6)
+    sim = Simulation(workload, cluster, parse_system("tiderl-noers@0.5+ref1"), steps=STEPS, seed=0)
+    sim.run()
+    by_version = {o.version: o for o in sim.observations}
+    refs_waited, compared = False, 0
+    for version, (stats, row) in enumerate(zip(sim.step_stats, sim.records), start=1):
+        if version not in by_version:
+            continue
+        o = by_version[version]
+        assert stats.num_refs == 1 and stats.num_actors == 2
+        assert o.trainer_wait_s == pytest.approx(min(o.duration_s, stats.actor_wait_gpu_s / 2 + row.eval_block_s))
+        refs_waited |= stats.twt_gpu_s > stats.actor_wait_gpu_s + 1e-9
+        compared += 1
+    assert compared >= STEPS - 1 and refs_waited  # the test sees the ref ranks' waits left out

@@ -141,7 +141,7 @@ from tiderl.policy.ers_trainer import ready_compute_s, refs_needed, repartition,
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
 
-__all__ = ["RateModel", "Split", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
+__all__ = ["RateModel", "Split", "busy_trainer_ranks", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
            "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "split_of"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
@@ -198,9 +198,12 @@ class RateModel:
     busy_rollout: float = 0.0
     """Rollout ranks busy on the host on average over the window (holding a task, see :func:`estimate`)."""
     trainer_busy_share: float = 1.0
-    """Share of the window each trainer rank computed (not waiting for data)."""
+    """Share of the window each trainer rank computed (not waiting for data; used without stage times)."""
     trainer_ranks: int = 1
     """Actor and ref ranks of the window's split."""
+    trainer_split: tuple[int, int] = (1, 0)
+    """Actor and ref ranks of the window's last step (with stage times, the busy trainer ranks of a split
+    are priced by :func:`busy_trainer_ranks`)."""
     window: tuple[StepObservation, ...] = ()
     """The window's steps (each step's wait and duration price a split's step, :func:`predict_tok_s`)."""
     residuals_s: tuple[float, ...] = ()
@@ -274,6 +277,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_ranks=last.actor_ranks + last.ref_ranks,
+        trainer_split=(last.actor_ranks, last.ref_ranks),
         window=tuple(window),
         residuals_s=residuals,
         waits_s=waits,
@@ -337,13 +341,28 @@ def host_factor(split: Split, model: RateModel) -> float:
     host = model.host
     if host is None:
         return 1.0
-    now = host.speed(model.busy_rollout, model.trainer_busy_share * model.trainer_ranks)
+    now = host.speed(model.busy_rollout, busy_trainer_ranks(*model.trainer_split, model))
     if split.rollout <= model.rollout_ranks:
         busy_rollout = min(float(split.rollout), model.busy_rollout)
     else:
         busy_rollout = model.busy_rollout * split.rollout / max(1, model.rollout_ranks)
-    then = host.speed(busy_rollout, model.trainer_busy_share * (split.actors + split.refs))
+    then = host.speed(busy_rollout, busy_trainer_ranks(split.actors, split.refs, model))
     return then / now
+
+
+def busy_trainer_ranks(actors: int, refs: int, model: RateModel) -> float:
+    """Trainer ranks computing on average over the window, had it run `actors` and `refs`: each step's
+    compute span with every micro-batch ready (:func:`_compute_s`, at the window's measured stage times)
+    holds the split's trainer ranks. The rest of a step (waiting for data, the optimizer's and publish's
+    share beyond the compute, the wait for the next plan) leaves the host to the others. Without stage
+    times, the window's busy share of each trainer rank."""
+    times = model.stage_times
+    total = sum(o.duration_s for o in model.window)
+    if times is None or total <= 0:
+        return model.trainer_busy_share * (actors + refs)
+    span = sum(_compute_s(o.consumed_tokens, actors, refs, times, model.micro_batch_tokens_per_actor)
+               for o in model.window)
+    return min(1.0, span / total) * (actors + refs)
 
 
 def latency_s(rollout: int, model: RateModel, factor: float = 1.0) -> float | None:

@@ -34,7 +34,7 @@ from tiderl.policy import admission, ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
+from tiderl.policy.ers_signals import ErsSnapshot, PreemptionMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask, Stage
@@ -148,7 +148,7 @@ class Simulation:
         self.history_steps = e.history_steps
         self.adaptive_admission = self.ers_limits.enabled and e.adaptive_admission
         self.inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
-        self.evaluation_memory = EvaluationMemory()
+        self.preemption_memory = PreemptionMemory()
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
         self.fetch = self.b_min if system.fetch_min else self.b_ideal
         self.last_rollout_change = 0
@@ -345,11 +345,16 @@ class Simulation:
             self._publish(t)
 
     def _stage_times(self) -> StageTimes:
+        """The stage times as the trainer measures them: of a micro-batch of the recent sequences, at the
+        speed the last step's compute ran (a shared host slows it; the real trainer's clocks see that)."""
         seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
         mean_len = sum(seqs) / len(seqs)
-        fwd = self.cluster.training.micro_batch_tokens / mean_len * self.costs.forward_s(round(mean_len))
+        last = self.step_stats[-1] if self.step_stats else None
+        slow = last.wall_s / last.work_s if last is not None and last.work_s > 0 else 1.0
+        fwd = self.cluster.training.micro_batch_tokens / mean_len * self.costs.forward_s(round(mean_len)) * slow
         c = self.costs
-        return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd, t_swap_s=c.swap_s)
+        return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd,
+                          t_swap_s=c.swap_s * slow)
 
     def _signals(self, t: float, stats: SimStepStats | None) -> ErsSignals:
         """The snapshot the control plane would take now, through the same builder."""
@@ -365,7 +370,7 @@ class Simulation:
             last_rollout_change=self.last_rollout_change,
             stage_times=self._stage_times() if self.consumed_tasks else None,
             fill_steps=self.staleness + 1,
-            pre_evaluation_roles=self.evaluation_memory.roles,
+            pre_preemption_roles=self.preemption_memory.roles,
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -373,7 +378,7 @@ class Simulation:
         """The step that just ended, as ERS sees it (the control plane records the same)."""
         duration = t - self.last_publish_s
         seen = self.groups_seen
-        trainers = max(1, stats.num_actors + stats.num_refs)
+        actors = max(1, stats.num_actors)
         self.observations.append(StepObservation(
             version=self.version + 1, duration_s=duration, consumed_tokens=stats.consumed_tokens,
             rollout_ranks=self._num(Role.ROLLOUT), actor_ranks=stats.num_actors, ref_ranks=stats.num_refs,
@@ -381,7 +386,7 @@ class Simulation:
             group_latency_sum_s=sum(g[1] for g in seen), group_env_sum_s=sum(g[3] for g in seen),
             rollout_idle_rank_s=self._rollout_idle_rank_s(t),
             rollout_busy_rank_s=self._rollout_busy_rank_s(),
-            trainer_wait_s=min(duration, stats.twt_gpu_s / trainers + block),
+            trainer_wait_s=min(duration, stats.actor_wait_gpu_s / actors + block),
             tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
             ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
             stale_dropped_tokens=self.step_dropped_tokens,
@@ -408,7 +413,7 @@ class Simulation:
         return since
 
     def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
-        self.evaluation_memory.note(tuple(self.roles), plan.reason)
+        self.preemption_memory.note(tuple(self.roles), plan.reason)
         before = self._num(Role.ROLLOUT)
         for move in plan.moves:
             if move.from_role is Role.ROLLOUT:

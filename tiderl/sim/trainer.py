@@ -55,7 +55,14 @@ class SimStepStats:
     fetch_groups: int
     ready_rel_s: list[float] = field(default_factory=list)
     twt_gpu_s: float = 0.0
+    actor_wait_gpu_s: float = 0.0
+    """The actor ranks' share of `twt_gpu_s` (the ref ranks' waits are the rest): the control plane's
+    trainer wait is the actor ranks' (`twt_s` of role actor, per actor rank)."""
     bubble_gpu_s: float = 0.0
+    work_s: float = 0.0
+    """Compute seconds of the step's stages at full speed (a burst's or a share's, once each)."""
+    wall_s: float = 0.0
+    """The same stages' seconds at the speed a shared host left them (= `work_s` without one)."""
     swap_gpu_s: float = 0.0
     busy_gpu_s: float = 0.0
     num_swaps: int = 0
@@ -86,7 +93,7 @@ class Trainer:
         # Shared host: tell it how many trainer ranks compute; it answers their speed.
         self.host = host or (lambda busy: 1.0)
         self._burst_token = 0
-        self._burst_work = self._burst_t = 0.0
+        self._burst_work = self._burst_t = self._burst_start = 0.0
         self._burst_speed = 1.0
         self.stats: SimStepStats | None = None
         self.active = False
@@ -207,12 +214,15 @@ class Trainer:
         # A shared host: the burst runs at the trainer's share of it, re-timed when the share changes.
         speed = self.host(m)
         st.twt_gpu_s += m * (t - self.idle_since)
+        st.actor_wait_gpu_s += m * (t - self.idle_since)
         st.swap_gpu_s += 2 * swap * m
         st.num_swaps += 2
         busy = (c.ref_ratio + 1.0 + c.backward_ratio) * sum(per_rank)
         st.busy_gpu_s += busy
         st.bubble_gpu_s += m * (ref_phase + actor_phase) - busy
         self.busy = True
+        st.work_s += duration
+        self._burst_start = t
         self._burst_work, self._burst_t, self._burst_speed = duration, t, speed
         self._burst_token += 1
         self.schedule(t + duration / speed, self._burst_end, self._burst_token)
@@ -231,6 +241,7 @@ class Trainer:
             return  # re-timed
         self.busy = False
         self.host(0)
+        self.stats.wall_s += t - self._burst_start  # type: ignore[union-attr]
         self.idle_since = t
         self._run(t)
 
@@ -246,6 +257,8 @@ class Trainer:
         speed = self.host(st.num_actors + st.num_refs)  # a shared host: the share when dispatched
         for r, share in enumerate(shares):
             fwd = self._share_forward_s(share) / speed
+            st.work_s += fwd * speed * (self.costs.ref_ratio + 1.0 + self.costs.backward_ratio)
+            st.wall_s += fwd * (self.costs.ref_ratio + 1.0 + self.costs.backward_ratio)
             i = min(range(len(self.ref_free)), key=self.ref_free.__getitem__)
             ref_start = max(a, self.ref_free[i])
             st.twt_gpu_s += max(0.0, a - self.ref_free[i])
@@ -253,6 +266,7 @@ class Trainer:
             self.ref_free[i] = ref_done
             f_start = max(a, self.actor_free[r])
             st.twt_gpu_s += max(0.0, a - self.actor_free[r])
+            st.actor_wait_gpu_s += max(0.0, a - self.actor_free[r])
             f_end = f_start + fwd
             b_start = max(f_end, ref_done)
             st.bubble_gpu_s += b_start - f_end
