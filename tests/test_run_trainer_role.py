@@ -113,8 +113,9 @@ def test_how_a_task_ended_reaches_the_trainer(tmp_path: Path, base: Path) -> Non
         "SELECT finish FROM trajectories ORDER BY id")]) == [t.finish for t in sorted(got, key=lambda t: t.id)]
 
 
-def _member(run_dir: str, base: str, rank: int, role: str) -> None:
-    """A trainer rank of its own process, as in a run: a follower actor or a ref rank of version 0's step."""
+def _member(run_dir: str, base: str, rank: int, role: str, versions: int = 1) -> None:
+    """A trainer rank of its own process, as in a run: a follower actor or a ref rank of the steps of
+    versions 0 .. versions - 1 (one layout): the group formed for the first step runs the others."""
     from tiderl.paths import RunPaths
     from tiderl.run.trainer_role import run_ref_step
     from tiderl.store import RunStore
@@ -125,18 +126,23 @@ def _member(run_dir: str, base: str, rank: int, role: str) -> None:
                       system=behaviour("tiderl", max_staleness=1, ra2p_mode=config.trainer.ra2p_mode),
                       model_dir=Path(base), env_urls=[], poll_s=0.01)
     step = run_ref_step if role == "ref" else run_actor_step
-    asyncio.run(step(ctx, _group_plan()))
+    comms = []
+    for version in range(versions):
+        asyncio.run(step(ctx, _group_plan(version)))
+        assert ctx.trainer_group is not None and ctx.trainer_group.version == version
+        comms.append(ctx.trainer_group.comm)
+    assert all(c is comms[0] for c in comms), "the layout did not change: the group must be kept"
 
 
-def _group_plan() -> PlanRecord:
-    return PlanRecord(version=0, roles={0: Role.ACTOR, ROLLOUT: Role.ROLLOUT, 2: Role.REF, 3: Role.ACTOR},
+def _group_plan(version: int = 0) -> PlanRecord:
+    return PlanRecord(version=version, roles={0: Role.ACTOR, ROLLOUT: Role.ROLLOUT, 2: Role.REF, 3: Role.ACTOR},
                       ra2p_mode=Ra2pMode.DECOUPLED, fetch_groups=2)
 
 
 def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path, base: Path) -> None:
     """Two actors (data parallel) and a ref rank, each its own process: the leader gathers and publishes, the
     other actor trains its share, the ref serves the reference log-probabilities; they meet in the trainer
-    group's current restart generation."""
+    group's current restart generation, and keep that group for the next version's step (same layout)."""
     import subprocess
     import sys
 
@@ -144,11 +150,11 @@ def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path
     ctx.store.register_rank(2, Role.REF)
     ctx.store.register_rank(3, Role.ACTOR)
     assert ctx.store.advance_trainer_generation(0, [0, 2, 3])  # as after one restart of the group
-    _feed(ctx, range(2), version=0)
+    _feed(ctx, range(4), version=0)
 
     def start(rank: int, role: str) -> subprocess.Popen[str]:
         code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_run_trainer_role as t; "
-                f"t._member({str(ctx.paths.root)!r}, {str(base)!r}, {rank}, {role!r})")
+                f"t._member({str(ctx.paths.root)!r}, {str(base)!r}, {rank}, {role!r}, versions=2)")
         return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
@@ -161,10 +167,24 @@ def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path
         for p in members:
             if p.poll() is None:
                 p.kill()
-    assert ctx.store.run_info().version == 1
-    (step,) = ctx.store.steps()
-    assert step["num_trajectories"] == 8 and step["ra2p_mode"] == "decoupled"
-    assert verify(ctx.paths.weights_version(1))
+    assert ctx.store.run_info().version == 2
+    steps = ctx.store.steps()
+    assert [(s["num_trajectories"], s["ra2p_mode"]) for s in steps] == [(8, "decoupled")] * 2
+    assert verify(ctx.paths.weights_version(1)) and verify(ctx.paths.weights_version(2))
     assert ctx.paths.data_ready(0, 1).is_file() and not ctx.paths.rendezvous_generation(0).exists()
     trained = {(m["rank"], m["name"]) for m in ctx.store.metric_rows(["train_s"])}
     assert {(0, "train_s"), (3, "train_s")} <= trained  # both actors trained their share
+
+
+def test_a_held_trainer_group_runs_the_next_step_only_of_the_same_layout() -> None:
+    from tiderl.trainer.group import HeldGroup
+    from tiderl.trainer.modes import TrainerComm
+
+    layout = ((0, 3), (2,), 1)
+    held = HeldGroup(layout, 4, TrainerComm(rank=0, actor_ranks=(0, 1), ref_ranks=(2,)))
+    assert held.continues(layout, 5)
+    assert not held.continues(layout, 6)  # a version's step ran without this rank: another group met for it
+    assert not held.continues(layout, 4)
+    assert not held.continues(((0, 3), (), 1), 5)  # ERS moved the ref rank
+    assert not held.continues(((0,), (2, 3), 1), 5)
+    assert not held.continues(((0, 3), (2,), 2), 5)  # a restart moved the generation on

@@ -44,7 +44,7 @@ async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
 
 async def serve(ctx: RankContext) -> None:
     from tiderl.run.rollout_role import run_rollout
-    from tiderl.run.trainer_role import run_actor_step, run_ref_step
+    from tiderl.run.trainer_role import release_trainer_group, run_actor_step, run_ref_step
 
     version = ctx.position()
     plan = await ctx.wait_plan(version)
@@ -58,6 +58,8 @@ async def serve(ctx: RankContext) -> None:
                 "role", f"rank {ctx.rank} is {role.value} from version {plan.version}",
                 {"version": plan.version, "role": role.value, "previous": previous.value if previous else None})]))
             previous = role
+        if role not in (Role.ACTOR, Role.REF):
+            release_trainer_group(ctx)  # no step of this rank's runs in it now
         if role is Role.ROLLOUT:
             nxt = await run_rollout(ctx, plan)
             if nxt is None:

@@ -205,6 +205,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                   wait_s=ctx.config.store.disk_full_wait_s, what=f"the step marker {marker}")
         result = _in_group(ctx, plan, generation, actors, members, lambda comm: _train(actor, comm, inp))
     else:
+        release_trainer_group(ctx)
         result = actor.train_step(inp)
     if not isinstance(result, PublishedStep):
         raise RuntimeError(f"actor rank {ctx.rank}: led version {plan.version} but published nothing")
@@ -274,15 +275,35 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
 def _in_group(ctx: RankContext, plan: PlanRecord, generation: int, actors: list[int], refs: list[int],
               body: Callable[[TrainerComm], T]) -> T:
     """Run `body(comm)` inside this version's trainer group of restart generation `generation`: the
-    actors (group ranks 0.., the leader first), then the refs of a decoupled step."""
-    from tiderl.trainer.group import init_trainer_group, leave_trainer_group
+    actors (group ranks 0.., the leader first), then the refs of a decoupled step. The group of the
+    previous version is kept where it continues (`HeldGroup.continues`), else formed anew; a failed step
+    leaves it."""
+    from tiderl.trainer.group import HeldGroup, init_trainer_group
 
-    index = actors.index(ctx.rank) if ctx.rank in actors else len(actors) + refs.index(ctx.rank)
-    comm = init_trainer_group(index, len(actors), len(refs), ctx.paths.rendezvous_version(plan.version, generation),
-                              timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
+    layout = (tuple(actors), tuple(refs), generation)
+    held = ctx.trainer_group
+    if held is None or not held.continues(layout, plan.version):
+        release_trainer_group(ctx)
+        index = actors.index(ctx.rank) if ctx.rank in actors else len(actors) + refs.index(ctx.rank)
+        comm = init_trainer_group(index, len(actors), len(refs),
+                                  ctx.paths.rendezvous_version(plan.version, generation),
+                                  timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
+        held = ctx.trainer_group = HeldGroup(layout, plan.version, comm)
     try:
-        return body(comm)
-    finally:
+        result = body(held.comm)
+    except BaseException:
+        release_trainer_group(ctx)
+        raise
+    held.version = plan.version
+    return result
+
+
+def release_trainer_group(ctx: RankContext) -> None:
+    """Leave the trainer group this rank holds, if any (before another role, or a step without a group)."""
+    if ctx.trainer_group is not None:
+        from tiderl.trainer.group import leave_trainer_group
+
+        ctx.trainer_group = None
         leave_trainer_group()
 
 
