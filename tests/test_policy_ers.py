@@ -128,52 +128,32 @@ def test_13_the_evaluations_end_puts_its_ref_and_idle_ranks_back():
     before = (R, F, F, I, A, A)  # the planner's split before the evaluation
     during = (R, R, R, R, A, A)  # the evaluation's preemptive maximum rollout
     over = ErsSignals(ras_microbatches=0, ready_groups=8, hol_latency_s=0.0, tprm_s=None, step_history_s=HISTORY,
-                      pre_preemption_roles=before)
+                      pre_evaluation_roles=before)
     p = plan(during, over, LIMITS)  # LIMITS: one move a step; the return is exempt like the preemptive move
-    assert p.reason is ErsReason.PREEMPTION_END and p.roles == before and p.mode is Ra2pMode.DECOUPLED
+    assert p.reason is ErsReason.EVALUATION_END and p.roles == before and p.mode is Ra2pMode.DECOUPLED
     # Only rollout ranks move back: an actor or a rank that another rule moved meanwhile keeps its role.
     moved = plan((R, R, F, R, A, R), over, LIMITS)
     assert moved.roles == (R, F, F, I, A, R) and {(m.from_role, m.to_role) for m in moved.moves} <= {(R, F), (R, I)}
     # Nothing to put back, no preemptive rule, or still evaluating: the other rules plan as before.
-    assert plan(before, over, LIMITS).reason is not ErsReason.PREEMPTION_END
-    assert plan(during, over, replace(LIMITS, preemptive_rollout=False)).reason is not ErsReason.PREEMPTION_END
+    assert plan(before, over, LIMITS).reason is not ErsReason.EVALUATION_END
+    assert plan(during, over, replace(LIMITS, preemptive_rollout=False)).reason is not ErsReason.EVALUATION_END
     assert plan(during, replace(over, is_eval_next=True), LIMITS).reason is ErsReason.EVALUATION
 
 
-def test_13_the_cold_starts_end_puts_back_the_ref_rank_a_shared_host_left_idle():
-    from tiderl.policy.ers_signals import PreemptionMemory
-    from tiderl.policy.host import HostShare
+def test_the_evaluation_memory_keeps_the_map_the_first_evaluation_plan_replaced():
+    from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
 
-    host = HostShare(slots=2, rollout_weight=1.92)  # one busy engine takes the host: no room for a second
-    limits = replace(LIMITS, host=host)
-    launch = (A, R, F)
-    cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None)
-    first = plan(launch, cold, limits)
-    assert first.reason is ErsReason.COLD_START and first.roles == (A, R, I)
-    memory = PreemptionMemory()
-    memory.note(launch, first.reason)
-    assert memory.roles == launch
-    over = replace(STEADY, pre_preemption_roles=memory.roles)
-    back = plan(first.roles, over, limits)
-    assert back.reason is ErsReason.PREEMPTION_END and back.roles == launch and back.mode is Ra2pMode.DECOUPLED
-    memory.note(first.roles, back.reason)
-    assert memory.roles is None
-
-
-def test_the_preemption_memory_keeps_the_map_the_first_evaluation_plan_replaced():
-    from tiderl.policy.ers_signals import ErsSnapshot, PreemptionMemory, build_signals
-
-    memory = PreemptionMemory()
+    memory = EvaluationMemory()
     memory.note((R, F, A), ErsReason.STEADY)
     assert memory.roles is None
     memory.note((R, F, A), ErsReason.EVALUATION)
     memory.note((R, R, A), ErsReason.EVALUATION)  # a second evaluation step: the first map stays
     assert memory.roles == (R, F, A)
     snapshot = ErsSnapshot(roles=(R, R, A), micro_batch_tokens=64, ready_tokens=0, ready_groups=0,
-                           oldest_ready_age_s=None, pre_preemption_roles=memory.roles)
-    assert build_signals(snapshot, 5).pre_preemption_roles == (R, F, A)
-    assert build_signals(replace(snapshot, is_eval_open=True), 5).pre_preemption_roles is None  # not over yet
-    memory.note((R, R, A), ErsReason.PREEMPTION_END)
+                           oldest_ready_age_s=None, pre_evaluation_roles=memory.roles)
+    assert build_signals(snapshot, 5).pre_evaluation_roles == (R, F, A)
+    assert build_signals(replace(snapshot, is_eval_open=True), 5).pre_evaluation_roles is None  # not over yet
+    memory.note((R, R, A), ErsReason.EVALUATION_END)
     assert memory.roles is None
 
 

@@ -45,14 +45,10 @@ Signals (:class:`ErsSignals`)
   (adaptive data retention).
 - Cold start (no step history) and evaluation steps: preemptive maximum
   rollout (every ref and idle rank to rollout, colocated), exempt from the
-  move limit because it only adds rollout capacity; once the cold start or
-  the evaluation is over (``pre_preemption_roles``: the first step has
-  ended, or the evaluation's), the ranks it sent from ref or idle to
-  rollout, or left idle, go back to those roles in one plan (also exempt: it
-  undoes the preemptive move, and the split before it was the launch's or
-  the planner's; on a shared host the cold start would otherwise leave a ref
-  rank idle for good, as no split move is worth the rate planner's margin
-  when the ref's gain is a few percent); actor ranks are not
+  move limit because it only adds rollout capacity; once the evaluation is
+  over (``pre_evaluation_roles``), the ranks it sent from ref or idle to
+  rollout go back to those roles in one plan (also exempt: it undoes the
+  preemptive move, and the split before it was the planner's); actor ranks are not
   moved preemptively (they return one per step at most). On a shared host
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
@@ -88,9 +84,9 @@ Invariants (each has a test in tests/test_policy_ers.py)
    ``groups_ideal`` only after a rollout scale-down followed by a generation
    deficit (adaptive retention), and returns to ``groups_ideal`` otherwise.
 10. Disabled: the role map is unchanged and the mode follows it.
-13. The end of a cold start or an evaluation (``pre_preemption_roles``, ``preemptive_rollout``):
-    only ROLLOUT and IDLE ranks move, each to the REF or IDLE role it held before the preemptive
-    plan; every other rank keeps its role.
+13. An evaluation's end (``pre_evaluation_roles``, ``preemptive_rollout``):
+    only ROLLOUT ranks move, each to the REF or IDLE role it held before the
+    evaluation; every other rank keeps its role.
 11. Pure: equal inputs give equal plans.
 """
 
@@ -123,9 +119,8 @@ class ErsReason(enum.Enum):
     DISABLED = "disabled"
     COLD_START = "cold_start"
     EVALUATION = "evaluation"
-    PREEMPTION_END = "preemption_end"
-    """The cold start or the evaluation is over: the ref and idle ranks its preemptive rule sent to rollout
-    (or left idle) go back."""
+    EVALUATION_END = "evaluation_end"
+    """The evaluation is over: the ref and idle ranks its preemptive rule sent to rollout go back."""
     CONSUMPTION_DEFICIT = "consumption_deficit"
     GENERATION_DEFICIT = "generation_deficit"
     STEADY = "steady"
@@ -306,9 +301,9 @@ class ErsSignals:
     measurement per rollout count: how generation latency answers to rollout ranks."""
     micro_batch_tokens: int = 0
     """Tokens of one actor rank's share of a micro-batch (trainer.micro_batch_tokens; 0: unknown)."""
-    pre_preemption_roles: tuple[Role, ...] | None = None
-    """The role map the cold start's or an evaluation's preemptive rule replaced, when that preemption is
-    over at this boundary (None: none just ended)."""
+    pre_evaluation_roles: tuple[Role, ...] | None = None
+    """The role map an evaluation's preemptive rule replaced, when that evaluation is over at this boundary
+    (None: no evaluation just ended)."""
     walk: ErsSignals | None = None
     """The signals as they were at the end of the newest split the rate window measured, while the current
     split is not measured yet (None otherwise): the rate planner may go on with the previous plan's walk
@@ -365,12 +360,12 @@ def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPl
         new = max_rollout(current, limits.host)
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
         return finish_plan(current, new, fetch, reason)
-    restore = signals.pre_preemption_roles
+    restore = signals.pre_evaluation_roles
     if limits.preemptive_rollout and not cold and restore is not None and len(restore) == len(current):
-        new = tuple(old if now in (Role.ROLLOUT, Role.IDLE) and old in (Role.REF, Role.IDLE) else now
+        new = tuple(old if now is Role.ROLLOUT and old in (Role.REF, Role.IDLE) else now
                     for now, old in zip(current, restore))
         if new != current:
-            return finish_plan(current, new, fetch, ErsReason.PREEMPTION_END)
+            return finish_plan(current, new, fetch, ErsReason.EVALUATION_END)
     if limits.policy is ErsPolicy.RATE:
         from tiderl.policy import ers_rate  # it builds on this module's types: imported here, not above
 

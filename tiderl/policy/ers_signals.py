@@ -69,7 +69,7 @@ from tiderl.roles import Role
 HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
 MIN_WINDOW_STEPS = 2  # settled steps on a split before the rate planner judges it (one step is mostly noise)
 
-__all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "ErsSnapshot", "PreemptionMemory", "StepObservation", "build_signals",
+__all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "ErsSnapshot", "EvaluationMemory", "StepObservation", "build_signals",
            "gen_latency_by_rollout", "rate_window"]
 
 
@@ -101,24 +101,21 @@ class ErsSnapshot:
     fill_steps: int = 0
     """The first steps of the run, while the pipeline fills ((staleness + 1) batches released at once):
     their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
-    pre_preemption_roles: tuple[Role, ...] | None = None
-    """The role map the cold start's or the running evaluation's preemptive plan replaced
-    (:class:`PreemptionMemory`)."""
+    pre_evaluation_roles: tuple[Role, ...] | None = None
+    """The role map the running evaluation's preemptive plan replaced (:class:`EvaluationMemory`)."""
 
 
 @dataclass(slots=True)
-class PreemptionMemory:
-    """The role map a preemptive plan (the cold start's, an evaluation's) replaced, kept until the
-    preemption is over, so that its end can put the ranks back (the one piece of planning state a
-    mechanism carries between boundaries; the control plane and the simulator each keep one and hand it
-    over in the snapshot)."""
+class EvaluationMemory:
+    """The role map an evaluation's preemptive plan replaced, kept until the evaluation is over, so that
+    its end can put the ranks back (the one piece of planning state a mechanism carries between
+    boundaries; the control plane and the simulator each keep one and hand it over in the snapshot)."""
 
     roles: tuple[Role, ...] | None = None
 
     def note(self, before: tuple[Role, ...], reason: ErsReason) -> None:
-        """After each plan: keep the map the first of a run of preemptive plans replaced, forget it after
-        any other plan."""
-        if reason in (ErsReason.COLD_START, ErsReason.EVALUATION):
+        """After each plan: keep the map an evaluation plan replaced, forget it after any other plan."""
+        if reason is ErsReason.EVALUATION:
             if self.roles is None:
                 self.roles = before
         else:
@@ -163,7 +160,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         gen_latency_by_rollout=gen_latency_by_rollout(known, sum(s.produced_tokens for s in window) / groups
                                                       if groups else None),
         micro_batch_tokens=mb,
-        pre_preemption_roles=None if snapshot.is_eval_open else snapshot.pre_preemption_roles,
+        pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
     )
 

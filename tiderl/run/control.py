@@ -22,7 +22,7 @@ from tiderl.metrics import MetricsServer
 from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
 from tiderl.policy import admission, ers, ers_rate
-from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, PreemptionMemory, build_signals
+from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.systems import (FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles,
                             oldest_trainable_version)
@@ -55,7 +55,7 @@ class ControlPlane:
         self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it
         # The roles an evaluation's preemptive plan replaced (in memory: a resumed run plans on from its
         # current roles, as the rate planner would).
-        self._preemption_memory = PreemptionMemory()
+        self._evaluation_memory = EvaluationMemory()
         # The fetch size of the latest plan, which the feed bound counts in (groups_ideal until a plan;
         # a resumed run plans again before its next step).
         self._planned_fetch = config.trainer.groups_ideal
@@ -171,7 +171,7 @@ class ControlPlane:
             signals = self.signals(version, current)
             before = [current[r] for r in ranks]
             decision = ers.plan(before, signals, self.limits)
-            self._preemption_memory.note(tuple(before), decision.reason)
+            self._evaluation_memory.note(tuple(before), decision.reason)
             current = dict(zip(ranks, decision.roles))
             fetch = decision.fetch_groups
             mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
@@ -216,7 +216,7 @@ class ControlPlane:
             is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
-            pre_preemption_roles=self._preemption_memory.roles)
+            pre_evaluation_roles=self._evaluation_memory.roles)
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:

@@ -13,10 +13,11 @@ trained (its tokens do not count toward goodput).
 
 Trainer groups: with `trainer.actor_ranks` > 1 (data-parallel actors) or in
 RA2P decoupled mode, the actors (leader first) and the step's ref ranks form a
-gloo group for this version (a fresh rendezvous file per version) once the
-leader has the step's data; the leader broadcasts the step input, each actor
-trains its share of the micro-batches (gradients all-reduced), the refs serve
-ref_logprobs, only the leader publishes, the group is torn down at the boundary.
+gloo group once the leader has the step's data (a fresh rendezvous file, named
+by the version, where the layout changed; the previous version's group where it
+did not: `tiderl.trainer.group.HeldGroup`); the leader broadcasts the step input,
+each actor trains its share of the micro-batches (gradients all-reduced), the refs
+serve ref_logprobs, only the leader publishes.
 With `ers.elastic_actors`, an actor that joined the group at this boundary (or
 returns to it) holds an older version: before the step it takes the weights
 and optimizer state of an actor that holds the step's version

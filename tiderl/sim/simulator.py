@@ -34,7 +34,7 @@ from tiderl.policy import admission, ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, PreemptionMemory, build_signals
+from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask, Stage
@@ -148,7 +148,7 @@ class Simulation:
         self.history_steps = e.history_steps
         self.adaptive_admission = self.ers_limits.enabled and e.adaptive_admission
         self.inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
-        self.preemption_memory = PreemptionMemory()
+        self.evaluation_memory = EvaluationMemory()
         self.mode = Ra2pMode.DECOUPLED if system.fixed_refs else Ra2pMode.COLOCATED
         self.fetch = self.b_min if system.fetch_min else self.b_ideal
         self.last_rollout_change = 0
@@ -370,7 +370,7 @@ class Simulation:
             last_rollout_change=self.last_rollout_change,
             stage_times=self._stage_times() if self.consumed_tasks else None,
             fill_steps=self.staleness + 1,
-            pre_preemption_roles=self.preemption_memory.roles,
+            pre_evaluation_roles=self.evaluation_memory.roles,
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -413,7 +413,7 @@ class Simulation:
         return since
 
     def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
-        self.preemption_memory.note(tuple(self.roles), plan.reason)
+        self.evaluation_memory.note(tuple(self.roles), plan.reason)
         before = self._num(Role.ROLLOUT)
         for move in plan.moves:
             if move.from_role is Role.ROLLOUT:
