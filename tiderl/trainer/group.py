@@ -6,9 +6,10 @@ ranks keep it from one version's step to the next while the actors, the refs
 and the restart generation stay the same (:class:`HeldGroup`), and tear it
 down and form the next one (a fresh rendezvous file, named by the version)
 when ERS changes the layout, a restart moves the generation on, or a rank
-skipped a version's step. Forming a group is a rendezvous and a
-communicator init on every member (on a 2-core host with gloo, ~0.16 s a
-step: docs/RESULTS.md; NCCL costs more).
+skipped a version's step. Forming a group costs a file rendezvous and a
+communicator init on every member; kept, a run pays it only where the layout
+changes (gloo on a 2-core host: a few hundredths of a second a step,
+docs/RESULTS.md; NCCL's communicator init, not measured here, is heavier).
 """
 
 from __future__ import annotations
