@@ -369,3 +369,14 @@ def test_a_split_is_priced_with_the_readiness_each_window_step_measured():
     model = estimate(signals(ready, ready, times=times), ELASTIC)
     assert model is not None and model.waits_s == (3.0, 3.0) and model.overhead_s == pytest.approx(8.0)
     assert predict_tok_s(Split(2, 4, 0), model)[1] == pytest.approx(2000 / 19.0)
+
+
+def test_describe_shows_a_split_as_the_planner_prices_it_in_trajectory_tokens():
+    from tiderl.policy.ers_rate import describe, predict_tok_s, split_of
+
+    roles = (R, R, A, A)
+    seen = describe(SHORT, ELASTIC, roles)
+    supply, demand, trained = predict_tok_s(split_of(roles), estimate(SHORT, ELASTIC))
+    assert seen == {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_trained_tok_s": trained}
+    assert trained == min(supply, demand) > 0
+    assert describe(replace(SHORT, window=()), ELASTIC, roles) is None  # nothing measured yet

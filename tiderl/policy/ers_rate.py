@@ -595,9 +595,11 @@ def _refs_short(now: Split, times: StageTimes | None) -> bool:
 
 
 def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> dict[str, float] | None:
-    """The model's view of the current split (for logs and metrics): supply, demand, goodput."""
+    """The model's view of the split `roles` (for logs and metrics): supply, demand and their minimum, the
+    trained rate, in the model's unit: trajectory tokens (prompt, observations and generated) per second, not
+    the generated tokens that goodput counts."""
     model = estimate(signals, limits)
     if model is None:
         return None
-    supply, demand, goodput = predict_tok_s(split_of(roles), model)
-    return {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_goodput_tok_s": goodput}
+    supply, demand, trained = predict_tok_s(split_of(roles), model)
+    return {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_trained_tok_s": trained}

@@ -178,8 +178,10 @@ class ControlPlane:
             reason = decision.reason.value
             if decision.moves:
                 old, new = (ers_rate.describe(signals, self.limits, r) for r in (before, decision.roles))
-                seen = (f" (predicted goodput {old['predicted_goodput_tok_s']:.0f} -> "
-                        f"{new['predicted_goodput_tok_s']:.0f} tok/s)" if old and new else "")
+                seen = (f" (predicted trajectory tokens trained {old['predicted_trained_tok_s']:.0f} -> "
+                        f"{new['predicted_trained_tok_s']:.0f} a second, "
+                        f"{new['predicted_trained_tok_s'] / old['predicted_trained_tok_s'] - 1:+.1%})"
+                        if old and new and old['predicted_trained_tok_s'] > 0 else "")
                 log.info("version %d: ERS %s moves %s%s", version, reason,
                          ", ".join(f"rank {m.rank} {m.from_role.value}->{m.to_role.value}" for m in decision.moves), seen)
         self._planned_fetch = fetch
