@@ -140,13 +140,18 @@ def test_vanilla_stream_swaps_per_microbatch():
     assert loop.done_at == [pytest.approx(10.0)] and t.stats.num_swaps == 4
 
 
-def test_batch_waits_for_the_whole_batch_and_counts_the_wait():
-    t, loop = make(TrainerKind.BATCH)
-    t.begin_step(0.0, 2, 0, Ra2pMode.COLOCATED, 2)
+def second_group_at_10s(t: Trainer, loop: Loop) -> None:
+    """One group ready at the step start, a second one at 10 s; run to the end."""
     buffer = deque([group(1000, 1000)])
     t.offer(0.0, buffer)
     loop.schedule(10.0, lambda now: (buffer.append(group(1000, 1000)), t.offer(now, buffer)))
     loop.run()
+
+
+def test_batch_waits_for_the_whole_batch_and_counts_the_wait():
+    t, loop = make(TrainerKind.BATCH)
+    t.begin_step(0.0, 2, 0, Ra2pMode.COLOCATED, 2)
+    second_group_at_10s(t, loop)
     assert loop.done_at == [pytest.approx(19.0)]
     assert t.stats.twt_gpu_s == pytest.approx(2 * 10.0)
 
@@ -171,10 +176,7 @@ def test_decoupled_waits_count_the_actor_ranks_apart_from_the_ref_ranks():
     # reads the actor ranks' `twt_s`), so the actors' 13 s are kept apart from the ref's.
     t, loop = make(TrainerKind.RA2P)
     t.begin_step(0.0, 2, 1, Ra2pMode.DECOUPLED, 2)
-    buffer = deque([group(1000, 1000)])
-    t.offer(0.0, buffer)
-    loop.schedule(10.0, lambda now: (buffer.append(group(1000, 1000)), t.offer(now, buffer)))
-    loop.run()
+    second_group_at_10s(t, loop)
     assert loop.done_at == [pytest.approx(14.0)]
     assert t.stats.twt_gpu_s == pytest.approx(8.0 + 7.0 + 6.0)
     assert t.stats.actor_wait_gpu_s == pytest.approx(7.0 + 6.0)

@@ -199,8 +199,6 @@ class RateModel:
     """Rollout ranks busy on the host on average over the window (holding a task, see :func:`estimate`)."""
     trainer_busy_share: float = 1.0
     """Share of the window each trainer rank computed (not waiting for data; used without stage times)."""
-    trainer_ranks: int = 1
-    """Actor and ref ranks of the window's split."""
     trainer_split: tuple[int, int] = (1, 0)
     """Actor and ref ranks of the window's last step (with stage times, the busy trainer ranks of a split
     are priced by :func:`busy_trainer_ranks`)."""
@@ -276,7 +274,6 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         host=limits.host,
         busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
-        trainer_ranks=last.actor_ranks + last.ref_ranks,
         trainer_split=(last.actor_ranks, last.ref_ranks),
         window=tuple(window),
         residuals_s=residuals,

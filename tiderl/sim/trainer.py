@@ -256,9 +256,11 @@ class Trainer:
         st = self.stats
         speed = self.host(st.num_actors + st.num_refs)  # a shared host: the share when dispatched
         for r, share in enumerate(shares):
-            fwd = self._share_forward_s(share) / speed
-            st.work_s += fwd * speed * (self.costs.ref_ratio + 1.0 + self.costs.backward_ratio)
-            st.wall_s += fwd * (self.costs.ref_ratio + 1.0 + self.costs.backward_ratio)
+            work = self._share_forward_s(share)
+            fwd = work / speed
+            stages = self.costs.ref_ratio + 1.0 + self.costs.backward_ratio
+            st.work_s += work * stages
+            st.wall_s += fwd * stages
             i = min(range(len(self.ref_free)), key=self.ref_free.__getitem__)
             ref_start = max(a, self.ref_free[i])
             st.twt_gpu_s += max(0.0, a - self.ref_free[i])
