@@ -24,7 +24,8 @@ Roles and moves
   model), otherwise an actor rank.
 - A ref rank is added only while there is none or the refs cannot keep up
   with the actors (M t_ref / R > t_act_f + t_act_b): a further one would idle.
-- ``IDLE`` ranks are put back to rollout at cold start and evaluation.
+- ``IDLE`` ranks are put back to rollout at cold start and evaluation (on a shared host, while it has
+  room for them).
 - Moves pick the highest-index eligible rank, or for actors leaving, the
   lowest-index actor (deterministic; lay the role map out as rollout ranks
   first, then actors, so the boundary between them is where ranks move).
@@ -53,7 +54,12 @@ Signals (:class:`ErsSignals`)
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
   busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
-  trainer waiting); ref ranks beyond that become IDLE.
+  trainer waiting); ranks beyond that keep their roles. (A ref rank left
+  IDLE there gained the host nothing, since before the first step and
+  during an evaluation it has no work, and it stayed idle afterwards: the
+  rate planner prices the ref under its margin, and the evaluation's end
+  restores only ranks it sent to rollout. On hilo-bench x cpu that cost
+  1.4% in the simulator, docs/RESULTS.md.)
 
 Invariants (each has a test in tests/test_policy_ers.py)
 1. The plan has as many ranks as the current map; without ``elastic_actors``
@@ -444,16 +450,15 @@ def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest
 
 def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
     """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
-    busy rollout rank at full speed (the others idle)."""
+    busy rollout rank at full speed (the others keep their roles)."""
     if host is None:
         return tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in roles)
     rollout = sum(1 for r in roles if r is Role.ROLLOUT)
     new = []
     for r in roles:
-        if r in (Role.REF, Role.IDLE):
-            room = host.speed(rollout + 1, 0.0) >= 1.0
-            rollout += room
-            r = Role.ROLLOUT if room else Role.IDLE
+        if r in (Role.REF, Role.IDLE) and host.speed(rollout + 1, 0.0) >= 1.0:
+            rollout += 1
+            r = Role.ROLLOUT
         new.append(r)
     return tuple(new)
 
