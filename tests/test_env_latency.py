@@ -137,3 +137,28 @@ def test_resume_returns_to_done_state() -> None:
     table.pause(session)
     table.resume(session)
     assert session.state is SessionState.DONE
+
+
+def test_a_keyed_delay_is_the_same_for_the_same_key_and_spread_like_the_profile() -> None:
+    profile = parse_latency("lognormal:0.1:0.5")
+    assert profile.keyed_s(0, "hilo", 3, 0, 2) == profile.keyed_s(0, "hilo", 3, 0, 2)
+    keys = [(0, "hilo", seed, ordinal, step) for seed in range(100) for ordinal in range(8) for step in range(25)]
+    samples = sorted(profile.keyed_s(*k) for k in keys)
+    assert len(set(samples)) == len(keys)
+    assert statistics.fmean(samples) == pytest.approx(0.1, rel=0.05)
+    assert samples[int(0.99 * len(samples))] == pytest.approx(0.5, rel=0.1)
+    assert parse_latency("fixed:0.25").keyed_s(1, 2) == 0.25 and parse_latency("none").keyed_s(1) == 0.0
+
+
+def test_the_sessions_of_one_seed_are_told_apart_by_their_ordinal() -> None:
+    table, _ = make_table(max_sessions=8)
+    ordinals = []
+    for seed in (4, 4, 5, 4):
+        table.reserve()
+        ordinals.append(table.add("hilo", HiloEnv(), seed=seed).seed_ordinal)
+    assert ordinals == [0, 1, 0, 2]
+    table.max_ended_kept = 1  # only the seed started last is remembered
+    table.reserve()
+    table.add("hilo", HiloEnv(), seed=6)
+    table.reserve()
+    assert table.add("hilo", HiloEnv(), seed=4).seed_ordinal == 0

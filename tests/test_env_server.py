@@ -390,3 +390,36 @@ def test_a_server_on_every_interface_advertises_the_hostname() -> None:
                 assert (await client.health())["status"] == "ok"
 
     asyncio.run(main())
+
+
+def test_injected_delays_are_keyed_by_seed_ordinal_and_step_not_by_request_order(monkeypatch) -> None:
+    # Two runs of one task feed on servers of one latency seed: the tasks of a group share their env seed
+    # and start in a different order in each; every task step draws the same delay in both. (The draws
+    # are recorded and not slept.)
+    from tiderl.config.latency import LatencyProfile
+
+    drawn: list[tuple[tuple[object, ...], float]] = []
+    keyed = LatencyProfile.keyed_s
+
+    def record(self: LatencyProfile, *key: object) -> float:
+        drawn.append((key, keyed(self, *key)))
+        return 0.0
+
+    monkeypatch.setattr(LatencyProfile, "keyed_s", record)
+
+    async def play(seeds: list[int], latency_seed: int) -> dict[tuple[int, int, int], float]:
+        drawn.clear()
+        async with serving(latency="lognormal:0.5:4", latency_seed=latency_seed) as srv, \
+                EnvClient(srv.url) as client:
+            sessions = [(await client.start("hilo", seed=s)).session_id for s in seeds]
+            for _ in range(2):
+                for sid in sessions:
+                    await client.step(sid, "1")
+        return {(seed, ordinal, step): d for (_, _, seed, ordinal, step), d in drawn}
+
+    one = asyncio.run(play([1, 1, 2], latency_seed=7))
+    other = asyncio.run(play([2, 1, 1], latency_seed=7))
+    assert sorted(one) == [(1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1), (2, 0, 0), (2, 0, 1)]
+    assert one == other
+    assert one[(1, 0, 0)] != one[(1, 1, 0)] and one[(1, 0, 0)] != one[(1, 0, 1)]  # the group's tasks apart
+    assert asyncio.run(play([1, 1, 2], latency_seed=8)) != one  # another run seed or server: other delays

@@ -258,7 +258,7 @@ def test_a_dead_rollout_rank_is_quarantined_and_restarted_an_actor_is_not(tmp_pa
 
 def test_an_env_server_restarts_on_its_port(tmp_path: Path) -> None:
     from tiderl.config import load_job
-    from tiderl.run.launcher import Launch, restarter, start_env_server, start_local_ranks
+    from tiderl.run.launcher import LATENCY_SEEDS_PER_RUN, Launch, restarter, start_env_server, start_local_ranks
     from tiderl.rundir import create_run
 
     root = Path(__file__).resolve().parents[1]
@@ -272,6 +272,10 @@ def test_an_env_server_restarts_on_its_port(tmp_path: Path) -> None:
         replacement = restarter(launch, {}, start_local_ranks, [url])(child)
         assert replacement is not None and replacement.exit_code is None
         assert (paths.root / "env0.port").read_text().strip() == url
+        # Both draw their injected delays under the run's seed and the server's index.
+        for c in (child, replacement):
+            argv = list(c.proc.args)
+            assert argv[argv.index("--latency-seed") + 1] == str(config.seed * LATENCY_SEEDS_PER_RUN + 0)
     finally:
         procs.stop([c for c in (child, replacement) if c is not None])
 

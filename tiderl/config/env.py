@@ -36,7 +36,9 @@ class EnvConfig:
     latency: str = option(
         "none",
         help="Injected environment delay per step: `none`, `fixed:SECONDS`, "
-        "`lognormal:MEAN_S:P99_S`, or `file:PATH` (a list of recorded delays).",
+        "`lognormal:MEAN_S:P99_S`, or `file:PATH` (a list of recorded delays). Each is drawn for its task "
+        "step (the run's seed, the session's seed and ordinal, the step): runs of one job and seed see the "
+        "same delays.",
     )
     token_file: str | None = option(
         None, help="File holding the shared token the env servers require (never put the token itself here)."

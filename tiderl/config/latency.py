@@ -24,6 +24,9 @@ class LatencySpecError(ValueError):
     """A latency spec string that cannot be parsed; the message says which form is expected."""
 
 
+_NO_RNG = random.Random(0)  # none and fixed draw nothing
+
+
 @dataclass(frozen=True)
 class LatencyProfile:
     spec: str
@@ -42,6 +45,15 @@ class LatencyProfile:
         if self.kind == "file":
             return rng.choice(self.samples_s)
         return 0.0
+
+    def keyed_s(self, *key: object) -> float:
+        """The delay drawn for `key` (a session's seed, its ordinal among that seed's sessions, the step
+        number...): the same key gives the same delay in every run and process (a string seed is hashed
+        by SHA-512, not by Python's salted hash), so two runs of one task feed see the same delays where
+        they play the same task steps, whatever order their requests come in."""
+        if self.kind in ("none", "fixed"):
+            return self.sample_s(_NO_RNG)
+        return self.sample_s(random.Random("/".join(map(str, key))))
 
     @property
     def mean_s(self) -> float:

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Reap unpaused sessions idle this long, seconds (default 300).")
     serve.add_argument("--latency", default="none",
                        help="Injected delay per step: none, fixed:S, lognormal:MEAN_S:P99_S, file:PATH.")
+    serve.add_argument("--latency-seed", type=int, default=0,
+                       help="Seed of the injected delays: under one seed, the n-th session of an env seed draws "
+                            "the same delay at each step in every run (default 0).")
     serve.add_argument("--token-file", type=Path,
                        help=f"File holding the shared token (else ${TOKEN_ENV_VAR}; neither: no token).")
     serve.add_argument("--max-workers", type=int, default=32,
@@ -72,6 +75,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout_s,
         latency=args.latency,
+        latency_seed=args.latency_seed,
         token=read_token(args.token_file),
         max_workers=args.max_workers,
         max_paused_s=args.max_paused_s,

@@ -29,9 +29,10 @@ class EnvServerStartError(RuntimeError):
 
 
 def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
-                token_file: Path | None = None, port: int = 0) -> list[str]:
+                token_file: Path | None = None, port: int = 0, latency_seed: int = 0) -> list[str]:
     """The command line of one local env server for this config (the token file, `token_file` or
-    `env.token_file`, is passed by path: the token itself never appears on a command line)."""
+    `env.token_file`, is passed by path: the token itself never appears on a command line).
+    `latency_seed`: the seed of its injected delays (the run's seed and the server's index)."""
     argv = [
         sys.executable, "-m", "tiderl", "env", "serve",
         "--env", envs or cfg.name,
@@ -41,6 +42,7 @@ def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
         "--max-sessions", str(cfg.max_sessions),
         "--idle-timeout-s", str(cfg.idle_timeout_s),
         "--latency", cfg.latency,
+        "--latency-seed", str(latency_seed),
         "--max-workers", str(cfg.max_workers),
         "--max-paused-s", str(cfg.max_paused_s),
     ]

@@ -24,7 +24,6 @@ one quiet line, never a traceback).
 from __future__ import annotations
 
 import asyncio
-import random
 import resource
 import socket
 import time
@@ -84,7 +83,7 @@ class ServerOptions:
     header_timeout_s: float = 10.0  # a request's headers must arrive within this
     body_timeout_s: float = 30.0  # a request's body must arrive within this once its headers have
     keepalive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
-    latency_seed: int = 0
+    latency_seed: int = 0  # the delays' key (LatencyProfile.keyed_s) holds it: the run launcher sets seed and server
     max_images_per_observation: int = _IMAGE_DEFAULTS.max_images  # an environment's observation with more fails
     max_image_bytes: int = _IMAGE_DEFAULTS.max_bytes  # PNG bytes of one image
     max_image_pixels: int = _IMAGE_DEFAULTS.max_pixels  # width * height of one image
@@ -136,7 +135,6 @@ class EnvServer:
         # Resolve every env class now: an unknown or unloadable name fails at startup.
         self.env_classes: dict[str, type[Environment]] = {name: env_class(name) for name in options.envs}
         self.latency: LatencyProfile = parse_latency(options.latency)
-        self.rng = random.Random(options.latency_seed)
         self.table = SessionTable(
             max_sessions=options.max_sessions,
             idle_timeout_s=options.idle_timeout_s,
@@ -363,7 +361,10 @@ class EnvServer:
             except Exception as e:
                 log.exception("env %s step failed in session %s", session.env_name, session.session_id)
                 raise await self._end_failed(session, e, f"step failed: {type(e).__name__}: {e}") from e
-            delay_s = self.latency.sample_s(self.rng)
+            # Keyed by the session's seed, its ordinal among that seed's sessions and the step: every run of
+            # one task feed draws the same delays for the same task steps, so systems compare side by side.
+            delay_s = self.latency.keyed_s(self.options.latency_seed, session.env_name, session.seed,
+                                           session.seed_ordinal, session.num_steps)
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
         finally:

@@ -14,6 +14,9 @@ Invariants:
    pausing it again while paused does not extend that.
 5. An ended session (by /end, reaping, expiry or an environment failure) is remembered by
    id, so requests naming it get "ended" (409) with the reason rather than "unknown" (404).
+6. The n-th session the table starts for an (env, seed) has `seed_ordinal` n - 1 (counted for the
+   `max_ended_kept` seeds started last): the tasks of one group share their seed, and the ordinal tells
+   them apart in the key of their injected delays, whatever order their starts come in.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Session:
     client: str = ""  # who started it (invariant 1)
     paused_s: float | None = None  # when it was paused, while it is (invariant 4)
     num_steps: int = 0
+    seed_ordinal: int = 0  # sessions of this env and seed the table started before it (the key of its delays)
     is_busy: bool = False
     is_episode_done: bool = False
     # The state to return to on /resume (ACTIVE or DONE).
@@ -72,6 +76,9 @@ class SessionTable:
     ended: OrderedDict[str, EndedSession] = field(default_factory=OrderedDict)
     # Live and starting sessions per client (invariant 1); clients at zero are dropped.
     num_by_client: dict[str, int] = field(default_factory=dict)
+    # Sessions started per (env, seed), at most max_ended_kept of them, the least recently started forgotten:
+    # a session's ordinal among them keys its injected delays (invariant 6).
+    seed_starts: dict[tuple[str, int], int] = field(default_factory=dict)
     num_starting: int = 0
     num_started: int = 0
     num_reaped: int = 0
@@ -122,7 +129,12 @@ class SessionTable:
             created_s=now,
             last_active_s=now,
             client=client,
+            seed_ordinal=self.seed_starts.get((env_name, seed), 0),
         )
+        self.seed_starts.pop((env_name, seed), None)  # re-inserted last: the oldest seeds are forgotten first
+        self.seed_starts[(env_name, seed)] = session.seed_ordinal + 1
+        while len(self.seed_starts) > self.max_ended_kept:
+            del self.seed_starts[next(iter(self.seed_starts))]
         self.sessions[session.session_id] = session
         self.num_started += 1
         return session

@@ -107,6 +107,9 @@ def _token_file(launch: Launch) -> Path:
     return Path(cfg.token_file) if cfg.token_file else ensure_run_token(launch.paths.root)
 
 
+LATENCY_SEEDS_PER_RUN = 100_000  # env servers of one run: each its own latency seed
+
+
 def start_env_server(launch: Launch, env: dict[str, str] | None, i: int, *, port: int = 0,
                      note: str | None = None) -> tuple[procs.Child, str]:
     """Env server `i` of the run (on `port`; 0: a free one) and its URL, once it listens."""
@@ -114,8 +117,10 @@ def start_env_server(launch: Launch, env: dict[str, str] | None, i: int, *, port
 
     port_file = launch.paths.env_port(i)
     port_file.unlink(missing_ok=True)
-    child = procs.spawn(f"env{i}", server_argv(launch.config.env, port_file, token_file=_token_file(launch), port=port),
-                        launch.paths.env_log(i), env=env, marker=note or launch_note(launch))
+    # Delays keyed by the run's seed and the server: runs of one job on one seed see the same delays.
+    argv = server_argv(launch.config.env, port_file, token_file=_token_file(launch), port=port,
+                       latency_seed=launch.config.seed * LATENCY_SEEDS_PER_RUN + i)
+    child = procs.spawn(f"env{i}", argv, launch.paths.env_log(i), env=env, marker=note or launch_note(launch))
     try:
         return child, wait_for_url(port_file, child.proc)
     except Exception:
