@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
-import random
-
 from tiderl.policy.ers import ErsLimits, ErsReason, ErsSignals, Role, RoleMove, plan
+from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 
 R, A, F, I = Role.ROLLOUT, Role.ACTOR, Role.REF, Role.IDLE
@@ -184,6 +184,12 @@ def test_8_generation_deficit_never_grows_the_trainer():
     # Rollout ranks that idled behind the staleness bound: one more would idle too.
     idle = ErsSignals(**{**{f: getattr(GENERATION, f) for f in GENERATION.__slots__}, "rollout_idle_ranks": 1.5})
     assert plan((R, F, F, A, A), idle, LIMITS).roles == (R, F, F, A, A)
+    # A shared host with room for two busy rollout ranks: the second ref rank stays (the host's room,
+    # not the move limit, stops it); with room for one, no ref rank rolls out.
+    two = replace(LIMITS, host=HostShare(slots=2.0, rollout_weight=1.0), max_rollout_moves_per_step=2)
+    assert plan((R, F, F, A, A), GENERATION, two).roles == (R, F, R, A, A)
+    assert plan((R, F, F, A, A), GENERATION, replace(two, host=HostShare(slots=1.0))).roles == (R, F, F, A, A)
+    assert plan((R, F, F, A, A), GENERATION, replace(two, host=None)).roles == (R, R, R, A, A)
     for roles, signals, _, p in cases():
         if p.reason is ErsReason.GENERATION_DEFICIT:
             trainer_before = count(roles, F) + count(roles, A)

@@ -41,7 +41,10 @@ Signals (:class:`ErsSignals`)
   ranks first); colocated once no ref rank is left. Not when the rollout
   ranks already idled, for lack of admissible work (the staleness bound),
   at least one rank's worth of the last step: a further rollout rank would
-  idle too. If the previous plan had
+  idle too. On a shared host, only while the host runs a further busy
+  rollout rank at full speed (the preemptive rule's room, below): the
+  paper's rules know no contention, and on hilo-bench x cpu a ref rank made
+  a second engine cost them 21% (docs/RESULTS.md). If the previous plan had
   scaled rollout down, the fetch size moves halfway toward ``groups_min``
   (adaptive data retention).
 - Cold start (no step history) and evaluation steps: preemptive maximum
@@ -80,10 +83,12 @@ Invariants (each has a test in tests/test_policy_ers.py)
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
 6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
    rank, colocated, every idle rank back to rollout (on a shared host, only
-   while ``host.speed(rollout ranks, 0) == 1``; the others idle).
+   while ``host.speed(rollout ranks, 0) == 1``; the others, ref ranks among
+   them, keep their roles).
 7. Consumption deficit: trainer ranks (actor + ref) never decrease.
 8. Generation deficit without consumption deficit: trainer ranks never
-   increase; they do not decrease either while ``rollout_idle_ranks >= 1``.
+   increase; they do not decrease either while ``rollout_idle_ranks >= 1``,
+   nor, on a shared host, beyond the host's room for busy rollout ranks.
 12. REF ranks grow only while there is none or the refs cannot keep up with
     the actors (given the stage times).
 9. ``fetch_groups`` stays in [groups_min, groups_ideal]; it is below
@@ -405,6 +410,7 @@ def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits
 
     if signals.ready_groups < limits.groups_ideal:
         budget = limits.rollout_moves if signals.rollout_idle_ranks < 1.0 else 0
+        budget = min(budget, host_room(num_rollout, limits.host))
         from_ref = min(budget, num_ref)
         new = move_roles(current, Role.REF, Role.ROLLOUT, from_ref)
         if limits.elastic_actors:
@@ -448,16 +454,25 @@ def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest
     return tuple(new)
 
 
+def host_room(rollout: int, host: HostShare | None) -> int:
+    """Further rollout ranks the host runs with every busy rollout rank at full speed (without a shared
+    host: no limit, a number larger than any role map)."""
+    if host is None:
+        return 1 << 30
+    room = 0
+    while host.speed(rollout + room + 1, 0.0) >= 1.0:
+        room += 1
+    return room
+
+
 def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
     """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
     busy rollout rank at full speed (the others keep their roles)."""
-    if host is None:
-        return tuple(Role.ROLLOUT if r in (Role.REF, Role.IDLE) else r for r in roles)
-    rollout = sum(1 for r in roles if r is Role.ROLLOUT)
+    room = host_room(sum(1 for r in roles if r is Role.ROLLOUT), host)
     new = []
     for r in roles:
-        if r in (Role.REF, Role.IDLE) and host.speed(rollout + 1, 0.0) >= 1.0:
-            rollout += 1
+        if r in (Role.REF, Role.IDLE) and room > 0:
+            room -= 1
             r = Role.ROLLOUT
         new.append(r)
     return tuple(new)
