@@ -63,6 +63,7 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     assert costs.train_s(100) == pytest.approx(100 * (5e-5 + 1.1e-4 + 3e-5))
     assert (costs.swap_s, costs.weight_sync_s, costs.kv_capacity_tokens) == (0.002, 0.05, 20000)
     assert (costs.optimizer_s(1), costs.turn_overhead_s) == (0.3, 0.05)
+    assert costs.decoupled_step_s == calibrate.DECOUPLED_STEP_S > 0  # from real runs, with its source
     assert (cluster.control.report_interval_s, cluster.control.poll_s, cluster.control.control_tick_s) == (0.25, 0.2, 0.2)
     assert costs.host_speed(0, 1) == 1.0 and costs.host_speed(0, 3) == pytest.approx(0.4)
     assert costs.host_speed(1, 1) == pytest.approx(1.2 / 2.5)  # a busy rollout rank weighs 1.5 cores

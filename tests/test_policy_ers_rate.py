@@ -196,43 +196,6 @@ def test_7_a_measured_idle_split_is_judged_by_its_measurement():
     assert [(m.from_role, m.to_role) for m in back.moves] == [(I, R)]
 
 
-def test_11_an_idle_rank_earns_its_place_by_the_margin_and_returns_without_one():
-    # Idle at one rollout rank; two were measured a little faster: predicted +4%, under the 5% margin. A
-    # rank left idle goes back to work on no predicted loss (it stayed idle before: the margin held it).
-    one = replace(obs(1, 1, latency_s=40.0, wait_s=4.0), rollout_busy_rank_s=9.0)
-    at_one = replace(signals(one, one), gen_latency_by_rollout=((1, 30.0), (2, 28.0)))
-    model = estimate(at_one, SHARED)
-    gain = predict_tok_s(Split(2, 1, 0, 0), model)[2] / predict_tok_s(Split(1, 1, 0, 1), model)[2] - 1
-    assert 0 < gain < SHARED.rate_margin
-    back = plan((R, A, I), at_one, SHARED)
-    assert [(m.from_role, m.to_role) for m in back.moves] == [(I, R)]
-    # The other way a rank goes idle only for more than the margin over every split keeping it at work: at
-    # two rollout ranks, one rollout rank and one idle predicted 5.1% faster, but the same with a ref rank
-    # 3.8%: it stays put (before, it went idle). Predicted 11% faster than either, it goes idle.
-    for l1, moves in [(9.0, []), (8.0, [(R, I)])]:
-        at_two = replace(IDLING, gen_latency_by_rollout=((1, l1), (2, 10.0)))
-        model = estimate(at_two, SHARED)
-        idle_g, ref_g, now_g = (predict_tok_s(s, model)[2] for s in (Split(1, 1, 0, 1), Split(1, 1, 1), Split(2, 1, 0)))
-        assert idle_g > now_g * (1 + SHARED.rate_margin)
-        assert (idle_g > ref_g * (1 + SHARED.rate_margin)) == bool(moves)
-        assert [(m.from_role, m.to_role) for m in plan((R, R, A), at_two, SHARED).moves] == moves
-    # Every plan on a shared host: more idle ranks only where that beats every split with fewer by more
-    # than the margin (per idle rank more), the host's trial apart.
-    for limits in (SHARED, replace(SHARED, elastic_actors=True), replace(SHARED, host=HostShare(2.0, 1.2))):
-        for sig in (IDLING, at_one, SHORT, SLOW_TRAINER):
-            for roles in [(R, R, A), (R, A, I), (R, R, A, F), (R, R, R, A, A), (R, I, A, F)]:
-                p = plan(roles, sig, limits)
-                new, now = split_of(p.roles), split_of(roles)
-                if new.idle <= now.idle or p.reason is not ErsReason.RATE_TO_IDLE or new.rollout not in dict(
-                        estimate(sig, limits).gen_curve):
-                    continue  # no idle rank added, or the trial of an unmeasured rollout count
-                model = estimate(sig, limits)
-                g = predict_tok_s(new, model)[2]
-                for other in candidates(now, limits, model.stage_times):
-                    if other.idle < new.idle:
-                        assert g > predict_tok_s(other, model)[2] * (1 + limits.rate_margin) ** (new.idle - other.idle)
-
-
 def test_7_host_speed_moves_the_prediction_both_ways():
     model = estimate(IDLING, SHARED)
     fewer = host_factor(Split(1, 1, 0, 1), model)  # the same busy engine-time on one engine: no faster
@@ -257,18 +220,13 @@ def test_7_a_rollout_rank_holding_tasks_is_busy_on_the_host_while_its_engine_wai
 
 def test_cold_start_on_a_shared_host_fills_only_the_room_the_host_has():
     cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None)
-    # One slot, a rollout rank weighing 1.6: one engine already fills the host; the ref rank stays a ref
-    # (left idle it would gain the host nothing before the first step, and stay idle after it).
+    # One slot, a rollout rank weighing 1.6: one engine already fills the host; the ref rank idles.
     p = plan((R, A, F), cold, SHARED)
-    assert p.roles == (R, A, F) and p.moves == () and p.reason is ErsReason.COLD_START
-    assert p.mode is Ra2pMode.DECOUPLED
+    assert p.roles == (R, A, I) and p.reason is ErsReason.COLD_START and p.mode is Ra2pMode.COLOCATED
     assert plan((R, A, I), cold, SHARED).roles == (R, A, I)
-    # Four slots, weight 1: up to four rollout ranks run at full speed; the last ref rank has no room.
+    # Four slots, weight 1: up to four rollout ranks run at full speed.
     roomy = replace(SHARED, host=HostShare(slots=4.0, rollout_weight=1.0))
-    assert plan((R, A, F, I, I, F), cold, roomy).roles == (R, A, R, R, R, F)
-    # An evaluation on a shared host keeps the ref rank too, so its end has nothing to restore.
-    evaluating = replace(cold, step_history_s=(5.0,), is_eval_next=True)
-    assert plan((R, A, F), evaluating, SHARED).roles == (R, A, F)
+    assert plan((R, A, F, I, I, F), cold, roomy).roles == (R, A, R, R, R, I)
     # Without a shared host every ref and idle rank rolls out (the paper's rule).
     assert plan((R, A, F, I), cold, LIMITS).roles == (R, A, R, R)
 

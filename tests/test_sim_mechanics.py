@@ -170,6 +170,25 @@ def test_decoupled_pipeline_timeline():
     assert t.stats.bubble_gpu_s == pytest.approx(4.0) and t.stats.num_swaps == 0
 
 
+def test_a_decoupled_step_pays_its_measured_coordination_once_and_colocated_none():
+    # The timeline above plus `decoupled_step_s` at the step's end; a colocated step is unchanged.
+    loop = Loop()
+    t = Trainer(costs(decoupled_step_s=0.25), TrainerKind.RA2P, micro_batch_tokens=1000, schedule=loop.schedule,
+                on_compute_done=loop.done_at.append)
+    t.begin_step(0.0, 2, 1, Ra2pMode.DECOUPLED, 2)
+    t.offer(0.0, deque([group(1000, 1000), group(1000, 1000)]))
+    loop.run()
+    # Two micro-batches at 0: actor1's second backward ends at 7 s (its ref results at 2 and 4).
+    assert loop.done_at == [pytest.approx(7.0 + 0.25)]
+    loop = Loop()
+    t = Trainer(costs(decoupled_step_s=0.25), TrainerKind.RA2P, micro_batch_tokens=1000, schedule=loop.schedule,
+                on_compute_done=loop.done_at.append)
+    t.begin_step(0.0, 2, 0, Ra2pMode.COLOCATED, 1)
+    t.offer(0.0, deque([group(1000, 1000)]))
+    loop.run()
+    assert loop.done_at == [pytest.approx(5.0)]
+
+
 def test_decoupled_waits_count_the_actor_ranks_apart_from_the_ref_ranks():
     # As above, then a second micro-batch at 10 s: the ref (free at 2) waits 8 s, actor0 (free at 3)
     # 7 s and actor1 (free at 4) 6 s. ERS's trainer wait is the actor ranks' (the control plane

@@ -437,8 +437,15 @@ def num(x: float) -> str:
     return f"{x:.4e}" if "e" in text else text
 
 
-def cluster_yaml(m: dict, job, num_ranks: int, rollout_fraction: float, when: str) -> str:
-    """The cluster file, every value with its source (measured here, or the job's setting)."""
+# A decoupled step's coordination with its ref ranks, beyond its stages: not timed here (it needs a trainer group
+# under a run's load) but from real runs' stores, a step's time less the actor's data wait, decoupled minus
+# colocated (jobs/bench-latency.yaml, 7 and 8 runs, 1.29 - 1.16 s; docs/RESULTS.md, 2026-12-04).
+DECOUPLED_STEP_S = 0.13
+
+
+def cluster_yaml(m: dict, job, num_ranks: int, rollout_fraction: float, when: str,
+                 decoupled_step_s: float = DECOUPLED_STEP_S) -> str:
+    """The cluster file, every value with its source (measured here, the job's setting, or real runs)."""
     src = f"measured by tools/calibrate_cpu.py, {when}, load average {m['load_before']} -> {m['load_after']}"
     r, t = job.rollout, job.trainer
     return f"""# This development machine as a `tiderl sim` cluster: {os.cpu_count()} CPU cores, no GPU, the tiny
@@ -446,6 +453,7 @@ def cluster_yaml(m: dict, job, num_ranks: int, rollout_fraction: float, when: st
 # [M] {src}
 #     (median of {m['repeats']} timings after a warm-up; raw figures in its JSON output);
 # [J] the job's setting ({m['job']}, with the tool's --set overrides);
+# [R] measured from real runs' stores (the command in docs/RESULTS.md);
 # [C] a constant of the project's code.
 name: cpu
 num_gpus: {num_ranks}              # [J] launch.num_ranks (ranks of `tiderl run`, one process each)
@@ -461,6 +469,9 @@ measured:
   weight_sync_s: {num(m['weight_reload_s'])}           # [M] vLLM reload_weights + prefix-cache reset
   optimizer_s: {num(m['step_overhead_s'])}             # [M] the trainer role's whole step minus its forward/backward/ref/swap work (optimizer, publish, checkpoints; mean of {m['trainer_steps']} steps)
   kv_capacity_tokens: {m['kv_capacity_tokens']}       # [M] the engine's KV blocks (minus vLLM's null block) x block size
+  decoupled_step_s: {num(decoupled_step_s)}           # [R] a decoupled step's coordination with its ref rank: a step's time less the actor's
+                                   # data wait, decoupled (tiderl with a ref) minus colocated (async), means of 7 and 8
+                                   # runs of jobs/bench-latency.yaml on this host, 1.29 - 1.16 s (docs/RESULTS.md, 2026-12-04)
   turn_overhead_s: {num(m['turn_overhead_s'])}        # [M] turn latency through the engine wrapper ({num(m['turn_latency_s'])} s, {m['turn_sessions']} loops) minus the iteration and prefill costs above
   rollout_busy_cores: {num(m['rollout_busy_cores'])}     # [M] CPU seconds per second of the driving process and vLLM's engine process during the turn timing
   host_compute_slots: {num(m['host_compute_slots'])}     # [M] {m['host_procs']} training processes at once against one alone ({num(m['host_together_s'])} s vs {num(m['host_alone_s'])} s)
@@ -557,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env-episodes", type=int, default=4, help="Episodes per env session.")
     parser.add_argument("--turns", type=int, default=6, help="Turns per loop in the turn-latency timing.")
     parser.add_argument("--trainer-steps", type=int, default=5, help="Whole trainer steps timed (after one).")
+    parser.add_argument("--decoupled-step-s", type=float, default=DECOUPLED_STEP_S,
+                        help="A decoupled step's coordination, from real runs (not timed here; see DECOUPLED_STEP_S).")
     parser.add_argument("--host-iterations", type=int, default=20,
                         help="Forward+backward passes per process in the shared-host timing.")
     args = parser.parse_args(argv)
@@ -590,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     m.update(measure_trainer_step(job, path, shape["tokens_mean"], args.trainer_steps))
     m["trainer_steps"] = args.trainer_steps
     m["load_after"] = load_average()
-    args.out.write_text(cluster_yaml(m, job, job.launch.num_ranks, job.launch.rollout_fraction, when))
+    args.out.write_text(cluster_yaml(m, job, job.launch.num_ranks, job.launch.rollout_fraction, when,
+                                     args.decoupled_step_s))
     if args.workload_from is not None:
         args.workload_out.write_text(workload_yaml(m["trajectories"], m, job, args.workload_from, when))
     print(json.dumps(m))

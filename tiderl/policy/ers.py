@@ -43,8 +43,9 @@ Signals (:class:`ErsSignals`)
   at least one rank's worth of the last step: a further rollout rank would
   idle too. On a shared host, only while the host runs a further busy
   rollout rank at full speed (the preemptive rule's room, below): the
-  paper's rules know no contention, and on hilo-bench x cpu a ref rank made
-  a second engine cost them 21% (docs/RESULTS.md). If the previous plan had
+  paper's rules know no contention, and on hilo-bench x cpu, with the spare
+  ref rank kept, they made it a second engine at a cost of 21%
+  (docs/RESULTS.md). If the previous plan had
   scaled rollout down, the fetch size moves halfway toward ``groups_min``
   (adaptive data retention).
 - Cold start (no step history) and evaluation steps: preemptive maximum
@@ -57,12 +58,9 @@ Signals (:class:`ErsSignals`)
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
   busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
-  trainer waiting); ranks beyond that keep their roles. (A ref rank left
-  IDLE there gained the host nothing, since before the first step and
-  during an evaluation it has no work, and it stayed idle afterwards: the
-  rate planner prices the ref under its margin, and the evaluation's end
-  restores only ranks it sent to rollout. On hilo-bench x cpu that cost
-  1.4% in the simulator, docs/RESULTS.md.)
+  trainer waiting); ref ranks beyond that become IDLE (a ref rank's
+  decoupled step pays a coordination the colocated one does not: on this
+  project's CPU host it costs more than the ref saves, docs/RESULTS.md).
 
 Invariants (each has a test in tests/test_policy_ers.py)
 1. The plan has as many ranks as the current map; without ``elastic_actors``
@@ -83,8 +81,7 @@ Invariants (each has a test in tests/test_policy_ers.py)
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
 6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
    rank, colocated, every idle rank back to rollout (on a shared host, only
-   while ``host.speed(rollout ranks, 0) == 1``; the others, ref ranks among
-   them, keep their roles).
+   while ``host.speed(rollout ranks, 0) == 1``; the others idle).
 7. Consumption deficit: trainer ranks (actor + ref) never decrease.
 8. Generation deficit without consumption deficit: trainer ranks never
    increase; they do not decrease either while ``rollout_idle_ranks >= 1``,
@@ -467,13 +464,13 @@ def host_room(rollout: int, host: HostShare | None) -> int:
 
 def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
     """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
-    busy rollout rank at full speed (the others keep their roles)."""
+    busy rollout rank at full speed (the others idle)."""
     room = host_room(sum(1 for r in roles if r is Role.ROLLOUT), host)
     new = []
     for r in roles:
-        if r in (Role.REF, Role.IDLE) and room > 0:
+        if r in (Role.REF, Role.IDLE):
+            r = Role.ROLLOUT if room > 0 else Role.IDLE
             room -= 1
-            r = Role.ROLLOUT
         new.append(r)
     return tuple(new)
 

@@ -87,17 +87,11 @@ ties go to the current split, then to fewer moves. The plan moves toward it,
 at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
 moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
 and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
-(hysteresis). An idle rank earns its place: a split ranks at its predicted goodput less
-``rate_margin`` for each idle rank it holds, and a plan that puts idle ranks back to work needs no
-gain, only no predicted loss. The planner so leaves a rank idle only where that is predicted more
-than the margin faster than every split keeping it at work, and puts it back as soon as one is
-predicted as fast (on hilo-bench x cpu the host model prices a ref rank within 1% of leaving it
-idle; measured, the ref is 2% faster: docs/RESULTS.md).
+(hysteresis).
 
 Invariants (each has a test in tests/test_policy_ers_rate.py)
 1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
-2. No move without a predicted gain above ``rate_margin`` (putting idle ranks back to work: without a
-   predicted loss, invariant 11); no move at all
+2. No move without a predicted gain above ``rate_margin``; no move at all
    while the window has fewer than MIN_WINDOW_STEPS steps or no measured
    supply or demand, except a walk's (invariant 10).
 3. Every move goes toward the best split: rollout ranks move the same way as
@@ -132,9 +126,6 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    waits for the measurement (STEADY). So the planner moves a rank every step toward the split it
    predicted, as the paper's bound allows (one rank per step), instead of one every MIN_WINDOW_STEPS + 1
    steps, and judges the split it arrives at once measured.
-11. On a shared host an idle rank earns its place: no plan leaves more ranks idle than a split the limits
-   allow that is predicted no more than ``rate_margin`` slower (per idle rank more); a plan with fewer
-   idle ranks than the current split needs only a prediction no slower than it.
 """
 
 from __future__ import annotations
@@ -474,20 +465,17 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         options = [s for s in options if s.rollout <= now.rollout]
     if not options:  # e.g. idle ranks without a shared host, while rollout ranks idle: nothing to gain
         return finish_plan(current, current, fetch, ErsReason.STEADY)
-    # An idle rank earns its place (invariant 11): a split ranks at its predicted goodput less the margin for
-    # each idle rank it holds.
-    ranked = [(g / (1 + limits.rate_margin) ** s.idle, -_distance(s, now), g, s)
-              for s in options for g in (predict_tok_s(s, model)[2],)]
-    _, _, best_g, best = max(ranked, key=lambda x: (x[0], x[1]))
+    scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
+    best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
     now_g = predict_tok_s(now, model)[2]
     if walking and not _walk_goes_on(now, best, signals):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     trial = None if walking else _host_trial(now, options, model, seen, limits)
     if trial is not None:
         best = trial
-    elif walking and not _worth(best, best_g, now, now_g, limits):
+    elif walking and best_g <= now_g * (1 + limits.rate_margin):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
-    elif best == now or not _worth(best, best_g, now, now_g, limits):
+    elif best == now or best_g <= now_g * (1 + limits.rate_margin):
         refs = repartition(now, signals, limits)
         if refs is None:
             return finish_plan(current, current, fetch, ErsReason.STEADY)
@@ -524,15 +512,6 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     else:
         reason = ErsReason.RATE_REBALANCE
     return finish_plan(current, new, fetch, reason)
-
-
-def _worth(best: Split, best_g: float, now: Split, now_g: float, limits: ErsLimits) -> bool:
-    """Whether the best split is worth the moves: a predicted gain above the margin (hysteresis against
-    noise), or, where it puts idle ranks of a shared host back to work, no predicted loss (invariant 11)."""
-    margin = limits.rate_margin
-    if limits.host is not None and best.idle < now.idle:
-        return best_g >= now_g
-    return best_g > now_g * (1 + margin)
 
 
 def _walk_goes_on(now: Split, best: Split, signals: ErsSignals) -> bool:

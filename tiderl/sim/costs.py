@@ -70,6 +70,8 @@ class Costs:
     """Busy ranks the shared host runs at full speed (None: an accelerator per rank)."""
     turn_overhead_s: float = 0.0
     """Latency a turn adds outside engine iterations and the environment (request path, agent loop)."""
+    decoupled_step_s: float = 0.0
+    """A decoupled step's coordination beyond its pipeline (input to the ref ranks, log-probs back)."""
 
     rollout_busy_cores: float = 1.0
     """Cores a busy rollout rank occupies on a shared host (its process and its engine's)."""
@@ -152,6 +154,7 @@ def _measured_costs(cluster: ClusterSpec) -> Costs:
         host_compute_slots=m.host_compute_slots,
         rollout_busy_cores=m.rollout_busy_cores,
         turn_overhead_s=m.turn_overhead_s,
+        decoupled_step_s=m.decoupled_step_s,
     )
 
 

@@ -303,6 +303,12 @@ class MeasuredSpec:
     weight_sync_s: float = option(ge=0, help="Engine weight reload from the published files, s.")
     optimizer_s: float = option(ge=0, help="Optimizer step plus writing the new weights, s.")
     kv_capacity_tokens: int = option(ge=1, help="KV cache tokens of one engine.")
+    decoupled_step_s: float = option(
+        0.0,
+        ge=0,
+        help="A decoupled step's coordination beyond its pipeline of measured stages (the step's input to the "
+        "ref ranks, their log-probs back to the actors), once a step, s.",
+    )
     turn_overhead_s: float = option(
         0.0,
         ge=0,

@@ -282,6 +282,8 @@ class Trainer:
         self.done = True
         end = max(self.actor_free + self.ref_free)
         st.bubble_gpu_s += sum(end - f for f in self.actor_free) + sum(end - f for f in self.ref_free)
+        # The step's coordination between the actor and ref ranks (measured where the cluster says so).
+        end += self.costs.decoupled_step_s
         st.compute_done_s = end
         self.schedule(end, self._decoupled_end)
 
