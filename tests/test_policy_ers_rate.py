@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from tiderl.config.ers import ErsConfig
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
                                     latency_s, predict_tok_s, regime, split_of)
@@ -369,6 +370,27 @@ def test_a_split_is_priced_with_the_readiness_each_window_step_measured():
     model = estimate(signals(ready, ready, times=times), ELASTIC)
     assert model is not None and model.waits_s == (3.0, 3.0) and model.overhead_s == pytest.approx(8.0)
     assert predict_tok_s(Split(2, 4, 0), model)[1] == pytest.approx(2000 / 19.0)
+
+
+def test_a_split_with_ref_ranks_pays_the_decoupled_steps_coordination_and_one_without_is_spared_it():
+    times = StageTimes(t_ref_s=0.5, t_act_f_s=0.5, t_act_b_s=1.0, t_swap_s=2.0)
+    step = replace(obs(2, 4, duration_s=19.0, wait_s=3.0), consumed_tokens=2000, tprm_s=4.0)
+    coordinated = replace(ELASTIC, decoupled_step_s=2.0)
+    # A colocated window: its own split is priced as measured; the decoupled one pays 2 s more a step.
+    free, paid = (estimate(signals(step, step, times=times), lim) for lim in (ELASTIC, coordinated))
+    assert predict_tok_s(Split(2, 4, 0), paid)[1] == pytest.approx(2000 / 19.0)
+    slower = predict_tok_s(Split(2, 4, 0), paid)[0] / predict_tok_s(Split(2, 3, 1), paid)[0]
+    assert predict_tok_s(Split(2, 3, 1), paid)[1] == pytest.approx(
+        2000 / (step_compute_s([3.0 * slower, 6.0 * slower, 9.0 * slower], 3, 1, times) + 3.0 + 2.0))
+    assert predict_tok_s(Split(2, 3, 1), paid)[0] < predict_tok_s(Split(2, 3, 1), free)[0]  # groups held longer
+    # A decoupled window measured with its coordination in: its own split as measured, a colocated one without.
+    dec = replace(step, actor_ranks=3, ref_ranks=1)
+    free, paid = (estimate(signals(dec, dec, times=times), lim) for lim in (ELASTIC, coordinated))
+    assert predict_tok_s(Split(2, 3, 1), paid)[1] == pytest.approx(predict_tok_s(Split(2, 3, 1), free)[1])
+    assert predict_tok_s(Split(2, 4, 0), paid)[1] > predict_tok_s(Split(2, 4, 0), free)[1]
+    assert ErsLimits.from_config(ErsConfig(decoupled_step_s=0.13), 2, 4).decoupled_step_s == 0.13
+    with pytest.raises(ValueError, match="decoupled_step_s"):
+        replace(ELASTIC, decoupled_step_s=-1.0)
 
 
 def test_describe_shows_a_split_as_the_planner_prices_it_in_trajectory_tokens():

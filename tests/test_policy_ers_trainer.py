@@ -73,6 +73,11 @@ def test_3_a_re_partition_only_for_a_saving_above_the_margin():
     cheap = replace(TIMES, t_swap_s=0.01)
     back = signals(trickle(3, 1, tprm_s=None), trickle(3, 1, tprm_s=None), times=cheap)
     assert repartition(Split(2, 3, 1), back, ELASTIC) == 0
+    # A decoupled step's coordination paid every step: 13.5 + 4 s against 18 s is under the margin; and with
+    # the ref there it goes (12 + 4 s with it, 12 s without, all ready).
+    assert repartition(Split(2, 4, 0), sig, replace(ELASTIC, decoupled_step_s=4.0)) is None
+    assert repartition(Split(2, 3, 1), signals(trickle(3, 1, tprm_s=None), trickle(3, 1, tprm_s=None)),
+                       replace(ELASTIC, decoupled_step_s=4.0)) == 0
 
 
 def test_2_the_trainer_keeps_its_ranks_within_the_limits():

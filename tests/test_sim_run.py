@@ -143,6 +143,9 @@ def test_on_a_shared_host_ers_leaves_the_spare_rank_idle():
     # One busy engine already takes the host (a busy rollout rank weighs ~2 slots): the spare ref rank idles
     # from the cold start on.
     assert {(e["rollout"], e["actor"], e["ref"]) for e in shared["roles_timeline"]} == {(1, 1, 0)}
+    # The planner prices a decoupled step's coordination as the simulated trainer pays it.
+    sim = Simulation(workload, cluster, parse_system("tiderl"), steps=1, seed=0)
+    assert sim.ers_limits.decoupled_step_s == sim.costs.decoupled_step_s == cluster.measured.decoupled_step_s > 0
     # Told every rank has a device of its own, the cold-start rule rolls out on the spare rank too.
     dedicated = dataclasses.replace(cluster, measured=dataclasses.replace(cluster.measured, host_compute_slots=None))
     first = Simulation(workload, dedicated, parse_system("tiderl"), steps=6, seed=0).run()["roles_timeline"][0]

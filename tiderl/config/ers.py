@@ -89,5 +89,12 @@ class ErsConfig:
         help="With `host_slots`: a busy rollout rank's demand on the host against a busy trainer rank's 1 "
         "(tools/calibrate_cpu.py: `rollout_busy_cores`).",
     )
+    decoupled_step_s: float = option(
+        0.0,
+        ge=0,
+        help="A decoupled step's coordination with its ref ranks beyond their work (the step's input to them, "
+        "their log-probs back), once a step, s: the rate planner prices a split with ref ranks this much longer "
+        "a step than one without. Measured on a CPU host with 2 cores: 0.13 (docs/RESULTS.md). 0: not priced.",
+    )
     history_steps: int = option(5, ge=1, help="Recent steps: their mean duration is T_step for the HoL test, and at most this many settled "
                     "steps make the rate planner's window (it remembers the latency of earlier splits for 10x this).")

@@ -178,6 +178,8 @@ class ErsLimits:
     host: HostShare | None = None
     """Ranks that share one host's compute (None: each rank its own accelerator). With it the rate planner
     predicts how a busy rank slows the others and may leave a rollout rank IDLE."""
+    decoupled_step_s: float = 0.0
+    """A decoupled step's coordination with its ref ranks beyond their work, once a step (0: not priced)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.groups_min <= self.groups_ideal:
@@ -186,6 +188,8 @@ class ErsLimits:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.rate_margin < 0:
             raise ValueError(f"rate_margin: must be >= 0, got {self.rate_margin}")
+        if self.decoupled_step_s < 0:
+            raise ValueError(f"decoupled_step_s: must be >= 0, got {self.decoupled_step_s}")
         if self.rank_tasks is not None and self.rank_tasks < 1:
             raise ValueError(f"rank_tasks: must be >= 1, got {self.rank_tasks}")
         if self.group_size < 1:
@@ -200,15 +204,20 @@ class ErsLimits:
 
     @classmethod
     def from_config(cls, ers: object, groups_min: int, groups_ideal: int, max_staleness: int = 1,
-                    host: HostShare | None = None, rank_tasks: int | None = None, group_size: int = 1) -> ErsLimits:
+                    host: HostShare | None = None, rank_tasks: int | None = None, group_size: int = 1,
+                    decoupled_step_s: float | None = None) -> ErsLimits:
         """From the job's `ers:` section (tiderl.config.ers.ErsConfig, read by attribute),
         the trainer's elastic batch bounds and the system's staleness bound. `host`: the shared host
-        (the simulator's measured one); None: the section's `host_slots` and `rollout_host_weight`."""
+        (the simulator's measured one); None: the section's `host_slots` and `rollout_host_weight`.
+        `decoupled_step_s`: the simulator's measured one; None: the section's."""
         slots = getattr(ers, "host_slots", None)
         if host is None and slots is not None:
             host = HostShare(slots, ers.rollout_host_weight)  # type: ignore[attr-defined]
+        if decoupled_step_s is None:
+            decoupled_step_s = getattr(ers, "decoupled_step_s", 0.0)
         return cls(
             host=host,
+            decoupled_step_s=decoupled_step_s,
             rank_tasks=rank_tasks,
             group_size=group_size,
             groups_min=groups_min,

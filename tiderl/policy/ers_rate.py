@@ -52,7 +52,10 @@ Model (every rate from the signals' window of recent steps, as measured)
   what its own split measured beyond the same model of itself: the trainer's
   wait beyond the waits its readiness shows (a first arrival later than TPRM
   says: arrivals, so scaled as they are) and the rest (optimizer, publish:
-  ``overhead``, the same for every split). The window's own split is priced
+  ``overhead``, the same for every split), less its decoupled coordination
+  (``limits.decoupled_step_s``, a step with ref ranks); a split with ref ranks
+  pays that coordination again, once a step (on the project's CPU host it
+  outweighed the ref's work: docs/RESULTS.md). The window's own split is priced
   at its measured step times; a colocated split pays the swap pairs of the
   bursts that trickling arrivals make, a decoupled one does not (the old
   ``overhead``, busy time beyond an all-ready step, held those swap pairs and
@@ -202,10 +205,13 @@ class RateModel:
     trainer_split: tuple[int, int] = (1, 0)
     """Actor and ref ranks of the window's last step (with stage times, the busy trainer ranks of a split
     are priced by :func:`busy_trainer_ranks`)."""
+    decoupled_step_s: float = 0.0
+    """A decoupled step's coordination, once a step (limits.decoupled_step_s): a split with ref ranks pays it."""
     window: tuple[StepObservation, ...] = ()
     """The window's steps (each step's wait and duration price a split's step, :func:`predict_tok_s`)."""
     residuals_s: tuple[float, ...] = ()
-    """Per window step, its duration beyond its compute with the readiness it measured and `waits_s`."""
+    """Per window step, its duration beyond its compute with the readiness it measured, `waits_s` and its
+    decoupled coordination."""
     waits_s: tuple[float, ...] = ()
     """Per window step, the trainer's measured wait for data beyond the waits its readiness shows."""
     window_supply_tok_s: float = 0.0
@@ -247,7 +253,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
             shown = end - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
             wait = min(max(0.0, s.trainer_wait_s - shown), max(0.0, s.duration_s - end))
             waits += (wait,)
-            residuals += (max(0.0, s.duration_s - end - wait),)
+            # Net of the step's decoupled coordination: a split pays its own (:func:`_coordination_s`).
+            residuals += (max(0.0, s.duration_s - end - wait - _coordination_s(s.ref_ranks, limits)),)
         overhead = sum(residuals) / len(residuals)
     else:
         actor_s = sum(b * max(1, s.actor_ranks) for s, b in zip(window, trainer_busy))
@@ -275,6 +282,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,
         trainer_split=(last.actor_ranks, last.ref_ranks),
+        decoupled_step_s=limits.decoupled_step_s,
         window=tuple(window),
         residuals_s=residuals,
         waits_s=waits,
@@ -383,6 +391,11 @@ def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
     return 2 * times.t_swap_s + times.t_ref_s + times.t_act_f_s + times.t_act_b_s
 
 
+def _coordination_s(refs: int, limits: ErsLimits) -> float:
+    """A step's decoupled coordination (with ref ranks), as the limits price it."""
+    return limits.decoupled_step_s if refs > 0 else 0.0
+
+
 def concurrency_share(rollout: int, model: RateModel) -> float:
     """Share of the staleness bound's groups in flight that `rollout` ranks can play at once (at most 1)."""
     if model.inflight_groups <= 0 or math.isinf(model.rank_groups):
@@ -395,7 +408,8 @@ def _supply_tok_s(split: Split, model: RateModel, f: float) -> float:
     latency = latency_s(split.rollout, model, f)
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
-        held = latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
+        held = (latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
+                + (model.decoupled_step_s if split.refs else 0.0))
         return model.little_tokens / held
     return split.rollout * model.supply_tok_s_per_rank * f
 
@@ -412,8 +426,10 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
         slower = model.window_supply_tok_s / supply if model.window_supply_tok_s > 0 and supply > 0 else 1.0
         at_f = StageTimes(t_ref_s=times.t_ref_s / f, t_act_f_s=times.t_act_f_s / f, t_act_b_s=times.t_act_b_s / f,
                           t_swap_s=times.t_swap_s / f)
+        coordination = model.decoupled_step_s if split.refs else 0.0
         total = sum(ready_compute_s(o, split.actors, split.refs, at_f, model.micro_batch_tokens_per_actor, slower)
-                    + wait * slower + rest / f for o, wait, rest in zip(model.window, model.waits_s, model.residuals_s))
+                    + wait * slower + rest / f + coordination
+                    for o, wait, rest in zip(model.window, model.waits_s, model.residuals_s))
         demand = sum(o.consumed_tokens for o in model.window) / total if total > 0 else math.inf
         return supply, demand, min(supply, demand)
     step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]

@@ -28,7 +28,8 @@ Invariants (tests/test_policy_ers_trainer.py)
    ``min_actor_ranks``; refs stay within ``max_ref_ranks`` and at most
    :func:`refs_needed` for the new actor count (a further ref would idle).
 3. Only for a predicted compute saving above ``rate_margin`` over the
-   current partition (ties go to the fewest moves).
+   current partition (ties go to the fewest moves); a partition with ref
+   ranks pays ``limits.decoupled_step_s`` a step.
 4. :func:`readiness` keeps a step's tokens and token rate: with M' actors the
    step has ceil(tokens / (M' x share)) micro-batches, the RAS tokens (up to
    that count) ready at the start, and TPRM scaled by M' / M.
@@ -114,8 +115,9 @@ def repartition(now: Split, signals: ErsSignals, limits: ErsLimits) -> int | Non
     if limits.max_ref_ranks is not None:
         top = min(top, limits.max_ref_ranks)
     options = {r for r in range(0, top + 1) if r <= refs_needed(total - r, times)} | {now.refs}
-    cost = {refs: sum(ready_compute_s(s, total - refs, refs, times, mb)
-                      for s in signals.window) for refs in sorted(options)}  # each partition priced once
+    # Each partition priced once; one with ref ranks pays the decoupled step's coordination every step.
+    cost = {refs: sum(ready_compute_s(s, total - refs, refs, times, mb) for s in signals.window)
+            + (limits.decoupled_step_s * len(signals.window) if refs else 0.0) for refs in sorted(options)}
     best = min(cost, key=lambda r: (cost[r], abs(r - now.refs)))
     if best == now.refs or cost[best] * (1 + limits.rate_margin) >= cost[now.refs]:
         return None

@@ -143,7 +143,8 @@ class Simulation:
             e = replace(e, policy=system.ers_policy)
         self.ers_limits = replace(ErsLimits.from_config(e, self.b_min, self.b_ideal, self.staleness,
                                                         host=self.costs.host, rank_tasks=self.costs.max_num_seqs,
-                                                        group_size=workload.group_size),
+                                                        group_size=workload.group_size,
+                                                        decoupled_step_s=self.costs.decoupled_step_s),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
         self.adaptive_admission = self.ers_limits.enabled and e.adaptive_admission
