@@ -140,7 +140,7 @@ from dataclasses import dataclass, replace
 from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
                                move_roles)
 from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
-from tiderl.policy.ers_trainer import ready_compute_s, refs_needed, repartition, step_compute_s
+from tiderl.policy.ers_trainer import coordination_s, ready_compute_s, refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
 
@@ -253,8 +253,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
             shown = end - _compute_s(s.consumed_tokens, s.actor_ranks, s.ref_ranks, times, per_actor_mb)
             wait = min(max(0.0, s.trainer_wait_s - shown), max(0.0, s.duration_s - end))
             waits += (wait,)
-            # Net of the step's decoupled coordination: a split pays its own (:func:`_coordination_s`).
-            residuals += (max(0.0, s.duration_s - end - wait - _coordination_s(s.ref_ranks, limits)),)
+            # Net of the step's decoupled coordination: a split pays its own (`coordination_s`).
+            residuals += (max(0.0, s.duration_s - end - wait - coordination_s(s.ref_ranks, limits.decoupled_step_s)),)
         overhead = sum(residuals) / len(residuals)
     else:
         actor_s = sum(b * max(1, s.actor_ranks) for s, b in zip(window, trainer_busy))
@@ -391,11 +391,6 @@ def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
     return 2 * times.t_swap_s + times.t_ref_s + times.t_act_f_s + times.t_act_b_s
 
 
-def _coordination_s(refs: int, limits: ErsLimits) -> float:
-    """A step's decoupled coordination (with ref ranks), as the limits price it."""
-    return limits.decoupled_step_s if refs > 0 else 0.0
-
-
 def concurrency_share(rollout: int, model: RateModel) -> float:
     """Share of the staleness bound's groups in flight that `rollout` ranks can play at once (at most 1)."""
     if model.inflight_groups <= 0 or math.isinf(model.rank_groups):
@@ -409,7 +404,7 @@ def _supply_tok_s(split: Split, model: RateModel, f: float) -> float:
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
         held = (latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
-                + (model.decoupled_step_s if split.refs else 0.0))
+                + coordination_s(split.refs, model.decoupled_step_s))
         return model.little_tokens / held
     return split.rollout * model.supply_tok_s_per_rank * f
 
@@ -426,7 +421,7 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
         slower = model.window_supply_tok_s / supply if model.window_supply_tok_s > 0 and supply > 0 else 1.0
         at_f = StageTimes(t_ref_s=times.t_ref_s / f, t_act_f_s=times.t_act_f_s / f, t_act_b_s=times.t_act_b_s / f,
                           t_swap_s=times.t_swap_s / f)
-        coordination = model.decoupled_step_s if split.refs else 0.0
+        coordination = coordination_s(split.refs, model.decoupled_step_s)
         total = sum(ready_compute_s(o, split.actors, split.refs, at_f, model.micro_batch_tokens_per_actor, slower)
                     + wait * slower + rest / f + coordination
                     for o, wait, rest in zip(model.window, model.waits_s, model.residuals_s))

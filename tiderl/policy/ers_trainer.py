@@ -51,7 +51,12 @@ from tiderl.policy.ra2p import StageTimes, colocated_cost_s
 if TYPE_CHECKING:
     from tiderl.policy.ers_rate import Split
 
-__all__ = ["readiness", "ready_compute_s", "refs_needed", "repartition", "step_compute_s"]
+__all__ = ["coordination_s", "readiness", "ready_compute_s", "refs_needed", "repartition", "step_compute_s"]
+
+
+def coordination_s(refs: int, decoupled_step_s: float) -> float:
+    """A step's decoupled coordination: `decoupled_step_s` (``limits.decoupled_step_s``) with ref ranks, else 0."""
+    return decoupled_step_s if refs > 0 else 0.0
 
 
 def refs_needed(actors: int, times: StageTimes | None) -> int:
@@ -117,7 +122,7 @@ def repartition(now: Split, signals: ErsSignals, limits: ErsLimits) -> int | Non
     options = {r for r in range(0, top + 1) if r <= refs_needed(total - r, times)} | {now.refs}
     # Each partition priced once; one with ref ranks pays the decoupled step's coordination every step.
     cost = {refs: sum(ready_compute_s(s, total - refs, refs, times, mb) for s in signals.window)
-            + (limits.decoupled_step_s * len(signals.window) if refs else 0.0) for refs in sorted(options)}
+            + coordination_s(refs, limits.decoupled_step_s) * len(signals.window) for refs in sorted(options)}
     best = min(cost, key=lambda r: (cost[r], abs(r - now.refs)))
     if best == now.refs or cost[best] * (1 + limits.rate_margin) >= cost[now.refs]:
         return None
