@@ -30,10 +30,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("base"))
 
 
-def _ctx(tmp_path: Path, base: Path, max_staleness: int) -> RankContext:
+def _ctx(tmp_path: Path, base: Path, max_staleness: int, *overrides: str) -> RankContext:
     config = load_job(ROOT / "jobs" / "quickstart.yaml", [
         "trainer.groups_min=2", "trainer.groups_ideal=2", "trainer.num_steps=4", "trainer.micro_batch_tokens=64",
-        "rollout.group_size=4", f"rollout.max_staleness={max_staleness}", "trainer.checkpoint_every=1"])
+        "rollout.group_size=4", f"rollout.max_staleness={max_staleness}", "trainer.checkpoint_every=1", *overrides])
     paths, store = create_run(config, tmp_path / "run")
     store.register_initial_version(str(base), "0")
     store.register_rank(ROLLOUT, Role.ROLLOUT)
@@ -83,6 +83,41 @@ def test_a_step_claims_the_batch_trains_and_publishes_the_version(tmp_path: Path
     assert points["train_s"]["value"] > 0 and points["kl"]["version"] == 0 and points["kl"]["role"] == "actor"
 
 
+def test_a_streaming_system_trains_the_groups_that_are_ready_while_the_rest_are_generated(
+        tmp_path: Path, base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiderl streams (RA2P): a chunk as soon as a micro-batch's tokens are claimed, the groups that became
+    ready meanwhile in the next, one optimizer step once the fetch is complete; async claims it whole."""
+    from tiderl.trainer.rank import ActorRank
+
+    chunks: list[int] = []
+    feed = ActorRank.feed
+    monkeypatch.setattr(ActorRank, "feed", lambda self, samples: (chunks.append(len(samples)), feed(self, samples)))
+
+    async def step_while_generating(ctx: RankContext) -> None:
+        async def generate() -> None:
+            await asyncio.sleep(0.5)
+            _feed(ctx, range(1, 2), version=0)
+
+        await asyncio.gather(run_actor_step(ctx, _plan(0)), generate())
+
+    # A group holds 32-80 tokens: a micro-batch of 32 is ready with the first.
+    ctx = _ctx(tmp_path / "tiderl", base, 1, "trainer.micro_batch_tokens=32")
+    _feed(ctx, range(1), version=0)  # one group ready at the start, the other 0.5 s later
+    asyncio.run(step_while_generating(ctx))
+    assert chunks == [4, 4]
+    (step,) = ctx.store.steps()
+    assert step["num_trajectories"] == 8 and verify(ctx.paths.weights_version(1))
+    twt = sum(m["value"] for m in ctx.store.metric_rows(["twt_s"]))
+    assert 0.3 < twt < step["duration_s"]  # the wait for the second group, not the first chunk's training
+
+    chunks.clear()
+    ctx = _ctx(tmp_path / "async", base, 1, "trainer.micro_batch_tokens=32")
+    ctx.system = behaviour("async", max_staleness=1, ra2p_mode="auto")
+    _feed(ctx, range(1), version=0)
+    asyncio.run(step_while_generating(ctx))
+    assert chunks == [8]
+
+
 def test_groups_beyond_the_staleness_bound_are_dropped_not_trained(tmp_path: Path, base: Path) -> None:
     ctx = _ctx(tmp_path, base, max_staleness=0)
     _feed(ctx, range(2), version=0)
@@ -113,7 +148,7 @@ def test_how_a_task_ended_reaches_the_trainer(tmp_path: Path, base: Path) -> Non
         "SELECT finish FROM trajectories ORDER BY id")]) == [t.finish for t in sorted(got, key=lambda t: t.id)]
 
 
-def _member(run_dir: str, base: str, rank: int, role: str, versions: int = 1) -> None:
+def _member(run_dir: str, base: str, rank: int, role: str, versions: int = 1, fetch: int = 2) -> None:
     """A trainer rank of its own process, as in a run: a follower actor or a ref rank of the steps of
     versions 0 .. versions - 1 (one layout): the group formed for the first step runs the others."""
     from tiderl.paths import RunPaths
@@ -128,37 +163,32 @@ def _member(run_dir: str, base: str, rank: int, role: str, versions: int = 1) ->
     step = run_ref_step if role == "ref" else run_actor_step
     comms = []
     for version in range(versions):
-        asyncio.run(step(ctx, _group_plan(version)))
+        asyncio.run(step(ctx, _group_plan(version, fetch)))
         assert ctx.trainer_group is not None and ctx.trainer_group.version == version
         comms.append(ctx.trainer_group.comm)
     assert all(c is comms[0] for c in comms), "the layout did not change: the group must be kept"
 
 
-def _group_plan(version: int = 0) -> PlanRecord:
+def _group_plan(version: int = 0, fetch: int = 2) -> PlanRecord:
     return PlanRecord(version=version, roles={0: Role.ACTOR, ROLLOUT: Role.ROLLOUT, 2: Role.REF, 3: Role.ACTOR},
-                      ra2p_mode=Ra2pMode.DECOUPLED, fetch_groups=2)
+                      ra2p_mode=Ra2pMode.DECOUPLED, fetch_groups=fetch)
 
 
-def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path, base: Path) -> None:
-    """Two actors (data parallel) and a ref rank, each its own process: the leader gathers and publishes, the
-    other actor trains its share, the ref serves the reference log-probabilities; they meet in the trainer
-    group's current restart generation, and keep that group for the next version's step (same layout)."""
+def _start_members(ctx: RankContext, base: Path, versions: int, fetch: int) -> list:
     import subprocess
     import sys
 
-    ctx = _ctx(tmp_path, base, max_staleness=1)
-    ctx.store.register_rank(2, Role.REF)
-    ctx.store.register_rank(3, Role.ACTOR)
-    assert ctx.store.advance_trainer_generation(0, [0, 2, 3])  # as after one restart of the group
-    _feed(ctx, range(4), version=0)
-
     def start(rank: int, role: str) -> subprocess.Popen[str]:
         code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_run_trainer_role as t; "
-                f"t._member({str(ctx.paths.root)!r}, {str(base)!r}, {rank}, {role!r}, versions=2)")
+                f"t._member({str(ctx.paths.root)!r}, {str(base)!r}, {rank}, {role!r}, versions={versions}, "
+                f"fetch={fetch})")
         return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
-    members = [start(0, "actor"), start(3, "actor"), start(2, "ref")]
+    return [start(0, "actor"), start(3, "actor"), start(2, "ref")]
+
+
+def _join(members: list) -> None:
     try:
         for p in members:
             out, _ = p.communicate(timeout=300)
@@ -167,6 +197,18 @@ def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path
         for p in members:
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path, base: Path) -> None:
+    """Two actors (data parallel) and a ref rank, each its own process: the leader gathers and publishes, the
+    other actor trains its share, the ref serves the reference log-probabilities; they meet in the trainer
+    group's current restart generation, and keep that group for the next version's step (same layout)."""
+    ctx = _ctx(tmp_path, base, max_staleness=1)
+    ctx.store.register_rank(2, Role.REF)
+    ctx.store.register_rank(3, Role.ACTOR)
+    assert ctx.store.advance_trainer_generation(0, [0, 2, 3])  # as after one restart of the group
+    _feed(ctx, range(4), version=0)
+    _join(_start_members(ctx, base, versions=2, fetch=2))
     assert ctx.store.run_info().version == 2
     steps = ctx.store.steps()
     assert [(s["num_trajectories"], s["ra2p_mode"]) for s in steps] == [(8, "decoupled")] * 2
@@ -174,6 +216,30 @@ def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path
     assert ctx.paths.data_ready(0, 1).is_file() and not ctx.paths.rendezvous_generation(0).exists()
     trained = {(m["rank"], m["name"]) for m in ctx.store.metric_rows(["train_s"])}
     assert {(0, "train_s"), (3, "train_s")} <= trained  # both actors trained their share
+
+
+def test_a_streamed_decoupled_step_hands_each_chunk_to_the_group_as_its_groups_arrive(
+        tmp_path: Path, base: Path) -> None:
+    """Two actors and a ref rank, a fetch of 4 groups of which 3 are ready: the leader hands those to the
+    group as chunk 0 (marker, broadcast, trained), the fourth, generated meanwhile, as chunk 1 behind its own
+    marker; the step trains all 16 trajectories and publishes once."""
+    import time
+
+    ctx = _ctx(tmp_path, base, 1, "trainer.groups_ideal=4", "trainer.micro_batch_tokens=32")
+    ctx.store.register_rank(2, Role.REF)
+    ctx.store.register_rank(3, Role.ACTOR)
+    _feed(ctx, range(3), version=0)
+    members = _start_members(ctx, base, versions=1, fetch=4)
+    generation = ctx.store.trainer_generation().number
+    deadline = time.monotonic() + 240
+    while not ctx.paths.data_ready(0, generation).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _feed(ctx, range(3, 4), version=0)
+    _join(members)
+    assert ctx.paths.data_ready(0, generation, 1).is_file()
+    (step,) = ctx.store.steps()
+    assert step["num_trajectories"] == 16 and step["ra2p_mode"] == "decoupled"
+    assert verify(ctx.paths.weights_version(1))
 
 
 def test_a_held_trainer_group_runs_the_next_step_only_of_the_same_layout() -> None:

@@ -1,5 +1,6 @@
 """RA2P executors in one process: ready-batch aggregation follows arrivals, swaps are real."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,62 @@ def test_decoupled_without_ref_rank_is_refused(base, tmp_path):
         node.train_step(StepInput(0, samples, Ra2pMode.DECOUPLED))
     with pytest.raises(ValueError, match="holds version 0"):
         node.train_step(StepInput(3, samples, Ra2pMode.COLOCATED))
+
+
+def _node(base: Path, root: Path, config: TrainerConfig = CONFIG) -> ActorRank:
+    return ActorRank(config, TrainerComm(rank=0, actor_ranks=(0,)), base_model=base, weights_root=root / "w",
+                     ckpt_root=root / "c", with_ref=True, resume=False)
+
+
+@pytest.mark.parametrize("mode", [Ra2pMode.COLOCATED, Ra2pMode.VANILLA_STREAM])
+def test_a_step_streamed_in_chunks_updates_the_weights_as_the_batch_step(base, tmp_path, mode):
+    # Three chunks of complete groups, trained as they come, then one optimizer step: the gradients
+    # were divided by the first chunk's tokens and rescaled to the batch's, so the update (and the
+    # reported loss) is the batch step's over the same samples.
+    samples = tuple(random_samples(6, 4, min_tokens=12, max_tokens=30, seed=5))
+    batch = _node(base, tmp_path / "batch")
+    whole = batch.train_step(StepInput(0, samples, mode))
+    streamed = _node(base, tmp_path / "streamed")
+    streamed.begin_step(0, mode)
+    for chunk in (samples[:4], samples[4:16], samples[16:]):
+        streamed.feed(chunk)
+    result = streamed.finish_step()
+    assert result.stats.num_sequences == whole.stats.num_sequences
+    assert result.stats.num_tokens == whole.stats.num_tokens
+    assert result.stats.loss == pytest.approx(whole.stats.loss, rel=1e-4, abs=1e-6)
+    assert result.stats.grad_norm == pytest.approx(whole.stats.grad_norm, rel=1e-4)
+    a, b = batch.actor.model.state_dict(), streamed.actor.model.state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=2e-6) for k in a)
+    assert streamed.version == 1 and result.published.path.is_dir()
+    assert set(result.trajectory_ids) == {s.trajectory_id for s in samples}
+
+
+def test_a_streamed_step_holds_back_flat_groups_and_trains_them_only_if_nothing_else(base, tmp_path):
+    config = TrainerConfig(micro_batch_tokens=64, lr=1e-3, skip_flat_groups=True)
+    samples = random_samples(4, 4, min_tokens=12, max_tokens=30, seed=5)
+    flat = tuple(replace(s, advantage=0.0) for s in samples[:8])  # two groups without signal
+    live = tuple(s for s in samples[8:] if abs(s.advantage) > 0)
+    assert live
+    node = _node(base, tmp_path / "a", config)
+    node.begin_step(0, Ra2pMode.COLOCATED)
+    node.feed(flat)  # a chunk of flat groups alone trains nothing now
+    node.feed(tuple(samples[8:]))
+    stats = node.finish_step().stats
+    assert stats.num_sequences == sum(1 for s in samples[8:] if _group_live(samples[8:], s))
+    only_flat = _node(base, tmp_path / "b", config)
+    only_flat.begin_step(0, Ra2pMode.COLOCATED)
+    only_flat.feed(flat[:4])
+    only_flat.feed(flat[4:])
+    assert only_flat.finish_step().stats.num_sequences == 8  # every group flat: the batch rule trains them all
+
+
+def _group_live(samples, s) -> bool:
+    return any(abs(o.advantage) > 0 for o in samples if o.group_id == s.group_id)
+
+
+def test_a_streamed_step_must_begin_and_train_the_held_version(base, tmp_path):
+    node = _node(base, tmp_path)
+    with pytest.raises(RuntimeError, match="begin_step first"):
+        node.feed(tuple(random_samples(1, 4, seed=2)))
+    with pytest.raises(ValueError, match="holds version 0"):
+        node.begin_step(2, Ra2pMode.COLOCATED)

@@ -113,8 +113,9 @@ class RunPaths:
     def rendezvous_version(self, version: int, generation: int) -> Path:
         return self.rendezvous_generation(generation) / f"v{version}"
 
-    def data_ready(self, version: int, generation: int) -> Path:
-        return self.rendezvous_generation(generation) / f"v{version}.data-ready"
+    def data_ready(self, version: int, generation: int, chunk: int = 0) -> Path:
+        """The marker of a step's data chunk `chunk` (0: the first, which also names the step's group)."""
+        return self.rendezvous_generation(generation) / (f"v{version}.data-ready" + (f".{chunk}" if chunk else ""))
 
     def env_port(self, index: int) -> Path:
         return self.root / f"env{index}.port"

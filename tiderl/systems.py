@@ -4,12 +4,17 @@ Pure: no torch, no database, no processes. The control plane, the ranks and
 the launcher read a :class:`SystemBehaviour` and never branch on the system
 name themselves.
 
-| system | staleness bound | trainer fetch            | RA2P mode          | ERS |
-| ------ | --------------- | ------------------------ | ------------------ | --- |
-| sync   | 0 (barrier)     | the whole batch          | colocated          | no  |
-| async  | rollout.max_staleness | groups_ideal       | colocated          | no  |
-| stream | rollout.max_staleness | as soon as groups_min | vanilla_stream     | no  |
-| tiderl | rollout.max_staleness | ERS fetch size     | auto (cost model)  | yes |
+| system | staleness bound | trainer fetch            | RA2P mode          | streams | ERS |
+| ------ | --------------- | ------------------------ | ------------------ | ------- | --- |
+| sync   | 0 (barrier)     | the whole batch          | colocated          | no      | no  |
+| async  | rollout.max_staleness | groups_ideal       | colocated          | no      | no  |
+| stream | rollout.max_staleness | as soon as groups_min | vanilla_stream  | yes     | no  |
+| tiderl | rollout.max_staleness | ERS fetch size     | auto (cost model)  | yes     | yes |
+
+A streaming trainer trains a step's groups in chunks as they become ready (a
+micro-batch per actor at least, then whatever became ready meanwhile) and steps
+the optimizer once the fetch is complete; the others claim the whole fetch
+before computing (VeRL's and AReaL's standard execution).
 
 A fixed `trainer.ra2p_mode` (anything but `auto`) wins over the table for
 sync, async and tiderl; stream is defined by its naive alternation.
@@ -61,6 +66,8 @@ class SystemBehaviour:
     ra2p_mode: Ra2pMode | None
     """A fixed RA2P mode, or None: the mode ERS plans with the RA2P cost model (`auto`)."""
     spare_role: Role  # role of the ranks that are neither actor nor initial rollout
+    streams: bool = False
+    """The trainer trains a step's groups in chunks as they become ready (tiderl.run.trainer_role)."""
 
 
 def behaviour(system: str, *, max_staleness: int, ra2p_mode: str) -> SystemBehaviour:
@@ -74,9 +81,10 @@ def behaviour(system: str, *, max_staleness: int, ra2p_mode: str) -> SystemBehav
     if system == "async":
         return SystemBehaviour("async", max_staleness, False, FetchPolicy.IDEAL, fixed, spare)
     if system == "stream":
-        return SystemBehaviour("stream", max_staleness, False, FetchPolicy.MIN, Ra2pMode.VANILLA_STREAM, Role.IDLE)
+        return SystemBehaviour("stream", max_staleness, False, FetchPolicy.MIN, Ra2pMode.VANILLA_STREAM, Role.IDLE,
+                               streams=True)
     if system == "tiderl":
-        return SystemBehaviour("tiderl", max_staleness, True, FetchPolicy.ERS, configured, Role.REF)
+        return SystemBehaviour("tiderl", max_staleness, True, FetchPolicy.ERS, configured, Role.REF, streams=True)
     raise UnknownSystemError(system)
 
 

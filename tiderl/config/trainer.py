@@ -85,7 +85,8 @@ class TrainerConfig:
     )
     actor_ranks: int = option(
         1, ge=1, help="Data-parallel actor ranks (ranks 0..N-1). Rank 0 leads: it gathers each step's data, "
-        "broadcasts it to the others and publishes the weights; gradients are all-reduced."
+        "broadcasts it (chunk by chunk for a streaming system) to the others and publishes the weights; gradients "
+        "are all-reduced."
     )
 
     def __post_init__(self) -> None:

@@ -15,9 +15,13 @@ Trainer groups: with `trainer.actor_ranks` > 1 (data-parallel actors) or in
 RA2P decoupled mode, the actors (leader first) and the step's ref ranks form a
 gloo group once the leader has the step's data (a fresh rendezvous file, named
 by the version, where the layout changed; the previous version's group where it
-did not: `tiderl.trainer.group.HeldGroup`); the leader broadcasts the step input,
-each actor trains its share of the micro-batches (gradients all-reduced), the refs
-serve ref_logprobs, only the leader publishes.
+did not: `tiderl.trainer.group.HeldGroup`); the leader broadcasts the step's data
+in chunks (one for a system that does not stream; `SystemBehaviour.streams`: one
+as soon as a micro-batch per actor is claimed, then what became ready meanwhile),
+each chunk announced by a marker file first so that no rank waits for data inside
+a collective; each actor trains its share of every chunk's micro-batches
+(gradients all-reduced at the optimizer step), the refs serve ref_logprobs, only
+the leader publishes.
 With `ers.elastic_actors`, an actor that joined the group at this boundary (or
 returns to it) holds an older version: before the step it takes the weights
 and optimizer state of an actor that holds the step's version
@@ -27,30 +31,29 @@ and optimizer state of an actor that holds the step's version
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from tiderl.paths import atomic_write_text, when_room
-from tiderl.policy.ra2p import ready_at_start, time_per_ready_microbatch_s
 from tiderl.run.context import RankContext
-from tiderl.systems import FetchPolicy, oldest_trainable_version
+from tiderl.run.trainer_gather import DataWait, StepGather
+from tiderl.systems import FetchPolicy
 from tiderl.store.types import (EventRecord, GroupState, MetricPoint, PlanRecord, RankReport, ReadyTrajectory, Role,
                                 TaskKind, VersionRecord)
 
 if TYPE_CHECKING:  # torch-backed: imported where a role first needs them
     from tiderl.trainer.modes import TrainerComm
-    from tiderl.trainer.rank import ActorRank, PublishedStep, RefRank, StepInput
+    from tiderl.trainer.rank import ActorRank, PublishedStep, RefRank, StepChunk
     from tiderl.trainer.step import StepStats
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-TWT_REPORT_S = 2.0  # while the actor waits for data, its wait goes to the store this often
 
 
 def _discard_uncommitted(ctx: RankContext, version: int) -> None:
@@ -87,74 +90,6 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> ActorRank:
     return ctx.actor
 
 
-class _Wait:
-    """A trainer rank's wait for data: its TWT, recorded (`twt_s`) every `TWT_REPORT_S` while it
-    lasts so status and metrics show it, and the rest at the end. (Heartbeats come from the
-    rank's heartbeat thread.)"""
-
-    def __init__(self, ctx: RankContext, version: int, role: Role) -> None:
-        self.ctx, self.version, self.role = ctx, version, role
-        self.started = self.recorded_until = time.monotonic()
-
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
-
-    def tick(self) -> None:
-        if time.monotonic() - self.recorded_until >= TWT_REPORT_S:
-            self.ctx.store.report(RankReport(rank=self.ctx.rank, metrics=[self.rest()]))
-
-    def rest(self) -> MetricPoint:
-        """The wait since the last record, as a metric point; it counts as recorded from now on."""
-        now = time.monotonic()
-        point = MetricPoint("twt_s", now - self.recorded_until, self.version, self.role.value)
-        self.recorded_until = now
-        return point
-
-
-async def _gather(ctx: RankContext, plan: PlanRecord, need: int,
-                  wait: _Wait) -> tuple[list[ReadyTrajectory], int, float | None, int]:
-    """Claim `need` fresh groups; returns (trajectories, RAS, TPRM, groups dropped as stale)."""
-    cfg = ctx.config.trainer
-    start = time.monotonic()
-    claimed: list[ReadyTrajectory] = []
-    groups: set[int] = set()
-    dropped = 0
-    ras: int | None = None
-    arrivals: list[float] = []  # seconds after the step start when another micro-batch became ready
-    seen_tokens = 0
-    bound = oldest_trainable_version(plan.version, ctx.system.max_staleness)
-    while len(groups) < need:
-        ctx.position()
-        buf = ctx.store.buffer_state()
-        tokens = buf.ready_tokens + sum(t.num_tokens for t in claimed)
-        if ras is None:
-            ras = tokens // cfg.micro_batch_tokens
-            seen_tokens = ras * cfg.micro_batch_tokens
-        while tokens - seen_tokens >= cfg.micro_batch_tokens:
-            seen_tokens += cfg.micro_batch_tokens
-            arrivals.append(time.monotonic() - start)
-        if buf.groups_ready > 0:
-            got = ctx.store.claim_ready_groups(ctx.rank, need - len(groups))
-            stale = sorted({t.group_id for t in got if t.min_version < bound})
-            if stale:
-                dropped += ctx.store.drop_claimed_groups(
-                    ctx.rank, stale, f"older than version {bound}, the staleness bound of step {plan.version}")
-            fresh = [t for t in got if t.group_id not in stale]
-            claimed += fresh
-            groups.update(t.group_id for t in fresh)
-            continue
-        wait.tick()
-        await asyncio.sleep(ctx.poll_s)
-    wait_s = time.monotonic() - start
-    if claimed and len(arrivals) < math.ceil(sum(t.num_tokens for t in claimed) / cfg.micro_batch_tokens) - (ras or 0):
-        arrivals.append(wait_s)  # the last, partial micro-batch arrived when the batch was complete
-    # Each micro-batch's ready time relative to the step start (<= 0: ready at the start), read by RA2P's own
-    # definitions of RAS and TPRM; an arrival is after the start even where the clock's tick rounds it to 0.
-    ready = [0.0] * (ras or 0) + [max(a, 1e-9) for a in arrivals]
-    return claimed, ready_at_start(ready), time_per_ready_microbatch_s(ready), dropped
-
-
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
     """Groups the step trains: by the system's fetch policy; the run's last step also takes every training
     group still open or ready, up to groups_ideal (the feeder sized the run's groups by full batches, so
@@ -174,11 +109,15 @@ def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
 
 async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     """Train version `plan.version` into version + 1; the leader (lowest actor rank) gathers the
-    data, trains with the other actors (data parallel) and commits the version."""
+    data, trains with the other actors (data parallel) and commits the version.
+
+    A streaming system (`SystemBehaviour.streams`: RA2P's streaming) trains the step in chunks: as soon
+    as a micro-batch's worth of tokens per actor is claimed, the leader hands the chunk to the group and
+    every rank trains it (gradients accumulated), then claims what became ready meanwhile (ready-batch
+    aggregation); the optimizer step follows the chunk that completes the fetch. The others train the
+    whole fetch as one chunk once it is claimed."""
     from tiderl.policy.ra2p import Ra2pMode
-    from tiderl.trainer.rank import PublishedStep, StepInput
-    from tiderl.trainer.images import ImageInputs
-    from tiderl.trainer.store_io import samples_from_ready
+    from tiderl.trainer.rank import PublishedStep
 
     actors = plan.ranks_with(Role.ACTOR)
     if ctx.rank != actors[0]:
@@ -186,30 +125,37 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
         return
     actor = _actor(ctx, plan.version)
     started = time.time()
-    wait = _Wait(ctx, plan.version, Role.ACTOR)
-    claimed, ras, tprm, dropped = await _gather(ctx, plan, _fetch(ctx, plan), wait)
-    wait_s, waited = wait.seconds, wait.rest()
-    images = ImageInputs.of_model(ctx.model_dir) if any(t.images for t in claimed) else None
-    samples = tuple(s for t in claimed for s in samples_from_ready(t, images))
     mode = plan.ra2p_mode
     refs = plan.ranks_with(Role.REF)
-    inp = StepInput(version=plan.version, samples=samples, mode=mode)
     if mode is Ra2pMode.DECOUPLED and not refs:
         raise RuntimeError(f"version {plan.version}: decoupled RA2P mode planned without a ref rank")
     members = refs if mode is Ra2pMode.DECOUPLED else []
+    wait = DataWait(ctx, plan.version, Role.ACTOR)
+    gather = StepGather(ctx, plan, _fetch(ctx, plan), wait)
+    chunk_tokens = ctx.config.trainer.micro_batch_tokens * len(actors) if ctx.system.streams else None
+    first = await gather.next(chunk_tokens)
     if members or len(actors) > 1:
-        # The other ranks join the group only once the step's data is here (waiting for data can
-        # outlast any rendezvous timeout, e.g. while the rollout engines start).
+        # The other ranks join the group only once the step's first data is here (waiting for data can
+        # outlast any rendezvous timeout, e.g. while the rollout engines start), and wait for each later
+        # chunk's marker outside any collective.
         generation = ctx.store.trainer_generation().number
-        marker = ctx.paths.data_ready(plan.version, generation)
-        when_room(lambda: atomic_write_text(marker, json.dumps({"actors": actors, "refs": members})),
-                  wait_s=ctx.config.store.disk_full_wait_s, what=f"the step marker {marker}")
-        result = _in_group(ctx, plan, generation, actors, members, lambda comm: _train(actor, comm, inp))
+
+        def announce(chunk: int) -> None:
+            marker = ctx.paths.data_ready(plan.version, generation, chunk)
+            when_room(lambda: atomic_write_text(marker, json.dumps({"actors": actors, "refs": members})),
+                      wait_s=ctx.config.store.disk_full_wait_s, what=f"the step marker {marker}")
+
+        announce(0)
+        result = await _in_group(ctx, plan, generation, actors, members,
+                                 lambda comm: _lead(ctx, actor, comm, plan, gather, first, chunk_tokens, announce))
     else:
         release_trainer_group(ctx)
-        result = actor.train_step(inp)
+        result = await _lead(ctx, actor, None, plan, gather, first, chunk_tokens, None)
     if not isinstance(result, PublishedStep):
         raise RuntimeError(f"actor rank {ctx.rank}: led version {plan.version} but published nothing")
+    claimed, dropped = gather.claimed, gather.dropped
+    ras, tprm = gather.readiness()
+    wait_s, waited = wait.seconds, wait.rest()
     stats = result.stats
     record = VersionRecord(version=plan.version + 1, path=str(result.published.path),
                            checksum=result.published.checksum, trajectory_ids=[t.id for t in claimed],
@@ -231,50 +177,101 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
              len(claimed), mode.value, ras, wait_s)
 
 
-def _train(actor: ActorRank, comm: TrainerComm, inp: StepInput) -> PublishedStep | StepStats:
-    """The leader: send the step's input to the group, then train its share."""
+def _samples(ctx: RankContext, trajectories: list[ReadyTrajectory]) -> tuple:
+    from tiderl.trainer.images import ImageInputs
+    from tiderl.trainer.store_io import samples_from_ready
+
+    images = ImageInputs.of_model(ctx.model_dir) if any(t.images for t in trajectories) else None
+    return tuple(s for t in trajectories for s in samples_from_ready(t, images))
+
+
+async def _lead(ctx: RankContext, actor: ActorRank, comm: TrainerComm | None, plan: PlanRecord, gather: StepGather,
+                chunk: list[ReadyTrajectory], chunk_tokens: int | None,
+                announce: Callable[[int], None] | None) -> PublishedStep | StepStats:
+    """The leader's step: hand each chunk to the group (marker, then broadcast) and train its share."""
     import torch.distributed as dist
 
-    dist.broadcast_object_list([inp], src=0)
-    return _train_in(actor, comm, inp)
+    from tiderl.trainer.rank import StepChunk
+
+    with _joined(actor, comm):
+        k = 0
+        while True:
+            msg = StepChunk(plan.version, plan.ra2p_mode, _samples(ctx, chunk), last=gather.complete)
+            if comm is not None:
+                if k and announce is not None:
+                    announce(k)
+                dist.broadcast_object_list([msg], src=0)
+            if k == 0:
+                _begin(actor, comm, msg)
+            actor.feed(msg.samples)
+            if msg.last:
+                return actor.finish_step()
+            chunk = await gather.next(chunk_tokens)
+            k += 1
 
 
-def _train_in(actor: ActorRank, comm: TrainerComm, inp: StepInput) -> PublishedStep | StepStats:
-    """Train one step as a member of this version's group (its data-parallel subgroup too)."""
+@contextlib.contextmanager
+def _joined(actor: ActorRank, comm: TrainerComm | None) -> Iterator[None]:
+    """The actor trains as a member of this version's group (its data-parallel subgroup too)."""
+    if comm is None:
+        yield
+        return
     previous, actor.comm = actor.comm, comm
     previous_dp, actor.actor.dp_group = actor.actor.dp_group, comm.dp_group
     try:
-        held, exact = actor.version, actor.exact
-        if actor.catch_up(inp.version):
-            log.info("actor group rank %d: took version %d (weights and optimizer state) from the group, "
-                     "held version %d%s", comm.rank, inp.version, held,
-                     "" if exact else " with the optimizer state of another version")
-        return actor.train_step(inp)
+        yield
     finally:
         actor.comm, actor.actor.dp_group = previous, previous_dp
 
 
-async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[int]) -> None:
-    """A data-parallel actor that does not lead: take the leader's step input, train its share of
-    the micro-batches (gradients all-reduced), publish nothing."""
+def _begin(actor: ActorRank, comm: TrainerComm | None, msg: StepChunk) -> None:
+    if comm is not None:
+        held, exact = actor.version, actor.exact
+        if actor.catch_up(msg.version):
+            log.info("actor group rank %d: took version %d (weights and optimizer state) from the group, "
+                     "held version %d%s", comm.rank, msg.version, held,
+                     "" if exact else " with the optimizer state of another version")
+    actor.begin_step(msg.version, msg.mode)
+
+
+async def _next_chunk(ctx: RankContext, version: int, generation: int, k: int, role: Role) -> StepChunk:
+    """A follower's chunk `k` of the step: its marker (chunk 0's was awaited before the group formed),
+    then the leader's broadcast."""
     import torch.distributed as dist
 
+    if k:
+        await _await_marker(ctx, ctx.paths.data_ready(version, generation, k), DataWait(ctx, version, role))
+    box: list[StepChunk | None] = [None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None  # broadcast_object_list filled it in
+    return box[0]
+
+
+async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[int]) -> None:
+    """A data-parallel actor that does not lead: take the leader's chunks of the step, train its share of
+    each chunk's micro-batches (gradients all-reduced at the optimizer step), publish nothing."""
     actor = _actor(ctx, plan.version, leader=False)
     members, generation = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
-    def follow(comm: TrainerComm) -> PublishedStep | StepStats:
-        box: list[StepInput | None] = [None]
-        dist.broadcast_object_list(box, src=0)
-        assert box[0] is not None  # broadcast_object_list filled it in
-        return _train_in(actor, comm, box[0])
+    async def follow(comm: TrainerComm) -> PublishedStep | StepStats:
+        with _joined(actor, comm):
+            k = 0
+            while True:
+                msg = await _next_chunk(ctx, plan.version, generation, k, Role.ACTOR)
+                if k == 0:
+                    _begin(actor, comm, msg)
+                actor.feed(msg.samples)
+                if msg.last:
+                    return actor.finish_step()
+                k += 1
 
-    stats = _in_group(ctx, plan, generation, actors, members, follow)
+    stats = await _in_group(ctx, plan, generation, actors, members, follow)
     ctx.store.report(RankReport(rank=ctx.rank, role=Role.ACTOR, version=plan.version, metrics=[
         MetricPoint("train_s", stats.duration_s, plan.version, "actor")]))
 
 
-def _in_group(ctx: RankContext, plan: PlanRecord, generation: int, actors: list[int], refs: list[int],
-              body: Callable[[TrainerComm], T]) -> T:
+async def _in_group(ctx: RankContext, plan: PlanRecord, generation: int, actors: list[int], refs: list[int],
+                    body: Callable[[TrainerComm], Awaitable[T]]) -> T:
     """Run `body(comm)` inside this version's trainer group of restart generation `generation`: the
     actors (group ranks 0.., the leader first), then the refs of a decoupled step. The group of the
     previous version is kept where it continues (`HeldGroup.continues`), else formed anew; a failed step
@@ -291,7 +288,7 @@ def _in_group(ctx: RankContext, plan: PlanRecord, generation: int, actors: list[
                                   timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
         held = ctx.trainer_group = HeldGroup(layout, plan.version, comm)
     try:
-        result = body(held.comm)
+        result = await body(held.comm)
     except BaseException:
         release_trainer_group(ctx)
         raise
@@ -311,16 +308,20 @@ def release_trainer_group(ctx: RankContext) -> None:
 async def _wait_marker(ctx: RankContext, version: int, role: Role) -> tuple[list[int], int]:
     """Wait until the leader has the step's data; returns the ref ranks of the step's group and the
     trainer group's restart generation it meets in. The wait is this trainer rank's TWT (recorded every
-    `TWT_REPORT_S` while it lasts)."""
+    `trainer_gather.TWT_REPORT_S` while it lasts)."""
     generation = ctx.store.trainer_generation().number
     marker = ctx.paths.data_ready(version, generation)
-    wait = _Wait(ctx, version, role)
+    await _await_marker(ctx, marker, DataWait(ctx, version, role))
+    return list(json.loads(marker.read_text())["refs"]), generation
+
+
+async def _await_marker(ctx: RankContext, marker: Path, wait: DataWait) -> None:
+    wait.begin()
     while not marker.exists():
         ctx.position()  # leaves if the run stopped
         wait.tick()
         await asyncio.sleep(ctx.poll_s)
     ctx.store.report(RankReport(rank=ctx.rank, metrics=[wait.rest()]))
-    return list(json.loads(marker.read_text())["refs"]), generation
 
 
 def _ref(ctx: RankContext) -> RefRank:
@@ -337,20 +338,24 @@ def _ref(ctx: RankContext) -> RefRank:
 
 
 async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
-    """Serve the actor's reference forwards of step `plan.version` (decoupled mode only)."""
-    import torch.distributed as dist
-
+    """Serve the actor's reference forwards of step `plan.version` (decoupled mode only), chunk by chunk."""
     ref = _ref(ctx)
     refs, generation = await _wait_marker(ctx, plan.version, Role.REF)
 
-    def serve(comm: TrainerComm) -> None:
-        box: list[StepInput | None] = [None]
-        dist.broadcast_object_list(box, src=0)
-        assert box[0] is not None  # broadcast_object_list filled it in
+    async def serve(comm: TrainerComm) -> None:
         previous, ref.comm = ref.comm, comm
         try:
-            ref.serve_step(box[0])
+            k = 0
+            while True:
+                msg = await _next_chunk(ctx, plan.version, generation, k, Role.REF)
+                if k == 0:
+                    ref.begin_step(msg.version, msg.mode)
+                ref.feed(msg.samples)
+                if msg.last:
+                    ref.finish_step()
+                    return
+                k += 1
         finally:
             ref.comm = previous
 
-    _in_group(ctx, plan, generation, plan.ranks_with(Role.ACTOR), refs, serve)
+    await _in_group(ctx, plan, generation, plan.ranks_with(Role.ACTOR), refs, serve)

@@ -19,10 +19,11 @@ starts from F); a fixed-partition system without `@F` sweeps the cluster's
 
 `run:sync`, `run:async`, `run:stream` and `run:tiderl` are the four `system:`
 values of `tiderl run` (tiderl/systems.py), for comparing the simulator
-with the real job: one trainer step waits for its whole fetch before
-computing; `run:sync` is a staleness-0 barrier on a fixed split (not VeRL's
-time sharing); `run:stream` trains `groups_min` groups per step with a swap
-pair per micro-batch. They schedule rollout with CTB (the project default);
+with the real job: `run:sync` and `run:async` wait for a step's whole fetch
+before computing, `run:stream` and `run:tiderl` stream it as the real
+trainer does (`SystemBehaviour.streams`); `run:sync` is a staleness-0 barrier
+on a fixed split (not VeRL's time sharing); `run:stream` trains `groups_min`
+groups per step with a swap pair per micro-batch. They schedule rollout with CTB (the project default);
 `with_scheduler` gives them a job's `rollout.scheduler`.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tiderl.sim.trainer import TrainerKind
+from tiderl.systems import behaviour
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,12 @@ class System:
         return f"{self.name}@{self.rollout_fraction:g}" + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
 
 
+def _run_system(name: str, trainer: TrainerKind, **kw: object) -> System:
+    """`run:NAME`, the real job's system: whether its trainer streams is the run's own table's."""
+    streams = behaviour(name, max_staleness=1, ra2p_mode="auto").streams
+    return System(f"run:{name}", trainer, ctb=True, sweep=False, gather_first=not streams, **kw)  # type: ignore[arg-type]
+
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
@@ -74,10 +82,10 @@ SYSTEMS: dict[str, System] = {
         System("tiderl-paper", TrainerKind.RA2P, ctb=True, ers=True, sweep=False, ers_policy="paper"),
         System("tiderl", TrainerKind.RA2P, ctb=True, ers=True, sweep=False),
         System("tiderl-noers", TrainerKind.RA2P, ctb=True),
-        System("run:sync", TrainerKind.BATCH, ctb=True, sweep=False, max_staleness=0, gather_first=True),
-        System("run:async", TrainerKind.BATCH, ctb=True, sweep=False, gather_first=True),
-        System("run:stream", TrainerKind.STREAM, ctb=True, sweep=False, fetch_min=True, gather_first=True),
-        System("run:tiderl", TrainerKind.RA2P, ctb=True, ers=True, sweep=False, gather_first=True),
+        _run_system("sync", TrainerKind.BATCH, max_staleness=0),
+        _run_system("async", TrainerKind.BATCH),
+        _run_system("stream", TrainerKind.STREAM, fetch_min=True),
+        _run_system("tiderl", TrainerKind.RA2P, ers=True),
     )
 }
 

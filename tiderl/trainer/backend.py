@@ -85,8 +85,9 @@ class ActorBackend(SwappableModel):
         """The learning rate of the next optimizer steps (a schedule's value for this step)."""
 
     @abstractmethod
-    def step(self) -> OptimStats:
-        """Reduce gradients over the data-parallel group (SUM), clip, AdamW step, zero grads."""
+    def step(self, grad_scale: float = 1.0) -> OptimStats:
+        """Reduce gradients over the data-parallel group (SUM), multiply them by ``grad_scale`` (a streamed
+        step divided its losses by a provisional normalizer), clip, AdamW step, zero grads."""
 
     @abstractmethod
     def save_weights(self, directory: Path) -> None:

@@ -16,8 +16,9 @@ differs only in where the reference model lives and when it runs:
   and alternate per micro-batch (R1 A1 R2 A2 ...); with offload the idle
   model leaves the device at every switch (two swaps per micro-batch).
 
-Point-to-point traffic (ref -> actor) uses tag = micro-batch index, so
-messages match whatever order they complete in.
+Point-to-point traffic (ref -> actor) uses tag = micro-batch index (plus the
+number of micro-batches of the step's earlier chunks, when a step is streamed
+chunk by chunk), so messages match whatever order they complete in.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def _swap(acc: StepAccumulator, out_model: ActorBackend | RefBackend, in_model: 
     acc.add_swap(out_model.offload() + in_model.onload())
 
 
-def _finish_step(actor: ActorBackend, acc: StepAccumulator, started: float, comm: TrainerComm) -> StepStats:
+def finish_actor_step(actor: ActorBackend, acc: StepAccumulator, started: float, comm: TrainerComm,
+                 grad_scale: float = 1.0) -> StepStats:
     t0 = time.perf_counter()
-    optim = actor.step()
+    optim = actor.step(grad_scale)
     return grpo_step.reduce_stats(acc, optim.grad_norm, time.perf_counter() - t0, started, comm.dp_group)
 
 
@@ -98,31 +100,53 @@ def run_actor(
 ) -> StepStats:
     """One actor rank's share of a step in ``plan.mode``, ending with the optimizer step."""
     started = time.perf_counter() if started is None else started
-    ready = Readiness(plan, started)
     acc = StepAccumulator(version=plan.version)
+    run_actor_share(plan, actor, ref, comm, loss, acc, normalizer=plan.normalizer, max_aggregate=max_aggregate,
+                    started=started)
+    return finish_actor_step(actor, acc, started, comm)
+
+
+def run_actor_share(
+    plan: StepPlan,
+    actor: ActorBackend,
+    ref: RefBackend | None,
+    comm: TrainerComm,
+    loss: LossConfig,
+    acc: StepAccumulator,
+    *,
+    normalizer: float,
+    tag_base: int = 0,
+    max_aggregate: int = 64,
+    started: float | None = None,
+) -> None:
+    """This actor rank's micro-batches of ``plan`` in ``plan.mode``: forwards and backwards, gradients
+    accumulated, no optimizer step (a streamed step runs one plan per chunk of ready groups, then
+    steps once). Each loss is divided by ``normalizer``; decoupled traffic is tagged ``tag_base`` + the
+    micro-batch's index, so the chunks of one step never share a tag."""
+    ready = Readiness(plan, time.perf_counter() if started is None else started)
     mine = list(plan.assignment[comm.actor_index])
     if plan.mode is Ra2pMode.DECOUPLED:
-        _actor_decoupled(plan, actor, comm, loss, mine, ready, acc)
+        _actor_decoupled(plan, actor, comm, loss, mine, ready, acc, normalizer, tag_base)
     else:
         if ref is None:
             raise ValueError(f"{plan.mode.value} mode needs the reference model on the actor rank")
         if plan.mode is Ra2pMode.COLOCATED:
-            _actor_colocated(plan, actor, ref, loss, mine, ready, acc, max_aggregate)
+            _actor_colocated(plan, actor, ref, loss, mine, ready, acc, max_aggregate, normalizer)
         else:
-            _actor_vanilla(plan, actor, ref, loss, mine, ready, acc, plan.mode is Ra2pMode.VANILLA_STREAM_OFFLOAD)
-    return _finish_step(actor, acc, started, comm)
+            _actor_vanilla(plan, actor, ref, loss, mine, ready, acc, plan.mode is Ra2pMode.VANILLA_STREAM_OFFLOAD,
+                           normalizer)
 
 
 def _actor_decoupled(
     plan: StepPlan, actor: ActorBackend, comm: TrainerComm, loss: LossConfig,
-    mine: list[int], ready: Readiness, acc: StepAccumulator,
+    mine: list[int], ready: Readiness, acc: StepAccumulator, normalizer: float, tag_base: int,
 ) -> None:
     src = comm.ref_of(comm.actor_index)
     buffers: dict[int, torch.Tensor] = {}
     works: dict[int, dist.Work] = {}
     for i in mine:
         buffers[i] = torch.empty(plan.micro_batches[i].loss_mask.shape, dtype=torch.float32)
-        works[i] = dist.irecv(buffers[i], src=src, tag=i)
+        works[i] = dist.irecv(buffers[i], src=src, tag=tag_base + i)
     for i in mine:
         mb = plan.micro_batches[i]
         acc.wait_data_s += ready.wait(i)
@@ -130,12 +154,12 @@ def _actor_decoupled(
         t0 = time.perf_counter()
         works[i].wait()  # the loss needs ref_logprobs only now, right before backward
         acc.wait_ref_s += time.perf_counter() - t0
-        grpo_step.finish(actor, mb, logprobs, buffers.pop(i), loss, plan.normalizer, acc)
+        grpo_step.finish(actor, mb, logprobs, buffers.pop(i), loss, normalizer, acc)
 
 
 def _actor_colocated(
     plan: StepPlan, actor: ActorBackend, ref: RefBackend, loss: LossConfig,
-    mine: list[int], ready: Readiness, acc: StepAccumulator, max_aggregate: int,
+    mine: list[int], ready: Readiness, acc: StepAccumulator, max_aggregate: int, normalizer: float,
 ) -> None:
     if not ref.is_resident and not actor.is_resident:
         actor.onload()
@@ -152,7 +176,7 @@ def _actor_colocated(
         for i in burst:
             mb = plan.micro_batches[i]
             grpo_step.finish(
-                actor, mb, grpo_step.forward(actor, mb, acc), ref_logprobs.pop(i), loss, plan.normalizer, acc
+                actor, mb, grpo_step.forward(actor, mb, acc), ref_logprobs.pop(i), loss, normalizer, acc
             )
         taken = set(burst)
         pending = [i for i in pending if i not in taken]
@@ -160,7 +184,7 @@ def _actor_colocated(
 
 def _actor_vanilla(
     plan: StepPlan, actor: ActorBackend, ref: RefBackend, loss: LossConfig,
-    mine: list[int], ready: Readiness, acc: StepAccumulator, offload: bool,
+    mine: list[int], ready: Readiness, acc: StepAccumulator, offload: bool, normalizer: float,
 ) -> None:
     if offload and ref.is_resident and actor.is_resident:
         ref.offload()
@@ -175,7 +199,7 @@ def _actor_vanilla(
         ref_logprobs = grpo_step.reference(ref, mb, acc)
         if offload:
             _swap(acc, ref, actor)
-        grpo_step.finish(actor, mb, grpo_step.forward(actor, mb, acc), ref_logprobs, loss, plan.normalizer, acc)
+        grpo_step.finish(actor, mb, grpo_step.forward(actor, mb, acc), ref_logprobs, loss, normalizer, acc)
     if not actor.is_resident:
         actor.onload()
 
@@ -187,8 +211,10 @@ class RefStats:
     duration_s: float
 
 
-def run_ref(plan: StepPlan, ref: RefBackend, comm: TrainerComm, *, started: float | None = None) -> RefStats:
-    """A decoupled ref rank's share of a step: ref forwards in the plan's feed order, sent to the owners."""
+def run_ref(plan: StepPlan, ref: RefBackend, comm: TrainerComm, *, started: float | None = None,
+            tag_base: int = 0) -> RefStats:
+    """A decoupled ref rank's share of a step (or of one streamed chunk of it): ref forwards in the plan's
+    feed order, sent to the owners tagged ``tag_base`` + the micro-batch's index."""
     if plan.mode is not Ra2pMode.DECOUPLED:
         raise ValueError(f"a ref rank only runs in decoupled mode, the plan is {plan.mode.value}")
     if not ref.is_resident:
@@ -206,7 +232,7 @@ def run_ref(plan: StepPlan, ref: RefBackend, comm: TrainerComm, *, started: floa
         t0 = time.perf_counter()
         logprobs = ref.logprobs(plan.micro_batches[i]).contiguous()
         ref_s += time.perf_counter() - t0
-        sends.append((dist.isend(logprobs, dst=comm.actor_ranks[actor_index], tag=i), logprobs))
+        sends.append((dist.isend(logprobs, dst=comm.actor_ranks[actor_index], tag=tag_base + i), logprobs))
     for work, _ in sends:
         work.wait()
     return RefStats(num_served=len(sends), ref_s=ref_s, duration_s=time.perf_counter() - started)

@@ -142,3 +142,59 @@ def plan_step(
         ready_at_s=tuple(ready_at),
         normalizer=normalizer,
     )
+
+
+class ChunkPlanner:
+    """The plans of one streamed step, chunk by chunk: a step's groups arrive in chunks (each a set of
+    complete groups), and each chunk's trainable samples are planned and trained as they come.
+
+    The same on every rank of the trainer group (each feeds it the same chunks), so actors and refs
+    agree on every chunk's micro-batches and tags without exchanging them. It keeps the batch step's
+    rules: the flat groups (``skip_flat_groups``) and the truncated samples (``mask_truncated``) of a
+    chunk are held back, and trained at the end (:meth:`final`) only if the whole step had nothing
+    else, as :func:`drop_flat_groups` and :func:`drop_truncated` would over the whole batch. A step fed
+    as one chunk trains exactly the micro-batches of :func:`plan_step` over its batch.
+    """
+
+    def __init__(self, *, version: int, mode: Ra2pMode, num_actors: int, micro_batch_tokens: int,
+                 skip_flat_groups: bool, mask_truncated: bool, pad_id: int = 0) -> None:
+        self.version, self.mode, self.num_actors = version, mode, num_actors
+        self.micro_batch_tokens, self.pad_id = micro_batch_tokens, pad_id
+        self.skip_flat_groups, self.mask_truncated = skip_flat_groups, mask_truncated
+        self.held_back: list[TrainSample] = []
+        self.tag_base = 0  # micro-batches planned so far: the next plan's first tag
+        self.normalizer = 0.0  # model tokens of the samples planned so far
+        self.chunks = 0
+
+    def chunk(self, samples: Sequence[TrainSample]) -> tuple[StepPlan, int] | None:
+        """The plan of a chunk's trainable samples and its tag base; None if it holds none."""
+        self.chunks += 1
+        keep = list(samples)
+        if self.skip_flat_groups:
+            flat: dict[int | str, bool] = {}
+            for s in keep:
+                flat[s.group_id] = flat.get(s.group_id, True) and abs(s.advantage) < FLAT
+            self.held_back += [s for s in keep if flat[s.group_id]]
+            keep = [s for s in keep if not flat[s.group_id]]
+        if self.mask_truncated:
+            self.held_back += [s for s in keep if s.truncated]
+            keep = [s for s in keep if not s.truncated]
+        return self._plan(keep) if keep else None
+
+    def final(self) -> tuple[StepPlan, int] | None:
+        """After the last chunk: the held-back samples' plan if nothing else was trained (the batch rules'
+        fallbacks: every group flat, every sample truncated), else None."""
+        if self.normalizer > 0 or not self.held_back:
+            return None
+        samples, _, _ = drop_flat_groups(self.held_back) if self.skip_flat_groups else (self.held_back, None, 0)
+        if self.mask_truncated:
+            samples, _, _ = drop_truncated(samples)
+        return self._plan(samples)
+
+    def _plan(self, samples: list[TrainSample]) -> tuple[StepPlan, int]:
+        plan = plan_step(samples, version=self.version, mode=self.mode, num_actors=self.num_actors,
+                         micro_batch_tokens=self.micro_batch_tokens, pad_id=self.pad_id)
+        base = self.tag_base
+        self.tag_base += len(plan.micro_batches)
+        self.normalizer += plan.normalizer
+        return plan, base

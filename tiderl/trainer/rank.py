@@ -6,6 +6,13 @@ share in the step's RA2P mode, optimizer step; then actor 0 publishes weights
 version k+1 and checkpoints every M steps. A ref rank (`RefRank.serve_step`,
 decoupled mode) plans the same step and serves ref_logprobs.
 
+A streamed step (`begin_step`, `feed` per chunk, `finish_step`) trains the
+step's groups in chunks as they become ready: each chunk is planned by a
+`ChunkPlanner` (the same on every rank) and trained at once, its losses
+divided by a provisional divisor (the first chunk's model tokens); the
+optimizer step rescales the gradients to the whole batch's divisor, so the
+update equals the batch step's over the same samples.
+
 The run drives them from tiderl.run.trainer_role (claims from the run store in,
 the version row committed after the publish); tools/bench_ra2p.py through
 tiderl.trainer.local (a `StepSource` broadcast to the group).
@@ -24,10 +31,10 @@ from tiderl.paths import version_dir, weight_versions_in
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.backend import ActorBackend, OptimConfig, RefBackend, make_backend
 from tiderl.trainer.batch import TrainSample
-from tiderl.trainer.modes import RefStats, TrainerComm, run_actor, run_ref
-from tiderl.trainer.plan import StepPlan, drop_flat_groups, drop_truncated, plan_step
+from tiderl.trainer.modes import RefStats, TrainerComm, finish_actor_step, run_actor, run_actor_share, run_ref
+from tiderl.trainer.plan import ChunkPlanner, StepPlan, drop_flat_groups, drop_truncated, plan_step
 from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify
-from tiderl.trainer.step import LossConfig, StepStats
+from tiderl.trainer.step import LossConfig, StepAccumulator, StepStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,17 @@ class StepInput:
     samples: tuple[TrainSample, ...]
     mode: Ra2pMode
     sample_ready_s: tuple[float, ...] | None = None  # seconds after the step start; None: all ready
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    """One chunk of a streamed step, as the leader broadcasts it to the trainer group: complete groups'
+    samples that became ready; ``last``: the step's fetch is complete, the optimizer step follows."""
+
+    version: int
+    mode: Ra2pMode
+    samples: tuple[TrainSample, ...]
+    last: bool
 
 
 class StepSource(Protocol):
@@ -106,6 +124,23 @@ def lr_at(config: TrainerConfig, version: int) -> float:
     return config.lr * warmup * (config.lr_final_ratio + (1.0 - config.lr_final_ratio) * shape)
 
 
+def chunk_planner(config: TrainerConfig, version: int, mode: Ra2pMode, num_actors: int) -> ChunkPlanner:
+    """The planner of a streamed step, the same on every actor and ref rank."""
+    return ChunkPlanner(version=version, mode=mode, num_actors=num_actors, micro_batch_tokens=config.micro_batch_tokens,
+                        skip_flat_groups=config.skip_flat_groups, mask_truncated=config.mask_truncated)
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """A streamed step in progress on an actor rank."""
+
+    planner: ChunkPlanner
+    acc: StepAccumulator
+    started: float
+    trajectory_ids: list[int | str]
+    provisional: float = 0.0  # the losses' divisor until the step's whole batch is known
+
+
 def build_plan(inp: StepInput, config: TrainerConfig, comm: TrainerComm, pad_id: int = 0) -> StepPlan:
     """The step's plan, the same on every actor and ref rank (each builds it from the same input)."""
     samples, ready = list(inp.samples), inp.sample_ready_s
@@ -171,6 +206,7 @@ class ActorRank:
         self.publisher = WeightPublisher(weights_root, base_model, config.keep_versions,
                                          disk_full_wait_s=disk_full_wait_s)
         self.steps_done = 0
+        self._streamed: _Streamed | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -227,6 +263,57 @@ class ActorRank:
             plan, self.actor, self.ref, self.comm, loss_config(self.config),
             max_aggregate=self.config.max_aggregate, started=started,
         )
+        return self._complete(stats, tuple(s.trajectory_id for s in inp.samples), inp.mode)
+
+    # ---- a streamed step: begin, one feed per chunk of ready groups, finish --------------------------
+    def begin_step(self, version: int, mode: Ra2pMode) -> None:
+        """Start a step that trains ``version`` from chunks of groups as they become ready (RA2P's
+        streaming: each chunk's micro-batches are trained, gradients accumulated, while later groups are
+        still being generated). Every rank of the step's group calls it, then :meth:`feed` with the same
+        chunks, then :meth:`finish_step`."""
+        if version != self.version:
+            raise ValueError(f"step trains version {version}, this rank holds version {self.version}")
+        self.actor.set_lr(lr_at(self.config, version))
+        self._streamed = _Streamed(chunk_planner(self.config, version, mode, len(self.comm.actor_ranks)),
+                                   StepAccumulator(version=version), time.perf_counter(), [])
+
+    def feed(self, samples: tuple[TrainSample, ...]) -> None:
+        """Train this rank's share of a chunk's micro-batches (collective over the step's group)."""
+        st = self._stream()
+        st.trajectory_ids += [s.trajectory_id for s in samples]
+        self._run_chunk(st, st.planner.chunk(samples))
+
+    def finish_step(self) -> PublishedStep | StepStats:
+        """The optimizer step over the whole batch; the leader publishes (as :meth:`train_step`)."""
+        st = self._stream()
+        self._run_chunk(st, st.planner.final())
+        if st.planner.normalizer <= 0:
+            raise ValueError(f"step of version {st.acc.version}: no sample with model tokens in {st.planner.chunks} "
+                             f"chunks")
+        # Every loss was divided by the provisional divisor: rescale to the batch's (the GRPO loss divides
+        # by the whole global batch's model tokens), so the update is the batch step's.
+        scale = st.provisional / st.planner.normalizer
+        st.acc.loss_sum *= scale
+        stats = finish_actor_step(self.actor, st.acc, st.started, self.comm, grad_scale=scale)
+        self._streamed = None
+        return self._complete(stats, tuple(st.trajectory_ids), st.planner.mode)
+
+    def _stream(self) -> _Streamed:
+        if self._streamed is None:
+            raise RuntimeError("actor: no streamed step begun (begin_step first)")
+        return self._streamed
+
+    def _run_chunk(self, st: _Streamed, planned: tuple[StepPlan, int] | None) -> None:
+        if planned is None:
+            return
+        plan, tag_base = planned
+        if not st.provisional:
+            st.provisional = plan.normalizer  # the first chunk's tokens: the same order as the batch's
+        run_actor_share(plan, self.actor, self.ref, self.comm, loss_config(self.config), st.acc,
+                        normalizer=st.provisional, tag_base=tag_base, max_aggregate=self.config.max_aggregate)
+
+    def _complete(self, stats: StepStats, trajectory_ids: tuple[int | str, ...], mode: Ra2pMode
+                  ) -> PublishedStep | StepStats:
         self.version += 1
         self.exact = True
         self.steps_done += 1
@@ -236,14 +323,8 @@ class ActorRank:
         ckpt = None
         if self.checkpointer.is_due(self.version):
             ckpt = self.checkpointer.save(self.actor, step=self.version, version=self.version)
-        result = PublishedStep(
-            stats=stats,
-            published=published,
-            trajectory_ids=tuple(s.trajectory_id for s in inp.samples),
-            mode=inp.mode,
-            checkpoint=ckpt,
-        )
-        return result
+        return PublishedStep(stats=stats, published=published, trajectory_ids=trajectory_ids, mode=mode,
+                             checkpoint=ckpt)
 
 
 class RefRank:
@@ -254,6 +335,27 @@ class RefRank:
         self.config = config
         self.comm = comm
         self.ref: RefBackend = make_backend(config.backend, "ref", base_model, device=device, temperature=temperature)
+        self._planner: ChunkPlanner | None = None
 
     def serve_step(self, inp: StepInput) -> RefStats:
         return run_ref(build_plan(inp, self.config, self.comm), self.ref, self.comm)
+
+    def begin_step(self, version: int, mode: Ra2pMode) -> None:
+        """Serve a streamed step (:meth:`ActorRank.begin_step`): then :meth:`feed` each chunk, :meth:`finish_step`."""
+        self._planner = chunk_planner(self.config, version, mode, len(self.comm.actor_ranks))
+
+    def feed(self, samples: tuple[TrainSample, ...]) -> None:
+        planned = self._stream().chunk(samples)
+        if planned is not None:
+            run_ref(planned[0], self.ref, self.comm, tag_base=planned[1])
+
+    def finish_step(self) -> None:
+        planned = self._stream().final()
+        self._planner = None
+        if planned is not None:
+            run_ref(planned[0], self.ref, self.comm, tag_base=planned[1])
+
+    def _stream(self) -> ChunkPlanner:
+        if self._planner is None:
+            raise RuntimeError("ref: no streamed step begun (begin_step first)")
+        return self._planner

@@ -191,10 +191,14 @@ class TorchActor(ActorBackend):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self) -> OptimStats:
+    def step(self, grad_scale: float = 1.0) -> OptimStats:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before the optimizer step")
         self._reduce_gradients()
+        if grad_scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
