@@ -72,6 +72,7 @@ class StepGather:
         self.start = time.monotonic()
         self.claimed: list[ReadyTrajectory] = []
         self.handed = 0  # claimed[:handed] went out in chunks
+        self.chunks = 0
         self.groups: set[int] = set()
         self.dropped = 0
         self.ras: int | None = None
@@ -98,6 +99,7 @@ class StepGather:
         finally:
             self.wait.end()
         self.handed = len(self.claimed)
+        self.chunks += 1
         return pending
 
     def _claim_ready(self) -> None:

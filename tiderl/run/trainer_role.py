@@ -168,13 +168,13 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                MetricPoint("is_weight_mean", stats.is_weight_mean, v, "actor"),
                MetricPoint("is_truncated_frac", stats.is_truncated_frac, v, "actor"),
                MetricPoint("staleness_max", stats.staleness_max, v, "actor"),
-               MetricPoint("train_s", stats.duration_s, v, "actor")]
+               MetricPoint("train_s", stats.duration_s, v, "actor"), MetricPoint("chunks", gather.chunks, v, "actor")]
     metrics += [MetricPoint(n, getattr(stats, n), v, "actor") for n in ("t_ref_s", "t_act_f_s", "t_act_b_s",
                                                                           "t_swap_s") if getattr(stats, n) > 0]
     events = [EventRecord("stale_dropped", f"{dropped} groups dropped as too stale for version {v}")] if dropped else []
     ctx.store.report(RankReport(rank=ctx.rank, metrics=metrics, events=events, role=Role.ACTOR, version=v + 1))
-    log.info("rank %d: version %d published (%d trajectories, %s, RAS %d, waited %.1f s)", ctx.rank, v + 1,
-             len(claimed), mode.value, ras, wait_s)
+    log.info("rank %d: version %d published (%d trajectories in %d chunks, %s, RAS %d, waited %.1f s)", ctx.rank,
+             v + 1, len(claimed), gather.chunks, mode.value, ras, wait_s)
 
 
 def _samples(ctx: RankContext, trajectories: list[ReadyTrajectory]) -> tuple:
