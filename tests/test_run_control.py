@@ -206,3 +206,18 @@ def test_a_new_version_drops_the_open_groups_no_step_may_train_and_feeds_their_p
     assert sum(after.values()) == sum(before.values()) + 1  # its place fed again
     assert first in json.loads(store.tx.read(lambda c: c.exec_driver_sql(
         "select data from events where kind = 'groups_dropped'").scalar_one()))["groups"]
+
+
+def test_each_plan_rings_the_planned_bell_and_only_a_plan(tmp_path: Path) -> None:
+    from tiderl.run.bell import Bell
+
+    store, config = _store(tmp_path, "system=async", "rollout.max_staleness=1")
+    waiter = Bell(tmp_path / "bells" / "planned")
+    plane = ControlPlane(config, store, planned=Bell(tmp_path / "bells" / "planned"))
+    plane.tick()  # plans version 0
+    assert waiter.rang()
+    plane.tick()  # feeds, plans nothing
+    assert not waiter.rang()
+    _train_one_step(store, 0)
+    plane.tick()
+    assert store.latest_planned_version() == 1 and waiter.rang()

@@ -106,6 +106,7 @@ def test_a_streaming_system_trains_the_groups_that_are_ready_while_the_rest_are_
     asyncio.run(step_while_generating(ctx))
     assert chunks == [4, 4]
     assert [m["value"] for m in ctx.store.metric_rows(["chunks"])] == [2]
+    assert ctx.paths.bell("published").is_file()  # rung after the commit: the control plane plans at once
     (step,) = ctx.store.steps()
     assert step["num_trajectories"] == 8 and verify(ctx.paths.weights_version(1))
     twt = sum(m["value"] for m in ctx.store.metric_rows(["twt_s"]))

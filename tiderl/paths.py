@@ -113,6 +113,10 @@ class RunPaths:
     def rendezvous_version(self, version: int, generation: int) -> Path:
         return self.rendezvous_generation(generation) / f"v{version}"
 
+    def bell(self, name: str) -> Path:
+        """A bell's file (tiderl.run.bell): replaced after a commit to wake the processes that wait for it."""
+        return self.root / "bells" / name
+
     def data_ready(self, version: int, generation: int, chunk: int = 0) -> Path:
         """The marker of a step's data chunk `chunk` (0: the first, which also names the step's group)."""
         return self.rendezvous_generation(generation) / (f"v{version}.data-ready" + (f".{chunk}" if chunk else ""))

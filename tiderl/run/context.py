@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.config import JobConfig, load_job
 from tiderl.paths import RunPaths, atomic_write_text
+from tiderl.run.bell import Bell
 from tiderl.systems import SystemBehaviour, behaviour
 from tiderl.store import PlanRecord, RunStore
 
@@ -58,6 +58,13 @@ class RankContext:
     """The trainer process group this rank is in, kept while the next version's layout is the same
     (tiderl.run.trainer_role._in_group)."""
 
+    def bell(self, name: str) -> Bell:
+        """This rank's view of the run's bell `name` (tiderl.run.bell), kept for the rank's life."""
+        views = self.__dict__.setdefault("_bells", {})
+        if name not in views:
+            views[name] = Bell(self.paths.bell(name))
+        return views[name]
+
     @classmethod
     def open(cls, run_dir: Path, rank: int) -> "RankContext":
         paths = RunPaths(Path(run_dir))
@@ -89,7 +96,7 @@ class RankContext:
             self.position()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: no plan for version {version} after {timeout_s:.0f} s")
-            await asyncio.sleep(self.poll_s)
+            await self.bell("planned").wait_async(self.poll_s)
 
     def boundary(self, version: int) -> PlanRecord | None:
         """The plan of the next version once it is published and planned, else None."""

@@ -2,7 +2,8 @@
 
     python -m tiderl.run.control RUN_DIR
 
-Each tick: observe (store: published version, buffer, heartbeats) -> decide
+Each tick (every TICK_S, and at once when the actor rings the `published` bell: tiderl.run.bell):
+observe (store: published version, buffer, heartbeats) -> decide
 (feed allowance, the plan of a newly published version: ERS for `tiderl`,
 the fixed split otherwise) -> act (add groups, write the plan, return a dead
 rank's claims) -> record (metrics, events). It keeps nothing that is not in
@@ -21,6 +22,7 @@ from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.tboard import TensorBoardLog
 from tiderl.paths import RunPaths
+from tiderl.run.bell import Bell
 from tiderl.policy import admission, ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
@@ -43,9 +45,11 @@ def train_seed(job_seed: int, index: int) -> int:
 
 
 class ControlPlane:
-    def __init__(self, config: JobConfig, store: RunStore) -> None:
+    def __init__(self, config: JobConfig, store: RunStore, *, planned: Bell | None = None) -> None:
+        """`planned`: the bell rung after each plan is written (tiderl.run.bell; None: no bell)."""
         self.config = config
         self.store = store
+        self.planned = planned
         self.system: SystemBehaviour = behaviour(config.system, max_staleness=config.rollout.max_staleness,
                                                  ra2p_mode=config.trainer.ra2p_mode)
         self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
@@ -194,6 +198,8 @@ class ControlPlane:
             self._inflight_cap = cap
         plan = PlanRecord(version=version, roles=current, ra2p_mode=mode, fetch_groups=fetch)
         self.store.plan_roles(version, current, ra2p_mode=mode, fetch_groups=fetch, reason=reason)
+        if self.planned is not None:
+            self.planned.ring()
         self._record_step(version)
         return plan
 
@@ -273,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunPaths(args.run_dir)
     config = load_job(paths.config)
     store = RunStore.for_run_dir(paths.root, config.store)
-    plane = ControlPlane(config, store)
+    plane = ControlPlane(config, store, planned=Bell(paths.bell("planned")))
+    published = Bell(paths.bell("published"))
     exporter = MetricsServer.start(paths.root, store, config)  # monitor.metrics_port; docs/observability.md
     board = TensorBoardLog.start(paths.root, store, config)  # monitor.tensorboard
     try:
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 exporter.tick()
             if board is not None:
                 board.tick()
-            time.sleep(TICK_S)
+            published.wait(TICK_S)  # a publish is planned for (and fed after) at once, not at the next tick
     finally:
         if exporter is not None:
             exporter.close()

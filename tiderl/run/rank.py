@@ -39,7 +39,7 @@ async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
         plan = ctx.boundary(version)
         if plan is not None:
             return plan
-        await asyncio.sleep(ctx.poll_s)  # heartbeats come from the rank's heartbeat thread
+        await ctx.bell("planned").wait_async(ctx.poll_s)  # heartbeats come from the rank's heartbeat thread
 
 
 async def serve(ctx: RankContext) -> None:

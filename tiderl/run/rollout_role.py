@@ -356,4 +356,7 @@ _PHASE_NAMES = {Phase.STARTING: "env", Phase.GENERATING: "generate", Phase.WAITI
 def _send(ctx: RankContext, report: RankReport, version: int, role: Role) -> list[TaskClaim]:
     report.version, report.role = version, role
     r = ctx.config.rollout
-    return ctx.store.report(report, max_attempts=r.task_attempts, retry_backoff_s=r.retry_backoff_s)["claims"]
+    result = ctx.store.report(report, max_attempts=r.task_attempts, retry_backoff_s=r.retry_backoff_s)
+    if result["accepted"]:
+        ctx.bell("finished").ring()  # a group may be complete: the actor gathering a step looks now
+    return result["claims"]

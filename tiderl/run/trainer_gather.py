@@ -4,7 +4,6 @@ fetch is complete (handed out in chunks to a streaming trainer), the readiness R
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 
@@ -95,7 +94,7 @@ class StepGather:
                 if self.complete or (min_tokens is not None and sum(t.num_tokens for t in pending) >= min_tokens):
                     break
                 self.wait.tick()
-                await asyncio.sleep(self.ctx.poll_s)
+                await self.ctx.bell("finished").wait_async(self.ctx.poll_s)
         finally:
             self.wait.end()
         self.handed = len(self.claimed)

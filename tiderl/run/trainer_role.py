@@ -162,6 +162,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                            step_started_at=started, duration_s=time.time() - started, ras=ras, tprm_s=tprm,
                            ra2p_mode=mode, loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
+    ctx.bell("published").ring()  # the control plane plans the next version now, not at its next tick
     v = plan.version
     metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
                MetricPoint("logprob_mismatch", stats.logprob_mismatch, v, "actor"),
