@@ -31,7 +31,7 @@ MEASURED = {
     "ref_forward_s_per_token": 3e-5, "swap_s": 0.002, "weight_reload_s": 0.05, "optimizer_s": 0.08,
     "kv_capacity_tokens": 20000, "trainer_tokens_per_microbatch": 512, "prefill_chunk_tokens": 4096,
     "host_compute_slots": 1.2, "host_procs": 2, "host_alone_s": 1.0, "host_together_s": 1.6667,
-    "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
+    "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "bell_s": 0.02, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
 }
 TRAJECTORIES = {
     "versions": 12, "turns_min": 1, "turns_max": 6, "agent_capped": 0,
@@ -65,6 +65,7 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     assert (costs.optimizer_s(1), costs.turn_overhead_s) == (0.3, 0.05)
     assert costs.decoupled_step_s == calibrate.DECOUPLED_STEP_S > 0  # from real runs, with its source
     assert (cluster.control.report_interval_s, cluster.control.poll_s, cluster.control.control_tick_s) == (0.25, 0.2, 0.2)
+    assert cluster.control.bell_s == 0.02
     assert costs.host_speed(0, 1) == 1.0 and costs.host_speed(0, 3) == pytest.approx(0.4)
     assert costs.host_speed(1, 1) == pytest.approx(1.2 / 2.5)  # a busy rollout rank weighs 1.5 cores
     assert workload.groups_per_step == 2 and workload.group_size == 8
@@ -136,18 +137,25 @@ def test_a_shared_host_slows_overlapping_ranks(tmp_path):
 
 def test_a_polled_control_loop_delays_readiness_and_boundaries(tmp_path):
     """Ticks and polls delay every group's readiness and every step start: the same run takes longer
-    than with an event-driven control loop."""
+    than with an event-driven control loop, and longer without the run's bells than with them."""
     cluster_path, workload_path = _write_files(tmp_path)
     workload = load_workload(workload_path)
     polled = load_cluster(cluster_path)
     instant = dataclasses.replace(polled, control=type(polled.control)())
+    no_bells = dataclasses.replace(polled, control=dataclasses.replace(polled.control, bell_s=None))
     system = with_scheduler(parse_system("run:sync"), "ctb")
-    runs = [Simulation(workload, c, system, steps=4, seed=0, rollout_fraction=0.34) for c in (instant, polled)]
+    runs = [Simulation(workload, c, system, steps=4, seed=0, rollout_fraction=0.34)
+            for c in (instant, polled, no_bells)]
     results = [sim.run() for sim in runs]
-    assert results[1]["sim_time_s"] > results[0]["sim_time_s"]
-    # A step starts half a control tick plus half a poll (on average) after the publish, then the sync.
+    assert results[0]["sim_time_s"] < results[1]["sim_time_s"] < results[2]["sim_time_s"]
+    # A step starts half a bell's look after the publish (the control plane's wait), half another
+    # (the ranks' wait for the plan), then the sync; without bells a tick and a poll.
+    for sim, result, looks in ((runs[1], results[1], (0.02, 0.02)), (runs[2], results[2], (0.2, 0.2))):
+        publishes = [r["end_s"] for r in result["per_step"]]
+        starts = [s.start_s for s in sim.step_stats[1:]]
+        assert starts == pytest.approx([t + sum(looks) / 2 + sim.costs.weight_sync_s for t in publishes[:len(starts)]])
     c = polled.control
-    delay = (c.control_tick_s + c.poll_s) / 2 + runs[1].costs.weight_sync_s
+    delay = (c.woken_s(c.control_tick_s) + c.woken_s(c.poll_s)) / 2 + runs[1].costs.weight_sync_s
     publishes = [r["end_s"] for r in results[1]["per_step"]]
     starts = [s.start_s for s in runs[1].step_stats[1:]]
     assert starts == pytest.approx([t + delay for t in publishes[:len(starts)]])

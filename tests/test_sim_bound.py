@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from sim_helpers import ROOT, small_dicts, small_specs, write_small
 
+from tiderl.sim.spec import ControlSpec
 from tiderl.cli import main
 from tiderl.config.schema import build
 from tiderl.sim import metrics
@@ -73,7 +74,7 @@ def test_latency_bound_of_a_run_by_hand():
     sim = SimpleNamespace(
         consumed_tasks=tasks, costs=c, staleness=1, b_ideal=1, fetch=1,
         records=[SimpleNamespace(fetch_groups=1), SimpleNamespace(fetch_groups=1)],
-        cluster=SimpleNamespace(control=SimpleNamespace(report_interval_s=0.2, poll_s=0.2, control_tick_s=0.4)),
+        cluster=SimpleNamespace(control=ControlSpec(report_interval_s=0.2, poll_s=0.2, control_tick_s=0.4)),
         system=SimpleNamespace(synchronous=False),
     )
     seen = (0.2 + 0.2) / 2

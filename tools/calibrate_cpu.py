@@ -422,12 +422,13 @@ def trajectory_stats(run_dir: Path) -> dict:
 def control_intervals(job) -> dict:
     """The polling intervals of `tiderl run`'s control loop: the job's `rollout.report_interval_s`,
     the ranks' store poll and the control plane's tick."""
+    from tiderl.run.bell import SLICE_S
     from tiderl.run.context import RankContext
     from tiderl.run.control import TICK_S as CONTROL_TICK_S
 
     report = job.rollout.report_interval_s
     poll = next(f.default for f in dataclasses.fields(RankContext) if f.name == "poll_s")
-    return {"report_interval_s": report, "poll_s": poll, "control_tick_s": CONTROL_TICK_S}
+    return {"report_interval_s": report, "poll_s": poll, "control_tick_s": CONTROL_TICK_S, "bell_s": SLICE_S}
 
 
 # ---- output files -------------------------------------------------------------------------------
@@ -492,6 +493,7 @@ control:
   report_interval_s: {m['report_interval_s']}   # [J] rollout.report_interval_s (or [C] the rollout role's TICK_S): a rollout rank reports and claims once per tick
   poll_s: {m['poll_s']}              # [C] tiderl/run/context.py RankContext.poll_s: trainer and ranks poll the store
   control_tick_s: {m['control_tick_s']}      # [C] tiderl/run/control.py TICK_S: the control plane plans and feeds once per tick
+  bell_s: {m['bell_s']}             # [C] tiderl/run/bell.py SLICE_S: a publish, a plan and a finishing report ring bells, seen this often
 ers:
   hol_tau: {job.ers.hol_tau}                # [J] ers.hol_tau
   max_moves_per_step: {job.ers.max_moves_per_step}       # [J] ers.max_moves_per_step

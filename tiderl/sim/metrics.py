@@ -143,8 +143,8 @@ def latency_bound_parts(sim: Simulation) -> dict:
         groups.setdefault(id(task.group), []).append(task.plan)
         index[id(task.group)] = task.group.id[1]  # ("t", release order)
     costs, c = sim.costs, sim.cluster.control
-    seen_delay = (c.report_interval_s + c.poll_s) / 2  # Simulation._group_done
-    release_delay = (c.control_tick_s + c.report_interval_s) / 2  # Simulation._publish -> _feed
+    seen_delay = (c.report_interval_s + c.woken_s(c.poll_s)) / 2  # Simulation._group_done
+    release_delay = (c.woken_s(c.control_tick_s) + c.report_interval_s) / 2  # Simulation._publish -> _feed
     reload_left = max(0.0, costs.weight_sync_s - release_delay)  # flush_all at the publish, then _feed
     if sim.system.synchronous:
         seen_delay += costs.phase_switch_s  # _sync_train starts after the switch

@@ -280,8 +280,9 @@ class Simulation:
     def _group_done(self, t: float, group: SimGroup) -> None:
         c = self.cluster.control
         # A polled control loop: the group reaches the store at its rank's next report and the
-        # trainer sees it at its next poll (each half an interval later on average).
-        seen = self._after(t, c.report_interval_s, c.poll_s)
+        # trainer sees it at its next poll, or its next look at the bell the report rang (each half
+        # an interval later on average).
+        seen = self._after(t, c.report_interval_s, c.woken_s(c.poll_s))
         if seen > t:
             self.schedule(seen, self._group_seen, group)
         else:
@@ -466,9 +467,10 @@ class Simulation:
         c = self.cluster.control
         # A polled control loop: the plan of the new version is written at the next control tick and
         # the ranks act on it at their next poll; new groups are fed at that tick and claimed by the
-        # rollout ranks at their next report (each wait half an interval on average).
-        planned = self._after(t, c.control_tick_s, c.poll_s)
-        fed = self._after(t, c.control_tick_s, c.report_interval_s)
+        # rollout ranks at their next report (each wait half an interval on average; the publish and
+        # the plan ring bells, so with bells those waits are a bell's look).
+        planned = self._after(t, c.woken_s(c.control_tick_s), c.woken_s(c.poll_s))
+        fed = self._after(t, c.woken_s(c.control_tick_s), c.report_interval_s)
         if fed > t:
             self.schedule(fed, self._feed)
         else:

@@ -338,6 +338,15 @@ class ControlSpec:
     )
     poll_s: float = option(0.0, ge=0, help="Trainer and ranks poll the store (ready groups, new plans) this often, s.")
     control_tick_s: float = option(0.0, ge=0, help="The control plane plans and feeds once per tick, s.")
+    bell_s: float | None = option(
+        None, ge=0, help="The run's bells (tiderl/run/bell.py): a waiter looks at a bell this often, s. The waits a "
+        "bell ends take it instead of the poll or tick: the control plane's for a publish, the ranks' for a plan, "
+        "the trainer's for a finished group (None: no bells, every wait is the poll's or the tick's)."
+    )
+
+    def woken_s(self, interval_s: float) -> float:
+        """The interval of a wait that a bell ends: the bell's where the run has them."""
+        return interval_s if self.bell_s is None else min(self.bell_s, interval_s)
 
 
 @section
