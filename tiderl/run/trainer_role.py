@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from tiderl.paths import atomic_write_text, when_room
+from tiderl.run.bell import SLICE_S
 from tiderl.run.context import RankContext
 from tiderl.run.trainer_gather import DataWait, StepGather
 from tiderl.systems import FetchPolicy
@@ -317,11 +318,16 @@ async def _wait_marker(ctx: RankContext, version: int, role: Role) -> tuple[list
 
 
 async def _await_marker(ctx: RankContext, marker: Path, wait: DataWait) -> None:
+    """Wait for the leader's marker file: a stat every bell's look (the leader's broadcast waits for this
+    rank), the store (has the run stopped?) every poll."""
     wait.begin()
+    polled = float("-inf")
     while not marker.exists():
-        ctx.position()  # leaves if the run stopped
-        wait.tick()
-        await asyncio.sleep(ctx.poll_s)
+        if time.monotonic() - polled >= ctx.poll_s:
+            polled = time.monotonic()
+            ctx.position()  # leaves if the run stopped
+            wait.tick()
+        await asyncio.sleep(SLICE_S)
     ctx.store.report(RankReport(rank=ctx.rank, metrics=[wait.rest()]))
 
 
