@@ -6,6 +6,7 @@ No HTTP here: the caller passes, with each call, whether its client still wants 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,10 +63,8 @@ class WorkQueue:
         loop = asyncio.get_running_loop()
 
         def done(_: Future[Any]) -> None:  # in the worker thread: only now is the thread free
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
                 loop.call_soon_threadsafe(self._hand_on)
-            except RuntimeError:  # the loop has closed: nobody waits any more
-                pass
 
         try:
             future = self.executor.submit(fn, *args)

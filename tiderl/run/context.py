@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,8 @@ class RankContext:
     poll_s: float = 0.2
     # Long-lived mechanisms, built on a role's first use and kept across role changes (a test may set
     # them beforehand: a fake engine, a local environment).
+    bells: dict[str, Bell] = field(default_factory=dict, repr=False)
+    """This rank's views of the run's bells, by name (`bell`)."""
     engine: Engine | None = None
     """The rollout role's engine (tiderl.run.rollout_role)."""
     chat: ChatFormat | None = None
@@ -60,10 +62,9 @@ class RankContext:
 
     def bell(self, name: str) -> Bell:
         """This rank's view of the run's bell `name` (tiderl.run.bell), kept for the rank's life."""
-        views = self.__dict__.setdefault("_bells", {})
-        if name not in views:
-            views[name] = Bell(self.paths.bell(name))
-        return views[name]
+        if name not in self.bells:
+            self.bells[name] = Bell(self.paths.bell(name))
+        return self.bells[name]
 
     @classmethod
     def open(cls, run_dir: Path, rank: int) -> "RankContext":

@@ -59,19 +59,25 @@ def _micro_batches(
 FLAT = 1e-9  # |advantage| below this: no signal
 
 
+def flat_groups(samples: Sequence[TrainSample]) -> set[int | str]:
+    """The groups among `samples` whose every advantage is 0."""
+    flat: dict[int | str, bool] = {}
+    for s in samples:
+        flat[s.group_id] = flat.get(s.group_id, True) and abs(s.advantage) < FLAT
+    return {g for g, is_flat in flat.items() if is_flat}
+
+
 def drop_flat_groups(samples: Sequence[TrainSample], sample_ready_s: Sequence[float] | None = None
                      ) -> tuple[list[TrainSample], list[float] | None, int]:
     """The samples without the groups whose every advantage is 0 (equal rewards: no policy-gradient
     signal, only KL; DAPO's dynamic-sampling filter), their ready times alike, and how many groups were
     dropped. A step whose every group is flat keeps them all: it has nothing else to train on."""
-    flat: dict[int | str, bool] = {}
-    for s in samples:
-        flat[s.group_id] = flat.get(s.group_id, True) and abs(s.advantage) < FLAT
-    keep = [i for i, s in enumerate(samples) if not flat[s.group_id]]
+    flat = flat_groups(samples)
+    keep = [i for i, s in enumerate(samples) if s.group_id not in flat]
     if not keep:
         return list(samples), None if sample_ready_s is None else list(sample_ready_s), 0
     ready = None if sample_ready_s is None else [sample_ready_s[i] for i in keep]
-    return [samples[i] for i in keep], ready, sum(flat.values())
+    return [samples[i] for i in keep], ready, len(flat)
 
 
 def drop_truncated(samples: Sequence[TrainSample], sample_ready_s: Sequence[float] | None = None
@@ -171,11 +177,9 @@ class ChunkPlanner:
         self.chunks += 1
         keep = list(samples)
         if self.skip_flat_groups:
-            flat: dict[int | str, bool] = {}
-            for s in keep:
-                flat[s.group_id] = flat.get(s.group_id, True) and abs(s.advantage) < FLAT
-            self.held_back += [s for s in keep if flat[s.group_id]]
-            keep = [s for s in keep if not flat[s.group_id]]
+            flat = flat_groups(keep)
+            self.held_back += [s for s in keep if s.group_id in flat]
+            keep = [s for s in keep if s.group_id not in flat]
         if self.mask_truncated:
             self.held_back += [s for s in keep if s.truncated]
             keep = [s for s in keep if not s.truncated]
