@@ -9,7 +9,7 @@ import pytest
 from tiderl.config.ers import ErsConfig
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
-                                    latency_s, predict_tok_s, regime, split_of)
+                                    latency_s, predict_tok_s, regime, slot_tok_s, split_of)
 from tiderl.policy.ers_trainer import step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
@@ -402,3 +402,38 @@ def test_describe_shows_a_split_as_the_planner_prices_it_in_trajectory_tokens():
     assert seen == {"supply_tok_s": supply, "demand_tok_s": demand, "predicted_trained_tok_s": trained}
     assert trained == min(supply, demand) > 0
     assert describe(replace(SHORT, window=()), ELASTIC, roles) is None  # nothing measured yet
+
+
+# ---- full task slots ------------------------------------------------------------------------------------
+SLOTTED = replace(LIMITS, rank_tasks=8, group_size=8)  # a rollout rank plays one group at a time
+
+
+def slotted(rollout: int, *, slot_s: float = 2.5, env_s: float = 2.0, occupancy: float = 0.98) -> StepObservation:
+    """A 10 s step whose 4 groups (32 tasks) each spent `slot_s` in a slot, `env_s` of it the environment's;
+    group latency 12 s, 10 s of it the slowest task's environment; the trainer waited half the step."""
+    return replace(obs(rollout, 2, 1, latency_s=12.0, env_s=10.0, wait_s=5.0),
+                   rollout_task_s=occupancy * rollout * 10.0 * 8, tasks_completed=32, task_env_sum_s=32 * env_s,
+                   task_slot_sum_s=32 * slot_s)
+
+
+def test_11_a_split_supplies_at_most_what_its_task_slots_play():
+    # One rank's 8 slots, each task 2.5 s in one: 3.2 tasks, 400 tokens a second; two ranks 800.
+    window = (slotted(1), slotted(1))
+    sig = replace(signals(*window), slot_wait_s=1.5, gen_latency_by_rollout=((1, 0.5),))
+    model = estimate(sig, SLOTTED)
+    assert (model.task_slot_s, model.task_env_s) == (pytest.approx(2.5), pytest.approx(2.0))
+    assert slot_tok_s(1, model) == pytest.approx(400.0) and slot_tok_s(2, model) == pytest.approx(800.0)
+    assert slot_tok_s(1, model, 0.5) == pytest.approx(8 * 1000 / 8 / 3.0)  # only the non-environment part slows
+    # The staleness bound would let one rank's groups go faster (the slot wait is out of its latency):
+    # the slots bind, and a second rollout rank is worth a move.
+    assert predict_tok_s(Split(1, 2, 1), model)[0] == pytest.approx(400.0)
+    assert predict_tok_s(Split(2, 2, 0), model)[0] > 1.3 * 400.0
+    p = plan((R, F, A, A), sig, SLOTTED)
+    assert [(m.from_role, m.to_role) for m in p.moves] == [(F, R)] and p.reason is ErsReason.RATE_TO_ROLLOUT
+    # Without a slot measurement the same latencies read as the engines': 12 s against 11.5 s with two
+    # ranks, below the margin, so no move.
+    bare = signals(*[obs(1, 2, 1, latency_s=12.0, env_s=10.0, wait_s=5.0)] * 2)
+    assert estimate(bare, SLOTTED).task_slot_s is None and slot_tok_s(1, estimate(bare, SLOTTED)) == float("inf")
+    assert plan((R, F, A, A), bare, SLOTTED).moves == ()
+    # No slot bound (rank_tasks unknown): the slots never cap a split.
+    assert slot_tok_s(1, estimate(sig, LIMITS)) == float("inf")

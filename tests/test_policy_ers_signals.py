@@ -11,7 +11,7 @@ import pytest
 
 from tiderl.config import load_job
 from tiderl.policy.ers import ErsLimits, ErsPolicy, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window
+from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window, slot_occupancy, slot_wait_s, task_times
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
@@ -98,7 +98,8 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     time.sleep(0.01)
     store.report(RankReport(rank=1, role=R, version=0, finished=trajectories,
                             metrics=[MetricPoint("rollout_busy_s", 0.75, 0, "rollout"),
-                                     MetricPoint("rollout_idle_s", 0.25, 0, "rollout")]))
+                                     MetricPoint("rollout_idle_s", 0.25, 0, "rollout"),
+                                     MetricPoint("rollout_tasks_s", 1.5, 0, "rollout")]))
     got = store.claim_ready_groups(0, 1)
     time.sleep(0.01)
     store.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
@@ -108,14 +109,19 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     duration = rows[1]["created_at"] - rows[0]["created_at"]
     created, completed = store.tx.read(lambda c: c.exec_driver_sql(
         "select created_at, completed_at from task_groups").one())
+    slot_s = store.tx.read(lambda c: c.exec_driver_sql(
+        "select sum(r.finished_at - t.claimed_at) from trajectories r join tasks t on t.id = r.task_id").scalar())
+    assert 0 < slot_s < 10
     expected = StepObservation(version=1, duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
                                produced_tokens=6, groups_completed=1, group_latency_sum_s=completed - created,
-                               group_env_sum_s=1.5, rollout_busy_rank_s=0.75, rollout_idle_rank_s=0.25)
+                               group_env_sum_s=1.5, rollout_busy_rank_s=0.75, rollout_idle_rank_s=0.25,
+                               rollout_task_s=1.5, tasks_completed=2, task_env_sum_s=2.0,
+                               task_slot_sum_s=pytest.approx(slot_s))
     assert len(got) == 2 and signals.window == ()  # one step on this split: not settled
     assert signals.rollout_idle_ranks == pytest.approx(0.25 / duration)  # the real run's idle rollout ranks
     assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
                                   oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
-                                  fill_steps=2),
+                                  fill_steps=2, rank_tasks=config.rollout.max_concurrency),
                          config.ers.history_steps) == signals
 
 
@@ -233,3 +239,25 @@ def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(
     assert store.step_window(1, t1 + 1, t1 + 2).stale_dropped_tokens == 0  # dropped before that step
     assert store.dropped_groups() == groups[:1] == store.dropped_groups(t0 - 0.001, t1 + 1)
     assert store.dropped_groups(t1 + 1, t1 + 2) == []
+
+
+def test_a_group_s_wait_for_a_task_slot_is_taken_out_of_its_generation_latency_only_where_the_slots_were_full():
+    # 2 rollout ranks of 4 slots for 10 s: 80 slot-seconds. Each group: 10 s latency, 5 s of it its slowest
+    # task's environment; each of its 8 tasks 3 s in a slot, 2 s of them its environment's: 1 s of its own
+    # generation, so 4 of the 5 s beyond the environment were the wait for a slot.
+    full = dict(rollout_task_s=76.0, tasks_completed=32, task_env_sum_s=64.0, task_slot_sum_s=96.0)
+    steps = (step(), step(**full), step(**full), step(**full))
+    assert task_times(steps[1:]) == (pytest.approx(3.0), pytest.approx(2.0))
+    assert slot_occupancy(steps[1:], 4) == pytest.approx(0.95)
+    assert slot_wait_s(steps[1:], 4) == pytest.approx(4.0)
+    s = build_signals(snapshot(steps=steps, rank_tasks=4), 5)
+    assert s.slot_wait_s == pytest.approx(4.0)
+    assert s.group_latency_s == pytest.approx(10.0)  # the measurement itself is kept
+    assert s.gen_latency_by_rollout == ((2, pytest.approx(1.0)),)
+    # The same latency with slots to spare (8 a rank: 0.475 held) is the engines': nothing taken out.
+    assert slot_wait_s(steps[1:], 8) == 0.0
+    assert build_signals(snapshot(steps=steps, rank_tasks=8), 5).gen_latency_by_rollout == ((2, pytest.approx(5.0)),)
+    # Not measured (no slot seconds, no bound): as before.
+    assert build_signals(snapshot(steps=steps), 5).slot_wait_s == 0.0
+    assert slot_wait_s((step(), step()), 4) == 0.0 and task_times((step(),)) is None
+    assert slot_occupancy(steps[1:], None) is None

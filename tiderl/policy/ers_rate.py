@@ -17,12 +17,20 @@ Model (every rate from the signals' window of recent steps, as measured)
   ``G = F / (L + T / 2 + tail + overhead)`` and ``T = B tok / G`` give
   ``G_gen(n, M, R) = (s + 1/2) B tok / (L(n) + tail(M, R) + overhead)``:
   while the staleness bound binds, a faster trainer still raises goodput.
-- The groups in flight are also capped by the tasks the rollout ranks play
-  at once (``rank_tasks`` x rollout ranks / ``group_size``, when
-  ``limits.rank_tasks`` is known). A group's measured latency counts from its
-  release, so it holds the wait for a free task slot where that cap bound;
-  the cap matters where no count was measured: the shared-host trial below
-  never leaves ranks idle that the groups in flight need.
+- Task slots: a rollout rank plays at most ``limits.rank_tasks`` tasks at
+  once. A split's supply is at most what its slots play with every slot
+  held (:func:`slot_tok_s`): ``n x rank_tasks`` tasks, each for its measured
+  time in a slot (its environment's part as measured, the rest at the
+  split's host speed), in tokens. A group's measured latency counts from its
+  release, so where the window's slots were full it holds the wait for a
+  free slot: that wait (``signals.slot_wait_s``, the latency memory likewise,
+  :mod:`tiderl.policy.ers_signals`) is taken out of the generation latency
+  ``L_gen``, which is the engines', and the slot bound prices it instead: a
+  further rollout rank then adds slots, where before it looked like an
+  engine that a queue for slots did not need (bench-latency on the 3-rank
+  CPU host: the planner kept 1 rollout rank of 16 slots for 64 tasks in
+  flight, 0.77x of the best fixed split; docs/RESULTS.md). The shared-host
+  trial below never leaves ranks idle that the groups in flight need.
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
@@ -129,6 +137,8 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    waits for the measurement (STEADY). So the planner moves a rank every step toward the split it
    predicted, as the paper's bound allows (one rank per step), instead of one every MIN_WINDOW_STEPS + 1
    steps, and judges the split it arrives at once measured.
+11. A split's supply is at most what its task slots play (:func:`slot_tok_s`; no bound without
+   ``rank_tasks`` or a measurement of the tasks' time in a slot).
 """
 
 from __future__ import annotations
@@ -139,13 +149,13 @@ from dataclasses import dataclass, replace
 
 from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
                                move_roles)
-from tiderl.policy.ers_signals import MIN_WINDOW_STEPS
+from tiderl.policy.ers_signals import MIN_WINDOW_STEPS, task_times
 from tiderl.policy.ers_trainer import coordination_s, ready_compute_s, refs_needed, repartition, step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import StageTimes
 
 __all__ = ["RateModel", "Split", "busy_trainer_ranks", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
-           "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "split_of"]
+           "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "slot_tok_s", "split_of"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
 IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
@@ -217,6 +227,12 @@ class RateModel:
     window_supply_tok_s: float = 0.0
     """The supply of the window's own split (:func:`predict_tok_s` scales the window's arrival-bound steps
     by it over a split's; 0: not computed)."""
+    task_slot_s: float | None = None
+    """Mean seconds a task held a task slot, over the window's completed tasks (None: not measured)."""
+    task_env_s: float = 0.0
+    """Mean environment seconds of those tasks (a part of task_slot_s no rank speeds up)."""
+    tokens_per_group: float = 0.0
+    """Tokens of a completed training group in the window."""
 
 
 def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
@@ -263,7 +279,11 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     last = window[-1]
     total_s = sum(s.duration_s for s in window)
     env = min(signals.group_env_s or 0.0, latency or 0.0)
-    curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks, (latency or 0.0) - env)
+    # The current split's generation latency, without the wait for task slots (ers_signals): that wait is
+    # the slots' (the slot bound of _supply_tok_s), not the engines'.
+    curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks,
+                              max(0.0, (latency or 0.0) - env - signals.slot_wait_s))
+    slot = task_times(window)
     model = RateModel(
         supply_tok_s_per_rank=produced / busy_rank_s,
         step_tokens=step_tokens,
@@ -286,6 +306,9 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         window=tuple(window),
         residuals_s=residuals,
         waits_s=waits,
+        task_slot_s=slot[0] if slot is not None else None,
+        task_env_s=min(slot[1], slot[0]) if slot is not None else 0.0,
+        tokens_per_group=per_group,
     )
     own_split = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
     own = _supply_tok_s(own_split, model, host_factor(own_split, model))
@@ -399,14 +422,25 @@ def concurrency_share(rollout: int, model: RateModel) -> float:
 
 
 def _supply_tok_s(split: Split, model: RateModel, f: float) -> float:
-    """The split's supply, its busy ranks running at `f` (:func:`host_factor`) of the window's speed."""
+    """The split's supply, its busy ranks running at `f` (:func:`host_factor`) of the window's speed: the
+    staleness bound's (Little's law), at most what the split's task slots play (:func:`slot_tok_s`)."""
     latency = latency_s(split.rollout, model, f)
     if latency is not None and latency > 0:
         # A group holds its place until its step ends: the trainer's tail and overhead after its arrival.
         held = (latency + (model.overhead_s + _tail_s(split.actors, split.refs, model.stage_times)) / f
                 + coordination_s(split.refs, model.decoupled_step_s))
-        return model.little_tokens / held
+        return min(model.little_tokens / held, slot_tok_s(split.rollout, model, f))
     return split.rollout * model.supply_tok_s_per_rank * f
+
+
+def slot_tok_s(rollout: int, model: RateModel, f: float = 1.0) -> float:
+    """The most `rollout` ranks' task slots play, their ranks at `f` of the window's speed: every slot held,
+    each task for its measured time in a slot (its environment's part as measured, the rest / f), in tokens
+    per second (inf: no slot bound or no measurement)."""
+    if model.task_slot_s is None or math.isinf(model.rank_groups):
+        return math.inf
+    held = model.task_env_s + (model.task_slot_s - model.task_env_s) / f
+    return rollout * model.rank_groups * model.tokens_per_group / held if held > 0 else math.inf
 
 
 def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:

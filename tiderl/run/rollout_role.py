@@ -17,7 +17,8 @@ RWT (`rwt_s`) counts the seconds the rank had free slots but nothing to claim
 (the feeder holds tasks back for staleness, or the buffer is full), even while
 it played other tasks; `rollout_idle_s` counts the seconds it had no task at
 all (its accelerator idle: the paper's RWT); `rollout_busy_s` the seconds at least
-one of its tasks waited on the engine (ERS's supply rate).
+one of its tasks waited on the engine (ERS's supply rate); `rollout_tasks_s` the
+task-seconds its slots held (ERS's slot occupancy).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker, WorkerReport
 from tiderl.run.context import RankContext, RunStopped
-from tiderl.run.rollout_tick import Versions, WeightsStep, claim_kinds, tick_metric
+from tiderl.run.rollout_tick import Versions, WeightsStep, claim_kinds, tick_metrics
 from tiderl.store.types import (ClaimRequest, EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport,
                                 Role, TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
 
@@ -236,9 +237,8 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             # Observe: the tick's time, the worker's results, the boundary.
             now = time.monotonic()
             tick_s, last = now - last, now
-            metric = tick_metric(role.worker.num_unfinished, role.worker.num_generating)
-            if metric is not None:
-                report.metrics.append(MetricPoint(metric.value, tick_s, v.held, "rollout"))
+            report.metrics.extend(MetricPoint(name, value, v.held, "rollout") for name, value in
+                                  tick_metrics(role.worker.num_unfinished, role.worker.num_generating, tick_s).items())
             role.drain(report)
             stats.observe(role)
             nxt = ctx.boundary(v.planned)

@@ -96,7 +96,8 @@ class SimGroup:
 class SimTask:
     __slots__ = (
         "id", "group", "plan", "is_eval", "turn", "ctx", "gen_left", "stage", "rank", "env_pending",
-        "footprint", "reserve", "version_start", "view", "view_key", "env_started", "prefix",
+        "footprint", "reserve", "version_start", "view", "view_key", "env_started", "prefix", "placed_s",
+        "finished_s",
     )
 
     def __hash__(self) -> int:
@@ -122,6 +123,8 @@ class SimTask:
         self.view: CtbTask | None = None
         self.view_key: tuple = ()
         self.prefix = 0  # context its previous generation left in the cache, resident since (0: none to judge)
+        self.placed_s = 0.0  # when a rank last took it into a task slot (as a real rank's claim)
+        self.finished_s = 0.0
 
 
 class RolloutRank:
@@ -172,7 +175,9 @@ class RolloutSide:
         self.candidates: deque[SimGroup] = deque()
         self.orphans: list[SimTask] = []
         self.tasks: dict[int, SimTask] = {}
-        self.env_active = 0
+        self.env_active = 0  # resident tasks over every rank (each holds a task slot and an environment session)
+        self.held_task_s = 0.0  # task-seconds the ranks' slots held, up to held_t
+        self.held_t = 0.0
         self.version = 0
         self.accounts = {"busy": 0.0, "rwt": 0.0, "rwt_held": 0.0, "idle": 0.0, "idle_held": 0.0, "stall": 0.0,
                          "off": 0.0}
@@ -208,7 +213,7 @@ class RolloutSide:
         self._retire(rank.engine)
         for task in list(rank.tasks):
             if task.stage is not Stage.PAUSED:
-                self.env_active -= 1
+                self._resident(t, -1)
             task.stage = Stage.PAUSED
             task.rank = None
             task.view = None
@@ -317,6 +322,18 @@ class RolloutSide:
     def account_all(self, t: float, force: bool = False) -> None:
         for rank in self.ranks.values():
             self._account(rank, t, force)
+
+    def _resident(self, t: float, delta: int) -> None:
+        """The resident tasks change by `delta` at t (after integrating the task-seconds held so far)."""
+        self.held_task_s += self.env_active * (t - self.held_t)
+        self.held_t = t
+        self.env_active += delta
+
+    def task_s(self, t: float) -> float:
+        """Task-seconds the ranks' task slots held up to t (what real rollout ranks count as
+        `rollout_tasks_s`; a simulated rank caps its resident tasks at max_num_seqs)."""
+        self._resident(t, 0)
+        return self.held_task_s
 
     def rwt_rank_s(self) -> float:
         """Rank-seconds without engine work and nothing left to claim (the simulated RWT), so far."""
@@ -440,9 +457,10 @@ class RolloutSide:
         elif task in self.orphans:
             self.orphans.remove(task)
         if not paused:
-            self.env_active -= 1
+            self._resident(t, -1)
         task.stage = Stage.DONE
         task.rank = None
+        task.finished_s = t
         del self.tasks[task.id]
         group.done += 1
         for sibling in group.tasks:
@@ -460,13 +478,15 @@ class RolloutSide:
     # -- placement ---------------------------------------------------------------------------
     def _place(self, t: float, task: SimTask, rank: RolloutRank) -> None:
         """Make `task` resident on `rank`: a new task starts its environment, a paused one resumes."""
+        if task.rank is None:  # new, or an orphan of a rank that left rollout: a slot taken anew
+            task.placed_s = t
         task.rank = rank
         task.view = None
         rank.tasks.add(task)
         rank.paused.discard(task)
         rank.used += task.footprint
         rank.num_resident += 1
-        self.env_active += 1
+        self._resident(t, 1)
         if task.stage is Stage.QUEUED:
             task.stage = Stage.STARTING
             task.version_start = self.version
@@ -490,7 +510,7 @@ class RolloutSide:
         rank.engine.set_kept(task, False)
         rank.used -= task.footprint
         rank.num_resident -= 1
-        self.env_active -= 1
+        self._resident(t, -1)
         task.prefix = 0
         task.stage = Stage.PAUSED
         task.view = None

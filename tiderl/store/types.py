@@ -154,6 +154,9 @@ class StepWindow:
     consumed_tokens: int  # trajectory tokens the step trained on
     evaluation: bool = False  # an evaluation group was open during the step
     stale_dropped_tokens: int = 0  # trajectory tokens of the groups the trainer dropped as stale in the step
+    tasks_completed: int = 0  # tasks (trajectories) of the training groups completed in the step
+    task_env_sum_s: float = 0.0  # sum of those tasks' environment seconds
+    task_slot_sum_s: float = 0.0  # sum of those tasks' seconds from their (last) claim to their end
 
 
 CUT_FINISHES = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a task its limits cut
