@@ -408,12 +408,12 @@ def test_describe_shows_a_split_as_the_planner_prices_it_in_trajectory_tokens():
 SLOTTED = replace(LIMITS, rank_tasks=8, group_size=8)  # a rollout rank plays one group at a time
 
 
-def slotted(rollout: int, *, slot_s: float = 2.5, env_s: float = 2.0, occupancy: float = 0.98) -> StepObservation:
-    """A 10 s step whose 4 groups (32 tasks) each spent `slot_s` in a slot, `env_s` of it the environment's;
-    group latency 12 s, 10 s of it the slowest task's environment; the trainer waited half the step."""
+def slotted(rollout: int, *, slot_s: float = 2.5, env_s: float = 2.0) -> StepObservation:
+    """A 10 s step whose 4 groups (32 tasks) each spent `slot_s` in a slot, `env_s` of it the environment's,
+    after 1.5 s waiting for it; group latency 12 s, 10 s of it the slowest task's environment; the trainer
+    waited half the step."""
     return replace(obs(rollout, 2, 1, latency_s=12.0, env_s=10.0, wait_s=5.0),
-                   rollout_task_s=occupancy * rollout * 10.0 * 8, tasks_completed=32, task_env_sum_s=32 * env_s,
-                   task_slot_sum_s=32 * slot_s)
+                   tasks_completed=32, task_env_sum_s=32 * env_s, task_slot_sum_s=32 * slot_s, task_wait_sum_s=32 * 1.5)
 
 
 def test_11_a_split_supplies_at_most_what_its_task_slots_play():

@@ -11,7 +11,7 @@ import pytest
 
 from tiderl.config import load_job
 from tiderl.policy.ers import ErsLimits, ErsPolicy, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window, slot_occupancy, slot_wait_s, task_times
+from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window, slot_wait_s, task_times
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
@@ -98,8 +98,7 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     time.sleep(0.01)
     store.report(RankReport(rank=1, role=R, version=0, finished=trajectories,
                             metrics=[MetricPoint("rollout_busy_s", 0.75, 0, "rollout"),
-                                     MetricPoint("rollout_idle_s", 0.25, 0, "rollout"),
-                                     MetricPoint("rollout_tasks_s", 1.5, 0, "rollout")]))
+                                     MetricPoint("rollout_idle_s", 0.25, 0, "rollout")]))
     got = store.claim_ready_groups(0, 1)
     time.sleep(0.01)
     store.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
@@ -109,19 +108,20 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     duration = rows[1]["created_at"] - rows[0]["created_at"]
     created, completed = store.tx.read(lambda c: c.exec_driver_sql(
         "select created_at, completed_at from task_groups").one())
-    slot_s = store.tx.read(lambda c: c.exec_driver_sql(
-        "select sum(r.finished_at - t.claimed_at) from trajectories r join tasks t on t.id = r.task_id").scalar())
-    assert 0 < slot_s < 10
+    slot_s, wait_s = store.tx.read(lambda c: c.exec_driver_sql(
+        "select sum(r.finished_at - t.claimed_at), sum(t.claimed_at - g.created_at) from trajectories r"
+        " join tasks t on t.id = r.task_id join task_groups g on g.id = t.group_id").one())
+    assert 0 < slot_s < 10 and 0 <= wait_s < 10
     expected = StepObservation(version=1, duration_s=duration, consumed_tokens=6, rollout_ranks=2, actor_ranks=1, ref_ranks=0,
                                produced_tokens=6, groups_completed=1, group_latency_sum_s=completed - created,
                                group_env_sum_s=1.5, rollout_busy_rank_s=0.75, rollout_idle_rank_s=0.25,
-                               rollout_task_s=1.5, tasks_completed=2, task_env_sum_s=2.0,
-                               task_slot_sum_s=pytest.approx(slot_s))
+                               tasks_completed=2, task_env_sum_s=2.0, task_slot_sum_s=pytest.approx(slot_s),
+                               task_wait_sum_s=pytest.approx(wait_s))
     assert len(got) == 2 and signals.window == ()  # one step on this split: not settled
     assert signals.rollout_idle_ranks == pytest.approx(0.25 / duration)  # the real run's idle rollout ranks
     assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
                                   oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
-                                  fill_steps=2, rank_tasks=config.rollout.max_concurrency),
+                                  fill_steps=2),
                          config.ers.history_steps) == signals
 
 
@@ -241,23 +241,25 @@ def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(
     assert store.dropped_groups(t1 + 1, t1 + 2) == []
 
 
-def test_a_group_s_wait_for_a_task_slot_is_taken_out_of_its_generation_latency_only_where_the_slots_were_full():
-    # 2 rollout ranks of 4 slots for 10 s: 80 slot-seconds. Each group: 10 s latency, 5 s of it its slowest
-    # task's environment; each of its 8 tasks 3 s in a slot, 2 s of them its environment's: 1 s of its own
-    # generation, so 4 of the 5 s beyond the environment were the wait for a slot.
-    full = dict(rollout_task_s=76.0, tasks_completed=32, task_env_sum_s=64.0, task_slot_sum_s=96.0)
-    steps = (step(), step(**full), step(**full), step(**full))
+def test_a_group_s_wait_for_a_task_slot_is_taken_out_of_its_generation_latency():
+    # Each group: 10 s latency, 5 s of it its slowest task's environment; each of its 8 tasks 3 s in a slot,
+    # 2 s of them its environment's (1 s of its own generation), after a mean wait of 3.5 s for the claim.
+    # 4 of the 5 s beyond the environment were the wait: the wait counts up to what the tasks' own time
+    # leaves of the latency.
+    queued = dict(tasks_completed=32, task_env_sum_s=64.0, task_slot_sum_s=96.0, task_wait_sum_s=32 * 3.5)
+    steps = (step(), step(**queued), step(**queued), step(**queued))
     assert task_times(steps[1:]) == (pytest.approx(3.0), pytest.approx(2.0))
-    assert slot_occupancy(steps[1:], 4) == pytest.approx(0.95)
-    assert slot_wait_s(steps[1:], 4) == pytest.approx(4.0)
-    s = build_signals(snapshot(steps=steps, rank_tasks=4), 5)
-    assert s.slot_wait_s == pytest.approx(4.0)
+    assert slot_wait_s(steps[1:]) == pytest.approx(3.5)
+    s = build_signals(snapshot(steps=steps), 5)
+    assert s.slot_wait_s == pytest.approx(3.5)
     assert s.group_latency_s == pytest.approx(10.0)  # the measurement itself is kept
-    assert s.gen_latency_by_rollout == ((2, pytest.approx(1.0)),)
-    # The same latency with slots to spare (8 a rank: 0.475 held) is the engines': nothing taken out.
-    assert slot_wait_s(steps[1:], 8) == 0.0
-    assert build_signals(snapshot(steps=steps, rank_tasks=8), 5).gen_latency_by_rollout == ((2, pytest.approx(5.0)),)
-    # Not measured (no slot seconds, no bound): as before.
-    assert build_signals(snapshot(steps=steps), 5).slot_wait_s == 0.0
-    assert slot_wait_s((step(), step()), 4) == 0.0 and task_times((step(),)) is None
-    assert slot_occupancy(steps[1:], None) is None
+    assert s.gen_latency_by_rollout == ((2, pytest.approx(1.5)),)
+    longer = dict(queued, task_wait_sum_s=32 * 6.0)  # a longer wait than the latency leaves: at most 4 s
+    assert slot_wait_s((step(**longer),) * 2) == pytest.approx(4.0)
+    # Claimed at once: the latency is the engines' and the environment's, nothing taken out.
+    at_once = dict(queued, task_wait_sum_s=0.0)
+    assert slot_wait_s((step(**at_once),) * 2) == 0.0
+    assert build_signals(snapshot(steps=(step(),) + (step(**at_once),) * 3), 5).gen_latency_by_rollout == (
+        (2, pytest.approx(5.0)),)
+    # Not measured (no tasks' slot seconds): as before.
+    assert slot_wait_s((step(), step())) == 0.0 and task_times((step(),)) is None

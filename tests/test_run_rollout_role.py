@@ -242,3 +242,24 @@ def test_tasks_claimed_just_before_a_role_switch_are_all_released(fmt: ChatForma
     finished = {t.task_id for t in report.finished}
     assert sorted(set(report.released) | finished) == list(range(10, 16))
     assert not set(report.released) & finished and not role.claims
+
+
+def test_a_rank_builds_its_engine_once_on_the_base_model_whatever_version_it_joins_at(monkeypatch, tmp_path: Path):
+    """A rank that joins rollout late (ERS moved it) starts its engine on the base model, which the trainer
+    never prunes, and reloads the planned weights after (a start of a minute outlived the versions it
+    asked for, one after the other, for the rest of a run)."""
+    from types import SimpleNamespace
+
+    import tiderl.rollout.from_config as from_config
+    from tiderl.run.rollout_role import rank_engine
+
+    built, events = [], []
+    monkeypatch.setattr(from_config, "make_engine", lambda job, path, weights_version=0: built.append(
+        (Path(path), weights_version)) or FakeEngine(lambda prompt: [1], weights_version=weights_version))
+    store = SimpleNamespace(record_event=lambda source, kind, message, **kw: events.append(kind))
+    ctx = SimpleNamespace(engine=None, rank=2, store=store, model_dir=tmp_path / "base",
+                          paths=SimpleNamespace(weights=tmp_path / "weights"),
+                          config=SimpleNamespace(rollout=SimpleNamespace(engine="vllm")))
+    engine = rank_engine(ctx)
+    assert built == [(tmp_path / "base", 0)] and engine.weights_version == 0 and events == ["engine_up"]
+    assert rank_engine(ctx) is engine and len(built) == 1  # kept across role changes

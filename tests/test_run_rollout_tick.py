@@ -3,7 +3,7 @@ on them is driven in tests/test_run_eval_pinning.py."""
 
 from __future__ import annotations
 
-from tiderl.run.rollout_tick import TickMetric, Versions, WeightsStep, claim_kinds, tick_metric, tick_metrics
+from tiderl.run.rollout_tick import TickMetric, Versions, WeightsStep, claim_kinds, tick_metric
 from tiderl.store.types import TaskKind
 
 
@@ -47,7 +47,4 @@ def test_4_how_a_tick_counts() -> None:
     assert tick_metric(unfinished=0, generating=0) is TickMetric.IDLE
     assert tick_metric(unfinished=3, generating=1) is TickMetric.BUSY
     assert tick_metric(unfinished=3, generating=0) is None  # every task waits on its environment
-    assert tick_metrics(unfinished=0, generating=0, tick_s=0.25) == {"rollout_idle_s": 0.25}
-    assert tick_metrics(unfinished=3, generating=1, tick_s=0.5) == {"rollout_busy_s": 0.5, "rollout_tasks_s": 1.5}
-    assert tick_metrics(unfinished=2, generating=0, tick_s=0.5) == {"rollout_tasks_s": 1.0}
     assert Versions(held=3, planned=6).stale_bound(max_staleness=2) == 4

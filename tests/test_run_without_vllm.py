@@ -33,10 +33,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("system", ["tiderl", "sync"])
-def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, cache: Path) -> None:
+# A shared host of 2 slots where a rollout rank weighs 1.5: the cold start parks a rank IDLE (tiderl.policy.ers).
+SHARED_HOST = ["ers.host_slots=2", "ers.rollout_host_weight=1.5"]
+
+
+@pytest.mark.parametrize("system,extra", [("tiderl", []), ("sync", []), ("tiderl", SHARED_HOST)],
+                         ids=["tiderl", "sync", "tiderl-shared-host"])
+def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, extra: list[str], cache: Path) -> None:
     run_dir = tmp_path / "run"
-    sets = SCRIPTED + [f"system={system}"]
+    sets = SCRIPTED + [f"system={system}"] + extra
     out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir),
                  cache=cache)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -45,8 +50,13 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, c
     assert status["goodput_tok_s"] > 0
     facts = check_run(run_dir, max_staleness=0 if system == "sync" else 1)
     assert facts["versions"] == 3
-    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
-    assert f"{SCRIPTED_ENGINE} engine up" in logs
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("rank*.log")}
+    assert f"{SCRIPTED_ENGINE} engine up" in "".join(logs.values())
+    # ERS's parked (idle) rank starts its engine too, so that a move back to rollout costs a reload; a fixed
+    # split's spare (sync's rank 3) starts nothing.
+    idle = [name for name, text in logs.items() if "role idle from" in text]
+    assert bool(idle) == (system == "sync" or bool(extra))  # without a shared host ERS parks no rank
+    assert all((f"{SCRIPTED_ENGINE} engine up" in logs[name]) == (system == "tiderl") for name in idle)
 
 
 def test_an_engine_that_cannot_be_loaded_is_a_config_error(tmp_path: Path) -> None:

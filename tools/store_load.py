@@ -302,8 +302,7 @@ def _rank_tick(s: RunStore, rank: int, spec: RankLoadSpec, held: list, rng: rand
     report = RankReport(rank=rank, role=Role.ROLLOUT, version=0,
                         finished=[_traj(c.task_id, rng, spec.traj_tokens) for c in held],
                         claim=ClaimRequest(limit=spec.tasks_per_tick, weights_version=0),
-                        metrics=[MetricPoint("rollout_busy_s", spec.tick_s, 0, "rollout"),  # a tick's two metrics
-                                 MetricPoint("rollout_tasks_s", len(held) * spec.tick_s, 0, "rollout")])
+                        metrics=[MetricPoint("rollout_busy_s", spec.tick_s, 0, "rollout")])
     out = log.timed("report", s.report, report)
     if out is None:
         return held

@@ -263,9 +263,6 @@ class StepObservation:
     """Rollout rank-seconds with no task to play (staleness bound, empty pool) during the step."""
     rollout_busy_rank_s: float = 0.0
     """Rollout rank-seconds with the engine generating (0: not measured)."""
-    rollout_task_s: float = 0.0
-    """Task-seconds the rollout ranks held in their task slots (``rank_tasks`` each) during the step:
-    the integral of the tasks each holds (0: not measured)."""
     tasks_completed: int = 0
     """Tasks of the training groups that completed during the step."""
     task_env_sum_s: float = 0.0
@@ -273,6 +270,9 @@ class StepObservation:
     task_slot_sum_s: float = 0.0
     """Sum over those tasks of their seconds in a rollout rank's task slot (from the rank's claim to the
     task's end; 0: not measured)."""
+    task_wait_sum_s: float = 0.0
+    """Sum over those tasks of the seconds from their group's creation to that claim: their wait for a
+    task slot (and for the rank's next claim)."""
     trainer_wait_s: float = 0.0
     """Seconds the actor group waited for ready data during the step."""
     tprm_s: float | None = None
@@ -327,8 +327,8 @@ class ErsSignals:
     """(rollout ranks, mean group latency beyond the environment's and the slot wait) of each recent settled
     split, newest measurement per rollout count: how generation latency answers to rollout ranks."""
     slot_wait_s: float = 0.0
-    """Mean seconds a group of the window waited for a free task slot (0: the slots were not full); part of
-    group_latency_s (tiderl.policy.ers_signals)."""
+    """Mean seconds a group of the window waited for a task slot (0: not measured); part of group_latency_s
+    (tiderl.policy.ers_signals)."""
     micro_batch_tokens: int = 0
     """Tokens of one actor rank's share of a micro-batch (trainer.micro_batch_tokens; 0: unknown)."""
     pre_evaluation_roles: tuple[Role, ...] | None = None

@@ -22,14 +22,15 @@ Model (every rate from the signals' window of recent steps, as measured)
   held (:func:`slot_tok_s`): ``n x rank_tasks`` tasks, each for its measured
   time in a slot (its environment's part as measured, the rest at the
   split's host speed), in tokens. A group's measured latency counts from its
-  release, so where the window's slots were full it holds the wait for a
-  free slot: that wait (``signals.slot_wait_s``, the latency memory likewise,
-  :mod:`tiderl.policy.ers_signals`) is taken out of the generation latency
-  ``L_gen``, which is the engines', and the slot bound prices it instead: a
-  further rollout rank then adds slots, where before it looked like an
-  engine that a queue for slots did not need (bench-latency on the 3-rank
-  CPU host: the planner kept 1 rollout rank of 16 slots for 64 tasks in
-  flight, 0.77x of the best fixed split; docs/RESULTS.md). The shared-host
+  release, so it holds its tasks' wait for a slot: that wait (measured from
+  the group's creation to the tasks' claims, ``signals.slot_wait_s``, the
+  latency memory likewise, :mod:`tiderl.policy.ers_signals`) is taken out of
+  the generation latency ``L_gen``, which is the engines', and the slot bound
+  prices the slots instead: a further rollout rank then adds slots, where
+  before it looked like an engine that a queue for slots did not need
+  (bench-latency on the 3-rank CPU host: the planner kept 1 rollout rank of
+  16 slots for 64 tasks in flight, 0.77x of the best fixed split;
+  docs/RESULTS.md). The shared-host
   trial below never leaves ranks idle that the groups in flight need.
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)

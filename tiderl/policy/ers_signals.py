@@ -27,15 +27,14 @@ Definitions
   split is judged only once it has been measured (``MIN_WINDOW_STEPS``
   settled steps). Group latency, environment time and tokens are the means
   over the groups that completed in the window.
-- Full task slots: a rollout rank holds at most ``rank_tasks`` tasks. Where
-  the rollout ranks' slots held ``SLOTS_FULL`` of their capacity or more
-  over a run of steps (``StepObservation.rollout_task_s`` over rollout
-  rank-seconds x ``rank_tasks``), released tasks queued for a slot, and a
-  group's latency holds that queueing: a measure of the slots, not of the
-  engines. The slot wait (``slot_wait_s``) of a group is then its latency
-  beyond its environment time less a task's own time in its slot beyond its
-  environment time (the means over the run's completed tasks of their
-  seconds in a slot and in their environment, :func:`task_times`); 0 where the slots were not full or
+- Task slots: a rollout rank holds at most ``rank_tasks`` tasks. A group's
+  latency counts from its creation, so where released tasks queued for a
+  slot it holds that queueing: a measure of the slots, not of the engines.
+  The slot wait (``slot_wait_s``) of a group is the mean wait of its tasks
+  from the group's creation to their claim (``task_wait_sum_s``), at most its
+  latency beyond its environment time less a task's own time in its slot
+  beyond its environment time (the means over the completed tasks of their
+  seconds in a slot and in their environment, :func:`task_times`); 0 where
   not measured.
 - The latency memory (``gen_latency_by_rollout``): per rollout-rank count, the
   generation latency (a group's latency beyond its environment time and its
@@ -78,10 +77,9 @@ from tiderl.roles import Role
 
 HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_steps (the latency memory)
 MIN_WINDOW_STEPS = 2  # settled steps on a split before the rate planner judges it (one step is mostly noise)
-SLOTS_FULL = 0.9  # share of the rollout ranks' task slots held from which released tasks queue for one
 
-__all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "SLOTS_FULL", "ErsSnapshot", "EvaluationMemory", "StepObservation",
-           "build_signals", "gen_latency_by_rollout", "rate_window", "slot_occupancy", "slot_wait_s", "task_times"]
+__all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "ErsSnapshot", "EvaluationMemory", "StepObservation",
+           "build_signals", "gen_latency_by_rollout", "rate_window", "slot_wait_s", "task_times"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +112,6 @@ class ErsSnapshot:
     their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
     pre_evaluation_roles: tuple[Role, ...] | None = None
     """The role map the running evaluation's preemptive plan replaced (:class:`EvaluationMemory`)."""
-    rank_tasks: int | None = None
-    """Tasks a rollout rank holds at once (``ErsLimits.rank_tasks``; None: no bound)."""
 
 
 @dataclass(slots=True)
@@ -171,8 +167,8 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         tokens_per_group=sum(s.produced_tokens for s in window) / groups if groups else None,
         group_env_s=sum(s.group_env_sum_s for s in window) / groups if groups else None,
         gen_latency_by_rollout=gen_latency_by_rollout(known, sum(s.produced_tokens for s in window) / groups
-                                                      if groups else None, snapshot.rank_tasks),
-        slot_wait_s=slot_wait_s(window, snapshot.rank_tasks),
+                                                      if groups else None),
+        slot_wait_s=slot_wait_s(window),
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
@@ -202,31 +198,23 @@ def task_times(steps: tuple[StepObservation, ...]) -> tuple[float, float] | None
     return held / tasks, sum(s.task_env_sum_s for s in steps) / tasks
 
 
-def slot_occupancy(steps: tuple[StepObservation, ...], rank_tasks: int | None) -> float | None:
-    """The share of the rollout ranks' task slots held over `steps` (None: not measured or no bound)."""
-    capacity = sum(s.rollout_ranks * s.duration_s for s in steps) * (rank_tasks or 0)
-    held = sum(s.rollout_task_s for s in steps)
-    if capacity <= 0 or held <= 0:
-        return None
-    return held / capacity
-
-
-def slot_wait_s(steps: tuple[StepObservation, ...], rank_tasks: int | None) -> float:
+def slot_wait_s(steps: tuple[StepObservation, ...]) -> float:
     """The mean seconds a group completed in `steps` waited for task slots (see the module definitions)."""
     groups = sum(s.groups_completed for s in steps)
-    occupancy = slot_occupancy(steps, rank_tasks)
+    tasks = sum(s.tasks_completed for s in steps)
     times = task_times(steps)
-    if not groups or occupancy is None or occupancy < SLOTS_FULL or times is None:
+    if not groups or times is None:
         return 0.0
     gen = sum(s.group_latency_sum_s - s.group_env_sum_s for s in steps) / groups
-    return max(0.0, gen - max(0.0, times[0] - times[1]))
+    wait = sum(s.task_wait_sum_s for s in steps) / tasks
+    return max(0.0, min(wait, gen - max(0.0, times[0] - times[1])))
 
 
-def gen_latency_by_rollout(steps: tuple[StepObservation, ...], tokens_per_group: float | None = None,
-                           rank_tasks: int | None = None) -> tuple[tuple[int, float], ...]:
+def gen_latency_by_rollout(steps: tuple[StepObservation, ...],
+                           tokens_per_group: float | None = None) -> tuple[tuple[int, float], ...]:
     """Per rollout-rank count, the mean group latency beyond the environment's and the slot wait
-    (:func:`slot_wait_s`, with `rank_tasks` slots a rank) over the newest settled run of steps with that
-    count (a run of steps on one split, less its first step), ascending by count.
+    (:func:`slot_wait_s`) over the newest settled run of steps with that count (a run of steps on one
+    split, less its first step), ascending by count.
 
     With `tokens_per_group` (the current window's), each run's latency is scaled by the work of a group
     now over the work of a group then (tokens per completed group): a group's generation time grows
@@ -241,7 +229,7 @@ def gen_latency_by_rollout(steps: tuple[StepObservation, ...], tokens_per_group:
         n = steps[i - 1].rollout_ranks
         if groups and n not in out:
             gen = max(0.0, sum(s.group_latency_sum_s - s.group_env_sum_s for s in settled) / groups
-                      - slot_wait_s(settled, rank_tasks))
+                      - slot_wait_s(settled))
             then = sum(s.produced_tokens for s in settled) / groups
             if tokens_per_group and then > 0:
                 gen *= tokens_per_group / then

@@ -224,7 +224,7 @@ class ControlPlane:
             is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
-            pre_evaluation_roles=self._evaluation_memory.roles, rank_tasks=self.limits.rank_tasks)
+            pre_evaluation_roles=self._evaluation_memory.roles)
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
@@ -251,9 +251,8 @@ class ControlPlane:
             group_latency_sum_s=window.group_latency_sum_s, group_env_sum_s=window.group_env_sum_s,
             rollout_idle_rank_s=window.rank_s.get(("rollout_idle_s", Role.ROLLOUT.value), 0.0),
             rollout_busy_rank_s=window.rank_s.get(("rollout_busy_s", Role.ROLLOUT.value), 0.0),
-            rollout_task_s=window.rank_s.get(("rollout_tasks_s", Role.ROLLOUT.value), 0.0),
             tasks_completed=window.tasks_completed, task_env_sum_s=window.task_env_sum_s,
-            task_slot_sum_s=window.task_slot_sum_s,
+            task_slot_sum_s=window.task_slot_sum_s, task_wait_sum_s=window.task_wait_sum_s,
             trainer_wait_s=min(end - start, window.rank_s.get(("twt_s", Role.ACTOR.value), 0.0) / actors),
             # The trainer counts readiness in one rank's shares (micro_batch_tokens); ERS and the RA2P
             # cost model in global micro-batches of `actors` shares.

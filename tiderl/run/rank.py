@@ -43,7 +43,7 @@ async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
 
 
 async def serve(ctx: RankContext) -> None:
-    from tiderl.run.rollout_role import run_rollout
+    from tiderl.run.rollout_role import rank_engine, run_rollout
     from tiderl.run.trainer_role import release_trainer_group, run_actor_step, run_ref_step
 
     version = ctx.position()
@@ -60,6 +60,11 @@ async def serve(ctx: RankContext) -> None:
             previous = role
         if role not in (Role.ACTOR, Role.REF):
             release_trainer_group(ctx)  # no step of this rank's runs in it now
+        if role is Role.IDLE and ctx.system.uses_ers and ctx.config.ers.enabled:
+            # A parked rollout rank: its engine ready, so that ERS moves it back to rollout at a reload's
+            # cost, as the simulator prices the move (a rank idle from the start has none yet). A fixed
+            # split's spare never moves: it starts nothing.
+            rank_engine(ctx)
         if role is Role.ROLLOUT:
             nxt = await run_rollout(ctx, plan)
             if nxt is None:

@@ -17,8 +17,7 @@ RWT (`rwt_s`) counts the seconds the rank had free slots but nothing to claim
 (the feeder holds tasks back for staleness, or the buffer is full), even while
 it played other tasks; `rollout_idle_s` counts the seconds it had no task at
 all (its accelerator idle: the paper's RWT); `rollout_busy_s` the seconds at least
-one of its tasks waited on the engine (ERS's supply rate); `rollout_tasks_s` the
-task-seconds its slots held (ERS's slot occupancy).
+one of its tasks waited on the engine (ERS's supply rate).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker, WorkerReport
 from tiderl.run.context import RankContext, RunStopped
-from tiderl.run.rollout_tick import Versions, WeightsStep, claim_kinds, tick_metrics
+from tiderl.run.rollout_tick import Versions, WeightsStep, claim_kinds, tick_metric
 from tiderl.store.types import (ClaimRequest, EventRecord, FinishedTrajectory, MetricPoint, PlanRecord, RankReport,
                                 Role, TaskClaim, TaskFailure, TaskKind, TaskWhereabouts)
 
@@ -161,27 +160,24 @@ def _weights(ctx: RankContext) -> WeightsSource:
     return WeightsSource(ctx.store, ctx.paths.weights, ctx.model_dir)
 
 
-def _engine(ctx: RankContext, version: int) -> Engine:
+def rank_engine(ctx: RankContext) -> Engine:
     """The rank's engine (`rollout.engine`), built once from the job config and kept across role changes.
-    Built on the verified weights of `version`, or on newer ones where `version` was pruned meanwhile."""
+    Built on the base model (version 0, which the trainer never prunes): an engine takes a while to
+    start (a minute on a shared CPU host), longer than the trainer keeps a version's files while it
+    publishes (a rank that joined rollout late once chased pruned versions for the rest of the run);
+    the caller then reloads the weights it plans to hold, a reload's cost."""
     from tiderl.rollout.from_config import make_engine
 
-    engine = ctx.engine
-    if engine is None:
+    if ctx.engine is None:
         t0 = time.monotonic()
-        weights, engine = _weights(ctx).load(
-            version, lambda w: make_engine(ctx.config, w.path, weights_version=w.version))
+        base = _weights(ctx).path(0)
+        built = make_engine(ctx.config, base, weights_version=0)
         up_s = time.monotonic() - t0
-        log.info("rank %d: %s engine up in %.1f s (weights v%d)", ctx.rank, ctx.config.rollout.engine, up_s,
-                 weights.version)
-        ctx.store.record_event(f"rank{ctx.rank}", "engine_up", f"rank {ctx.rank}: engine up in {up_s:.1f} s "
-                               f"(weights v{weights.version})", rank=ctx.rank, data={"seconds": round(up_s, 3)})
-        if weights.version != weights.asked:
-            ctx.store.record_event(f"rank{ctx.rank}", "weights_newer",
-                                   f"rank {ctx.rank}: weights v{weights.asked} were pruned while its engine "
-                                   f"started; it loaded v{weights.version}", rank=ctx.rank)
-        ctx.engine = engine
-    return engine
+        log.info("rank %d: %s engine up in %.1f s (the base model)", ctx.rank, ctx.config.rollout.engine, up_s)
+        ctx.store.record_event(f"rank{ctx.rank}", "engine_up", f"rank {ctx.rank}: engine up in {up_s:.1f} s",
+                               rank=ctx.rank, data={"seconds": round(up_s, 3)})
+        ctx.engine = built
+    return ctx.engine
 
 
 async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankReport) -> int | None:
@@ -220,7 +216,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     """Roll out from `plan.version` on; returns the plan of the first version that moves this rank
     to another role (None: the run stopped)."""
     cfg = ctx.config
-    engine = _engine(ctx, plan.version)
+    engine = rank_engine(ctx)
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=plan.version)
     if engine.weights_version < plan.version:
         await _reload(ctx, engine, plan.version, report)
@@ -237,8 +233,9 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             # Observe: the tick's time, the worker's results, the boundary.
             now = time.monotonic()
             tick_s, last = now - last, now
-            report.metrics.extend(MetricPoint(name, value, v.held, "rollout") for name, value in
-                                  tick_metrics(role.worker.num_unfinished, role.worker.num_generating, tick_s).items())
+            metric = tick_metric(role.worker.num_unfinished, role.worker.num_generating)
+            if metric is not None:
+                report.metrics.append(MetricPoint(metric.value, tick_s, v.held, "rollout"))
             role.drain(report)
             stats.observe(role)
             nxt = ctx.boundary(v.planned)

@@ -19,8 +19,7 @@ Invariants (tests in tests/test_run_rollout_tick.py)
 3. Behind ``planned`` and not for a rejected version, the rank claims only evaluation tasks (a
    training task would start on weights older than the plan); otherwise every kind.
 4. A tick counts as idle when the rank had no task at all, as busy when the engine had work, and as
-   a wait (RWT) when it asked for tasks and got none; its task slots held its unfinished tasks for
-   the tick (`rollout_tasks_s`, ERS's slot occupancy).
+   a wait (RWT) when it asked for tasks and got none.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from tiderl.store.types import TaskKind
 
-__all__ = ["TASKS_METRIC", "TickMetric", "Versions", "WeightsStep", "claim_kinds", "tick_metric", "tick_metrics"]
+__all__ = ["TickMetric", "Versions", "WeightsStep", "claim_kinds", "tick_metric"]
 
 
 class WeightsStep(enum.Enum):
@@ -86,23 +85,9 @@ class TickMetric(enum.Enum):
     BUSY = "rollout_busy_s"  # the engine had work (sampled once a tick): ERS's supply rate
 
 
-TASKS_METRIC = "rollout_tasks_s"  # task-seconds held in the rank's slots (its unfinished tasks, sampled once a tick)
-
-
 def tick_metric(unfinished: int, generating: int) -> TickMetric | None:
     if unfinished == 0:
         return TickMetric.IDLE
     if generating:
         return TickMetric.BUSY
     return None
-
-
-def tick_metrics(unfinished: int, generating: int, tick_s: float) -> dict[str, float]:
-    """The metrics a tick of `tick_s` seconds records (name -> value), its state sampled at its end."""
-    out = {}
-    metric = tick_metric(unfinished, generating)
-    if metric is not None:
-        out[metric.value] = tick_s
-    if unfinished:
-        out[TASKS_METRIC] = unfinished * tick_s
-    return out

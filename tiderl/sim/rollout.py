@@ -175,9 +175,7 @@ class RolloutSide:
         self.candidates: deque[SimGroup] = deque()
         self.orphans: list[SimTask] = []
         self.tasks: dict[int, SimTask] = {}
-        self.env_active = 0  # resident tasks over every rank (each holds a task slot and an environment session)
-        self.held_task_s = 0.0  # task-seconds the ranks' slots held, up to held_t
-        self.held_t = 0.0
+        self.env_active = 0
         self.version = 0
         self.accounts = {"busy": 0.0, "rwt": 0.0, "rwt_held": 0.0, "idle": 0.0, "idle_held": 0.0, "stall": 0.0,
                          "off": 0.0}
@@ -213,7 +211,7 @@ class RolloutSide:
         self._retire(rank.engine)
         for task in list(rank.tasks):
             if task.stage is not Stage.PAUSED:
-                self._resident(t, -1)
+                self.env_active -= 1
             task.stage = Stage.PAUSED
             task.rank = None
             task.view = None
@@ -322,18 +320,6 @@ class RolloutSide:
     def account_all(self, t: float, force: bool = False) -> None:
         for rank in self.ranks.values():
             self._account(rank, t, force)
-
-    def _resident(self, t: float, delta: int) -> None:
-        """The resident tasks change by `delta` at t (after integrating the task-seconds held so far)."""
-        self.held_task_s += self.env_active * (t - self.held_t)
-        self.held_t = t
-        self.env_active += delta
-
-    def task_s(self, t: float) -> float:
-        """Task-seconds the ranks' task slots held up to t (what real rollout ranks count as
-        `rollout_tasks_s`; a simulated rank caps its resident tasks at max_num_seqs)."""
-        self._resident(t, 0)
-        return self.held_task_s
 
     def rwt_rank_s(self) -> float:
         """Rank-seconds without engine work and nothing left to claim (the simulated RWT), so far."""
@@ -457,7 +443,7 @@ class RolloutSide:
         elif task in self.orphans:
             self.orphans.remove(task)
         if not paused:
-            self._resident(t, -1)
+            self.env_active -= 1
         task.stage = Stage.DONE
         task.rank = None
         task.finished_s = t
@@ -486,7 +472,7 @@ class RolloutSide:
         rank.paused.discard(task)
         rank.used += task.footprint
         rank.num_resident += 1
-        self._resident(t, 1)
+        self.env_active += 1
         if task.stage is Stage.QUEUED:
             task.stage = Stage.STARTING
             task.version_start = self.version
@@ -510,7 +496,7 @@ class RolloutSide:
         rank.engine.set_kept(task, False)
         rank.used -= task.footprint
         rank.num_resident -= 1
-        self._resident(t, -1)
+        self.env_active -= 1
         task.prefix = 0
         task.stage = Stage.PAUSED
         task.view = None

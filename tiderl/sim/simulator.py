@@ -186,9 +186,8 @@ class Simulation:
         self.observations: list[StepObservation] = []
         self.released_s: dict[tuple, float] = {}
         # This step's groups: (seen at, latency s, tokens, slowest task's env s, tasks, the tasks' env s, the
-        # tasks' seconds in a task slot).
-        self.groups_seen: list[tuple[float, float, int, float, int, float, float]] = []
-        self.task_s_at_publish = 0.0
+        # tasks' seconds in a task slot, the tasks' waits for one).
+        self.groups_seen: list[tuple[float, float, int, float, int, float, float, float]] = []
         self.end_s = 0.0
 
     # -- event loop --------------------------------------------------------------------------
@@ -305,7 +304,8 @@ class Simulation:
         released = self.released_s.pop(group.id, t)
         env = [x.plan.start_latency_s + sum(x.plan.env_latency_s) for x in group.tasks]
         self.groups_seen.append((t, t - released, sum(group.seq_tokens), max(env), len(env), sum(env),
-                                 sum(x.finished_s - x.placed_s for x in group.tasks)))
+                                 sum(x.finished_s - x.placed_s for x in group.tasks),
+                                 sum(max(0.0, x.placed_s - released) for x in group.tasks)))
         if self.system.synchronous:
             self.phase_done += 1
             if self.phase_done == self.b_ideal:
@@ -377,7 +377,6 @@ class Simulation:
             stage_times=self._stage_times() if self.consumed_tasks else None,
             fill_steps=self.staleness + 1,
             pre_evaluation_roles=self.evaluation_memory.roles,
-            rank_tasks=self.ers_limits.rank_tasks,
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -393,9 +392,8 @@ class Simulation:
             group_latency_sum_s=sum(g[1] for g in seen), group_env_sum_s=sum(g[3] for g in seen),
             rollout_idle_rank_s=self._rollout_idle_rank_s(t),
             rollout_busy_rank_s=self._rollout_busy_rank_s(),
-            rollout_task_s=self._rollout_task_s(t),
             tasks_completed=sum(g[4] for g in seen), task_env_sum_s=sum(g[5] for g in seen),
-            task_slot_sum_s=sum(g[6] for g in seen),
+            task_slot_sum_s=sum(g[6] for g in seen), task_wait_sum_s=sum(g[7] for g in seen),
             trainer_wait_s=min(duration, stats.actor_wait_gpu_s / actors + block),
             tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
             ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
@@ -403,12 +401,6 @@ class Simulation:
             evaluation=self._eval_due(self.version)))  # the step played this version's evaluation round
         self.groups_seen = []
         self.step_dropped_tokens = 0
-
-    def _rollout_task_s(self, t: float) -> float:
-        """Task-seconds the rollout ranks' slots held since the last publish."""
-        held = self.rollout.task_s(t)
-        since, self.task_s_at_publish = held - self.task_s_at_publish, held
-        return since
 
     def _rollout_busy_rank_s(self) -> float:
         """Rollout rank-seconds with the engine generating since the last publish (after the accounting

@@ -771,7 +771,7 @@ class RunStore:
         """What ERS reads of the step that published `version` (tiderl.policy.ers.StepObservation): the
         trajectory tokens it trained on and those of the groups it dropped as stale, the training groups completed in
         [start_ts, end_ts) (their tokens, creation-to-completion seconds, slowest task's environment
-        seconds, tasks, and the tasks' environment seconds and seconds in a task slot), the rank-seconds
+        seconds, tasks, and the tasks' environment seconds, seconds in a task slot and waits for one), the rank-seconds
         of the rollout and wait metrics recorded in it, by metric and role, and whether an evaluation
         group was open during it."""
         def read(c: Connection) -> StepWindow:
@@ -782,7 +782,8 @@ class RunStore:
                        func.count(trajectories.c.id).label("tasks"),
                        func.sum(func.coalesce(trajectories.c.env_s, 0.0)).label("task_env_s"),
                        # From the task's (last) claim by a rollout rank to its end: its time in a task slot.
-                       func.sum(func.coalesce(trajectories.c.finished_at - tasks.c.claimed_at, 0.0)).label("slot_s"))
+                       func.sum(func.coalesce(trajectories.c.finished_at - tasks.c.claimed_at, 0.0)).label("slot_s"),
+                       func.sum(func.coalesce(tasks.c.claimed_at - task_groups.c.created_at, 0.0)).label("wait_s"))
                 .join(trajectories, trajectories.c.group_id == task_groups.c.id)
                 .join(tasks, tasks.c.id == trajectories.c.task_id)
                 .where(task_groups.c.kind == TaskKind.TRAIN.value, task_groups.c.completed_at >= start_ts,
@@ -790,8 +791,7 @@ class RunStore:
                 .group_by(task_groups.c.id, task_groups.c.created_at, task_groups.c.completed_at)).all()
             sums = c.execute(select(metrics.c.name, metrics.c.role, func.sum(metrics.c.value))
                              .where(metrics.c.ts >= start_ts, metrics.c.ts < end_ts,
-                                    metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "rollout_tasks_s",
-                                                        "twt_s")))
+                                    metrics.c.name.in_(("rollout_idle_s", "rollout_busy_s", "twt_s")))
                              .group_by(metrics.c.name, metrics.c.role)).all()
             consumed = c.execute(select(versions.c.trained_tokens).where(versions.c.version == version)).scalar()
             dropped = _dropped_groups(c, start_ts, end_ts)
@@ -808,6 +808,7 @@ class RunStore:
                 tasks_completed=int(sum(r.tasks or 0 for r in rows)),
                 task_env_sum_s=sum(r.task_env_s or 0.0 for r in rows),
                 task_slot_sum_s=sum(max(0.0, r.slot_s or 0.0) for r in rows),
+                task_wait_sum_s=sum(max(0.0, r.wait_s or 0.0) for r in rows),
                 rank_s={(name, role): float(v or 0.0) for name, role, v in sums},
                 consumed_tokens=int(consumed or 0), stale_dropped_tokens=int(dropped_tokens or 0))
 

@@ -157,6 +157,7 @@ class StepWindow:
     tasks_completed: int = 0  # tasks (trajectories) of the training groups completed in the step
     task_env_sum_s: float = 0.0  # sum of those tasks' environment seconds
     task_slot_sum_s: float = 0.0  # sum of those tasks' seconds from their (last) claim to their end
+    task_wait_sum_s: float = 0.0  # sum of those tasks' seconds from their group's creation to that claim
 
 
 CUT_FINISHES = frozenset({"max_turns", "max_context"})  # the agent loop's finish reasons of a task its limits cut
