@@ -54,7 +54,7 @@ def test_a_published_version_verifies_and_version_0_is_the_base_model(source: We
 
 
 def test_a_version_pruned_before_the_load_gives_the_newest(source: WeightsSource) -> None:
-    # A rank starts its engine on v3; while it starts, v4..v6 are published and v3 is pruned.
+    # A rank asks for v3; before it gets to it, v4..v6 are published and v3 is pruned.
     for v in range(1, 7):
         _publish(source.store, source.weights_root, v, keep=3)
     assert not (source.weights_root / "v3").exists()
@@ -67,31 +67,26 @@ def test_a_version_pruned_while_it_loads_is_followed_to_the_newest(source: Weigh
         _publish(source.store, source.weights_root, v, keep=3)
     loaded: list[int] = []
 
-    def load(w):  # vLLM reading the directory while the trainer publishes and prunes it
+    async def load(w):  # an engine's reload reading the directory while the trainer publishes and prunes it
         if w.version == 1:
             for v in range(4, 7):
                 _publish(source.store, source.weights_root, v, keep=3)
-            raise EngineError(f"vLLM could not start on model {w.path}: Repo id must be in the form ...")
-        loaded.append(w.version)
-        return "engine"
-
-    weights, engine = source.load(1, load)
-    assert (weights.version, weights.asked, engine, loaded) == (6, 1, "engine", [6])
-
-    async def reload(w):
+            raise EngineError(f"vLLM could not reload from {w.path}: no such directory")
         loaded.append(w.version)
 
-    assert asyncio.run(source.aload(5, reload)).version == 5
+    weights = asyncio.run(source.aload(1, load))
+    assert (weights.version, weights.asked, loaded) == (6, 1, [6])
+    assert asyncio.run(source.aload(5, load)).version == 5
 
 
 def test_a_load_error_of_a_present_version_is_not_hidden(source: WeightsSource) -> None:
     _publish(source.store, source.weights_root, 1, keep=3)
 
-    def load(w):
+    async def load(w):
         raise EngineError("out of memory")
 
     with pytest.raises(EngineError, match="out of memory"):
-        source.load(1, load)
+        asyncio.run(source.aload(1, load))
 
 
 def test_damaged_or_replaced_weights_are_rejected(source: WeightsSource) -> None:

@@ -3,8 +3,9 @@
 The trainer publishes `weights/vN/` with a `SHA256SUMS` and records the digest of that file in the
 store (`versions.checksum`). Before a rank loads a version it checks both: every file against the
 sums, and the sums against the store. A version that was pruned before the rank got to it (a rank
-whose engine took minutes to start while the trainer published and pruned) is not an error: the
-rank loads the newest published version instead, which is never older than the one it asked for.
+that was busy elsewhere while the trainer published and pruned) is not an error: the rank loads the
+newest published version instead, which is never older than the one it asked for. An engine starts on
+the base model (version 0, never pruned) and reloads (tiderl.run.rollout_role.rank_engine).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
 
 from tiderl.paths import version_dir
 from tiderl.rollout.engine import EngineError
@@ -21,7 +21,6 @@ from tiderl.store.runstore import RunStore
 from tiderl.trainer.publish import ChecksumError, verify
 
 log = logging.getLogger("tiderl.weights")
-T = TypeVar("T")
 LOAD_ATTEMPTS = 3  # a version pruned during its load is followed to the newest this often
 
 
@@ -77,21 +76,9 @@ class WeightsSource:
                                                f"published (store checksum {recorded[:12]}, files {digest[:12]})")
             return Weights(version, path, asked)
 
-    def load(self, version: int, load: Callable[[Weights], T]) -> tuple[Weights, T]:
-        """`load(weights)` of `version`, following a version pruned while it loaded to the newest."""
-        asked = version
-        for attempt in range(1, LOAD_ATTEMPTS + 1):
-            weights = replace(self.resolve(version), asked=asked)
-            try:
-                return weights, load(weights)
-            except (EngineError, OSError):
-                if weights.path.is_dir() or attempt == LOAD_ATTEMPTS:
-                    raise
-                version = weights.version  # gone while loading: resolve again finds the newer one
-        raise AssertionError("unreachable")
-
     async def aload(self, version: int, load: Callable[[Weights], Awaitable[None]]) -> Weights:
-        """`load` for an async loader (an engine's reload)."""
+        """`await load(weights)` of `version` (an engine's reload), following a version pruned while it
+        loaded to the newest."""
         asked = version
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             weights = replace(self.resolve(version), asked=asked)
@@ -101,5 +88,5 @@ class WeightsSource:
             except (EngineError, OSError):
                 if weights.path.is_dir() or attempt == LOAD_ATTEMPTS:
                     raise
-                version = weights.version
+                version = weights.version  # gone while loading: resolve again finds the newer one
         raise AssertionError("unreachable")
