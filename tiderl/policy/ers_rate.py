@@ -30,8 +30,8 @@ Model (every rate from the signals' window of recent steps, as measured)
   before it looked like an engine that a queue for slots did not need
   (bench-latency on the 3-rank CPU host: the planner kept 1 rollout rank of
   16 slots for 64 tasks in flight, 0.77x of the best fixed split;
-  docs/RESULTS.md). The shared-host
-  trial below never leaves ranks idle that the groups in flight need.
+  docs/RESULTS.md). The shared-host trial below never leaves ranks idle
+  that the groups in flight need.
 - Latency against rollout ranks: ``L = L_env + L_gen``, where ``L_env`` is
   the environment time of a group's slowest task (start and steps, measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).

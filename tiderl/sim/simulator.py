@@ -50,6 +50,32 @@ class SimulationStalled(RuntimeError):
 
 
 @dataclass(slots=True)
+class GroupSums:
+    """The training groups completed in a step, summed as the store's step window sums them
+    (tiderl.store.types.StepWindow)."""
+
+    groups: int = 0
+    tokens: int = 0
+    latency_s: float = 0.0  # creation to completion
+    env_s: float = 0.0  # each group's slowest task's environment seconds
+    tasks: int = 0
+    task_env_s: float = 0.0
+    task_slot_s: float = 0.0  # placement (a real rank's claim) to the task's end
+    task_wait_s: float = 0.0  # the group's release to that placement
+
+    def add(self, group: SimGroup, released: float, t: float) -> None:
+        env = [x.plan.start_latency_s + sum(x.plan.env_latency_s) for x in group.tasks]
+        self.groups += 1
+        self.tokens += sum(group.seq_tokens)
+        self.latency_s += t - released
+        self.env_s += max(env)
+        self.tasks += len(env)
+        self.task_env_s += sum(env)
+        self.task_slot_s += sum(x.finished_s - x.placed_s for x in group.tasks)
+        self.task_wait_s += sum(max(0.0, x.placed_s - released) for x in group.tasks)
+
+
+@dataclass(slots=True)
 class StepRecord:
     version: int
     end_s: float
@@ -185,9 +211,7 @@ class Simulation:
         # What ERS reads: one StepObservation per step, and each training group's release and completion.
         self.observations: list[StepObservation] = []
         self.released_s: dict[tuple, float] = {}
-        # This step's groups: (seen at, latency s, tokens, slowest task's env s, tasks, the tasks' env s, the
-        # tasks' seconds in a task slot, the tasks' waits for one).
-        self.groups_seen: list[tuple[float, float, int, float, int, float, float, float]] = []
+        self.groups_seen = GroupSums()  # this step's
         self.end_s = 0.0
 
     # -- event loop --------------------------------------------------------------------------
@@ -302,10 +326,7 @@ class Simulation:
             return
         self.buffer.append(group)
         released = self.released_s.pop(group.id, t)
-        env = [x.plan.start_latency_s + sum(x.plan.env_latency_s) for x in group.tasks]
-        self.groups_seen.append((t, t - released, sum(group.seq_tokens), max(env), len(env), sum(env),
-                                 sum(x.finished_s - x.placed_s for x in group.tasks),
-                                 sum(max(0.0, x.placed_s - released) for x in group.tasks)))
+        self.groups_seen.add(group, released, t)
         if self.system.synchronous:
             self.phase_done += 1
             if self.phase_done == self.b_ideal:
@@ -388,18 +409,18 @@ class Simulation:
         self.observations.append(StepObservation(
             version=self.version + 1, duration_s=duration, consumed_tokens=stats.consumed_tokens,
             rollout_ranks=self._num(Role.ROLLOUT), actor_ranks=stats.num_actors, ref_ranks=stats.num_refs,
-            produced_tokens=sum(g[2] for g in seen), groups_completed=len(seen),
-            group_latency_sum_s=sum(g[1] for g in seen), group_env_sum_s=sum(g[3] for g in seen),
+            produced_tokens=seen.tokens, groups_completed=seen.groups,
+            group_latency_sum_s=seen.latency_s, group_env_sum_s=seen.env_s,
             rollout_idle_rank_s=self._rollout_idle_rank_s(t),
             rollout_busy_rank_s=self._rollout_busy_rank_s(),
-            tasks_completed=sum(g[4] for g in seen), task_env_sum_s=sum(g[5] for g in seen),
-            task_slot_sum_s=sum(g[6] for g in seen), task_wait_sum_s=sum(g[7] for g in seen),
+            tasks_completed=seen.tasks, task_env_sum_s=seen.task_env_s,
+            task_slot_sum_s=seen.task_slot_s, task_wait_sum_s=seen.task_wait_s,
             trainer_wait_s=min(duration, stats.actor_wait_gpu_s / actors + block),
             tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
             ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
             stale_dropped_tokens=self.step_dropped_tokens,
             evaluation=self._eval_due(self.version)))  # the step played this version's evaluation round
-        self.groups_seen = []
+        self.groups_seen = GroupSums()
         self.step_dropped_tokens = 0
 
     def _rollout_busy_rank_s(self) -> float:
