@@ -193,6 +193,48 @@ def test_compare_reports_errors_and_what_is_over_threshold():
     assert sim_vs_real.compare(measured, {})["systems"] == {}
 
 
+def test_the_real_group_holding_reads_the_steady_groups_life_from_the_store(tmp_path):
+    """Two groups played and trained for real in a run store, the first created before version 1 (the
+    start-up, left out), the second after it: its creation, completion, the trainer's claim and the
+    publication of the version that trained it."""
+    import time
+
+    from tiderl.rundir import create_run
+    from tiderl.roles import Role
+    from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, TaskKind, VersionRecord
+
+    config = load_job(ROOT / "jobs" / "quickstart.yaml", ["rollout.eval_every_steps=0", "launch.num_ranks=2"])
+    run_dir = tmp_path / "run"
+    _, store = create_run(config, run_dir)
+    store.register_initial_version("model", "0")
+    store.register_rank(1, Role.ROLLOUT)
+    for version in (1, 2):
+        store.add_groups([NewGroup(TaskKind.TRAIN, version, 2)])
+        claims = store.claim_tasks(1, 2)
+        time.sleep(0.02)
+        store.report(RankReport(rank=1, role=Role.ROLLOUT, version=version - 1, finished=[
+            FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0],
+                               token_versions=[-1, version - 1], num_turns=1, reward=float(i), success=bool(i))
+            for i, c in enumerate(claims)]))
+        time.sleep(0.02)
+        got = store.claim_ready_groups(0, 1)
+        time.sleep(0.02)
+        store.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="c",
+                                            trajectory_ids=[t.id for t in got], step_started_at=0.0,
+                                            duration_s=0.1), owner=0)
+    created, completed, claimed, published = store.tx.read(lambda c: c.exec_driver_sql(
+        "select g.created_at, g.completed_at, min(r.claimed_at), v.created_at from task_groups g"
+        " join trajectories r on r.group_id = g.id join versions v on v.version = r.consumed_version"
+        " where v.version = 2 group by g.id").one())
+    store.close()
+    got = sim_vs_real.real_group_holding(run_dir)
+    assert got == {"groups": 1, "release_to_seen_s": pytest.approx(completed - created, abs=1e-3),
+                   "seen_to_claim_s": pytest.approx(claimed - completed, abs=1e-3),
+                   "claim_to_publish_s": pytest.approx(published - claimed, abs=1e-3)}
+    assert min(got["release_to_seen_s"], got["seen_to_claim_s"], got["claim_to_publish_s"]) >= 0.015
+    assert sim_vs_real.real_group_holding(run_dir, from_version=0)["groups"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_calibration_tool_writes_a_cluster_file_the_simulator_loads(tmp_path):

@@ -18,7 +18,8 @@ from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMPTY_NOTES = ("no version published yet", "no step trained", "no wait recorded", "no role planned",
-               "no prefix-cache lookups recorded", "no KV-cache usage recorded", "no trajectory trained yet")
+               "no prefix-cache lookups recorded", "no KV-cache usage recorded", "no trajectory trained yet",
+               "no training group trained yet")
 
 
 def assert_report(out_dir: Path) -> str:
@@ -55,11 +56,21 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
                                     step_started_at=0.0, duration_s=2.0, ras=0, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
     s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[MetricPoint("twt_s", 1.25, 0, "actor")]))
-    s.plan_roles(1, {0: Role.ACTOR, 1: Role.IDLE}, ra2p_mode="colocated", fetch_groups=1)
-    s.set_run_state(RunState.FINISHED, "1 steps done")
+    # A second group, created after version 1: the steady window of the group's time in flight.
+    s.add_groups([NewGroup(TaskKind.TRAIN, 2, 2)])
+    s.report(RankReport(rank=1, role=Role.ROLLOUT, version=1, finished=[
+        FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -1],
+                           token_versions=[-1, 1, 1], num_turns=1, reward=float(i), success=bool(i))
+        for i, c in enumerate(s.claim_tasks(1, 2))]))
+    got = s.claim_ready_groups(0, 1)
+    s.publish_version(VersionRecord(version=2, path="weights/v2", checksum="c2", trajectory_ids=[t.id for t in got],
+                                    step_started_at=0.0, duration_s=1.0, ra2p_mode="colocated"), owner=0)
+    s.plan_roles(2, {0: Role.ACTOR, 1: Role.IDLE}, ra2p_mode="colocated", fetch_groups=1)
+    s.set_run_state(RunState.FINISHED, "2 steps done")
 
     data = load(s)
-    assert [v["version"] for v in data.versions] == [1] and data.consumed_tokens == 4
+    assert [v["version"] for v in data.versions] == [1, 2] and data.consumed_tokens == 8
+    assert data.holding == s.group_holding(1) | {"from_version": 1} and data.holding["groups"] == 1
     assert [(x.rank, x.role) for x in data.roles] == [(0, "actor"), (1, "rollout"), (1, "idle")]
     assert [e["eval_version"] for e in data.evals] == [0]
     assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 0
@@ -70,6 +81,9 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert data.ctb[0]["ctb_admitted"] == 3 and data.ctb[0]["kv_usage"] == pytest.approx(0.4)
     assert "| 0 | 3 | 1 | 1 | 2 | 0 | 0.400 | 40.0% | 512 |" in summary, summary
     assert not any(note in summary for note in EMPTY_NOTES)
+    held = data.holding
+    assert (f"| {held['release_to_seen_s']:.2f} | {held['seen_to_claim_s']:.2f} | "
+            f"{held['claim_to_publish_s']:.2f} |") in summary
 
 
 def test_report_of_a_run_without_steps_says_what_is_missing(tmp_path: Path,
@@ -78,6 +92,7 @@ def test_report_of_a_run_without_steps_says_what_is_missing(tmp_path: Path,
     assert main(["report", str(tmp_path / "r")]) == 0  # default: RUN_DIR/report
     summary = assert_report(tmp_path / "r" / "report")
     assert "no version published yet" in summary and "no role planned yet" in summary
+    assert "no training group trained yet" in summary
 
 
 def test_report_of_something_that_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,6 +140,7 @@ def test_report_of_a_short_real_run(real_run: Path, tmp_path: Path) -> None:
     finally:
         store.close()
     assert len(data.versions) == 2 and data.staleness and data.cache and data.waits
+    assert data.holding["groups"] > 0 and "## A training group's time in flight" in summary
     assert sum(row.get("ctb_admitted", 0) for row in data.ctb.values()) > 0, data.ctb  # the rollout ranks' CTB figures
     assert "## Rollout scheduling (CTB) per weights version" in summary
     assert {s.role for s in data.roles} >= {"actor", "rollout"}

@@ -83,13 +83,16 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_run_resumes(tmp_path: Path, cac
     sets = SCRIPTED + [f"trainer.num_steps={steps}", "env.latency=fixed:0.3"]
     proc = subprocess.Popen([sys.executable, "-m", "tiderl", "run", "jobs/quickstart.yaml",
                              *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir)],
-                            cwd=ROOT, env=scripted_run_env(cache), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=scripted_run_env(cache), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            # SIGINT as at a terminal: a test run started in the background (`cmd &` in a script)
+                            # ignores it, and its children inherit that, so Ctrl-C would never reach the launcher.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     version = 0
     while version < 1 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
         try:
-            store = RunStore.for_run_dir(run_dir)
+            store = RunStore.for_run_dir(run_dir, read_only=True)  # only looks, as `tiderl status`
             try:
                 version = store.run_info().version
             finally:

@@ -93,6 +93,26 @@ def test_latency_bound_of_a_run_by_hand():
     assert metrics.little_bound_tok_s([100.0, 300.0], [1.0, 3.0], 2) == pytest.approx(200.0)
 
 
+def test_group_holding_measures_each_trained_group_once_from_release_to_its_step_s_publish():
+    """Two groups trained in the step from version 0 (published at 10 s), one in the step from version 1
+    (published at 25 s), one claimed by a step that never published (left out)."""
+    def group(released, seen, claimed, version):
+        return SimpleNamespace(released_s=released, seen_s=seen, claimed_s=claimed, claim_version=version)
+    a, b, c, d = group(0.0, 6.0, 6.5, 0), group(0.0, 8.0, 8.0, 0), group(3.0, 20.0, 21.0, 1), group(12.0, 26.0, 27.0, 2)
+    sim = SimpleNamespace(
+        records=[SimpleNamespace(version=0, end_s=10.0), SimpleNamespace(version=1, end_s=25.0)],
+        consumed_tasks=[SimpleNamespace(group=g) for g in (a, a, b, b, c, c, d, d)])
+    assert metrics.group_holding(sim) == {
+        "groups": 3,
+        "release_to_seen_s": round((6 + 8 + 17) / 3, 3),
+        "seen_to_claim_s": round((0.5 + 0 + 1) / 3, 3),
+        "claim_to_publish_s": round((3.5 + 2 + 4) / 3, 3),
+    }
+    # From the first publication on (tools/sim_vs_real.py's steady window): the group released at 3 s.
+    assert metrics.group_holding(sim, released_from_s=3.0) == {
+        "groups": 1, "release_to_seen_s": 17.0, "seen_to_claim_s": 1.0, "claim_to_publish_s": 4.0}
+
+
 def test_the_latency_bound_binds_where_latency_dominates_and_holds():
     """Slow environments, plenty of compute: the staleness-latency bound binds, within a small factor."""
     wd, cd = small_dicts(4)
@@ -127,6 +147,12 @@ def test_bound_holds_on_shipped_files(workload, cluster, systems, steps):
         assert r["bound_tok_s"] == min(r["upper_bound_tok_s"], r["latency_bound_tok_s"]), name
         assert r["bound_term"] == ("compute" if r["upper_bound_tok_s"] <= r["latency_bound_tok_s"]
                                    else "staleness_latency")
+        # Every trained group's measured time in flight, and its least part (the slowest task's
+        # unavoidable latency) at most what was measured.
+        held, least = r["group_holding"], r["latency_bound"]
+        assert held["groups"] == r["consumed_trajectories"] // w.group_size, name
+        assert min(held["release_to_seen_s"], held["seen_to_claim_s"], held["claim_to_publish_s"]) >= 0, name
+        assert held["release_to_seen_s"] >= least["slowest_task_s"] - 1e-3, name
 
 
 def test_refs_to_keep_up_follow_the_cost_model():
@@ -209,4 +235,6 @@ def test_cli_all_and_best_fixed_json(tmp_path, capsys):
     assert main(["sim", str(wp), str(cp), "--system", "all", "--steps", "2", "--jobs", "2"]) == 0
     text = capsys.readouterr().out
     assert "Best fixed partition" in text and "Bound of the TideRL run" in text
+    held = tiderl["group_holding"]
+    assert f"claim to publish {held['claim_to_publish_s']:.1f} s" in text
 

@@ -27,6 +27,13 @@ dropped as older than the staleness bound over the whole run):
 - RWT and TWT per step, rank-seconds, versions 2..N (real: the store's per-version `rwt_s` and
   `twt_s` metrics; simulated: the per-step records).
 The error is (simulated - measured) / measured; `over_threshold` lists what is off by more than 25%.
+Beside them, `group_holding`: where the training groups created from the publication of version 1 on
+(the steady window's; one created during the start-up waits for the engines) spent their time in flight,
+means per group on both sides (the simulator's `group_holding`, docs/simulator.md): from their creation to
+their completion (`release_to_seen_s`; real: the report of its last task), until a trainer step claimed
+them (`seen_to_claim_s`; real: its first trajectory's claim, so the trainer's poll counts here, in the
+simulator in the part before) and until that step published (`claim_to_publish_s`). It shows which part
+of a group's life the simulator gets wrong where a figure is off.
 """
 
 from __future__ import annotations
@@ -114,6 +121,22 @@ def real_steps(run_dir: Path) -> list[dict]:
             for r in rows]
 
 
+def real_group_holding(run_dir: Path, from_version: int = 1) -> dict:
+    """The real run's `group_holding` (RunStore.group_holding): the trained groups created at the
+    publication of `from_version` or later (the steady window: one created during the start-up waits
+    for the engines to start)."""
+    from tiderl.store import RunStore
+
+    store = RunStore.for_run_dir(run_dir)
+    try:
+        return store.group_holding(from_version)
+    finally:
+        store.close()
+
+
+HOLDING = ("release_to_seen_s", "seen_to_claim_s", "claim_to_publish_s")
+
+
 def real_stale_drops(run_dir: Path) -> int:
     """Training groups of the real run dropped as older than the staleness bound: by its trainer at the
     claim or by its control plane while still open (generation that was never trained)."""
@@ -187,6 +210,7 @@ def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dic
 
 def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: int) -> dict:
     """One simulated run of `run:SYSTEM`; `workload` and `cluster` are loaded specs or file paths."""
+    from tiderl.sim.metrics import group_holding
     from tiderl.sim.simulator import Simulation
     from tiderl.sim.spec import load_cluster, load_workload
     from tiderl.sim.systems import parse_system, with_scheduler
@@ -194,8 +218,10 @@ def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: i
     cl = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
     wl = load_workload(workload) if isinstance(workload, (str, Path)) else workload
     sim_system = with_scheduler(parse_system(f"run:{system}"), scheduler)
-    result = Simulation(wl, cl, sim_system, steps=steps, seed=seed,
-                        rollout_fraction=cl.training.default_rollout_fraction).run()
+    sim = Simulation(wl, cl, sim_system, steps=steps, seed=seed, rollout_fraction=cl.training.default_rollout_fraction)
+    result = sim.run()
+    # The groups released from the first publication on, as real_group_holding reads them.
+    result["steady_group_holding"] = group_holding(sim, sim.records[0].end_s if sim.records else 0.0)
     return result
 
 
@@ -231,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = json.loads(args.bench.read_text().strip().splitlines()[-1])
     cluster_doc = yaml.safe_load(args.cluster.read_text())
     workload_doc = yaml.safe_load(args.workload.read_text())
-    measured, simulated, raw, settings, mismatches, drops = {}, {}, {}, {}, set(), {}
+    measured, simulated, raw, settings, mismatches, drops, holding = {}, {}, {}, {}, set(), {}, {}
     for name, run in bench.items():
         if not isinstance(run, dict) or "error" in run or "run_dir" not in run:
             continue
@@ -251,8 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         raw[name] = {k: result[k] for k in ("goodput_gen_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "gpu_s",
                                             "ra2p", "roles_timeline", "stale_dropped_groups")}
         drops[name] = {"measured": real_stale_drops(run_dir), "simulated": result["stale_dropped_groups"]}
+        real_held, sim_held = real_group_holding(run_dir), result["steady_group_holding"]
+        holding[name] = {}
+        for part in HOLDING:
+            err = rel_error(sim_held[part], real_held[part])
+            holding[name][part] = {"measured": real_held[part], "simulated": sim_held[part],
+                                   "error": None if err is None else round(err, 3)}
     out = compare(measured, simulated)
     out["stale_dropped_groups"] = drops
+    out["group_holding"] = holding
     out["workload"], out["cluster"] = str(args.workload), str(args.cluster)
     if args.job is not None:
         out["job"] = str(args.job)
@@ -277,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s if s is None else round(s, 2)!s:>10} {'-' if e is None else f'{e:+.0%}':>8}")
     print("training groups dropped as stale (whole run), measured / simulated: " + ", ".join(
         f"{name} {d['measured']} / {d['simulated']}" for name, d in drops.items()))
+    print("a steady training group's time in flight, seconds, measured / simulated:")
+    for name, parts in holding.items():
+        print(f"  {name:8} " + ", ".join(f"{part[:-2]} {v['measured']} / {v['simulated']}"
+                                         for part, v in parts.items()))
     print("over 25%:", ", ".join(out["over_threshold"]) or "none")
     return 0
 

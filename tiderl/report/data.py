@@ -36,6 +36,10 @@ class ReportData:
     ctb: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per weights version the rollout ranks held: the sum of each CTB_SUMS metric over the ranks and the
     mean of each CTB_LEVELS metric over its points (a name absent: never recorded at that version)."""
+    holding: dict[str, Any] = field(default_factory=dict)
+    """Where the trained groups created from version `from_version`'s publication on spent their time in
+    flight (RunStore.group_holding): from version 1 (the start-up left out), or from version 0 where no
+    group created after version 1 was trained (a run of a step or two)."""
 
     @property
     def consumed_tokens(self) -> int:
@@ -56,9 +60,18 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
         info=info, t0=t0, end_s=end - t0, versions=versions, evals=evals,
         waits=[p for p in points if p["name"] in WAIT_METRICS],
         cache=[p for p in points if p["name"] in CACHE_METRICS],
-        staleness=store.staleness_counts(), ctb=ctb_by_version(points),
+        staleness=store.staleness_counts(), ctb=ctb_by_version(points), holding=group_holding(store),
         roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
                          restarted_s={r.rank: r.started_at - t0 for r in store.ranks()}))
+
+
+def group_holding(store: Any) -> dict[str, Any]:
+    """The store's group holding from version 1 on, or over the whole run where that has no group."""
+    for version in (1, 0):
+        held = store.group_holding(version)
+        if held["groups"]:
+            return held | {"from_version": version}
+    return held | {"from_version": 0}
 
 
 def ctb_by_version(points: list[dict[str, Any]]) -> dict[int, dict[str, float]]:

@@ -62,6 +62,22 @@ def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: di
                 "ctb_admitted", "ctb_pauses", "ctb_resumes", "ctb_prefix_kept", "ctb_prefix_evicted"))
                 + f" | {_f(hit, 3)} | {_f(usage * 100 if usage is not None else None, 1)}"
                 + ("%" if usage is not None else "") + f" | {_f(row.get('ctb_budget_tokens'), 0)} |")
+    held = data.holding
+    lines += ["", "## A training group's time in flight", ""]
+    if held.get("groups"):
+        which = ("created from the publication of version 1 on (one created during the start-up waits for the "
+                 "engines to start)" if held["from_version"] == 1 else
+                 "of the whole run, start-up included (none created after version 1 was trained)")
+        lines += [f"Means over the {held['groups']} trained groups {which}, in seconds: from its creation to "
+                  "its last task's report, then until the trainer claimed it, then until the version that "
+                  "trained it was published (the step's other groups and its training). `tiderl sim` reports "
+                  "the same parts, and the least the staleness-latency bound allows for each "
+                  "(docs/simulator.md).", "",
+                  "| creation to completion | completion to claim | claim to publication |", "| --- | --- | --- |",
+                  f"| {held['release_to_seen_s']:.2f} | {held['seen_to_claim_s']:.2f} | "
+                  f"{held['claim_to_publish_s']:.2f} |"]
+    else:
+        lines.append("no training group trained yet")
     lines += ["", "## Figures", ""]
     for name, (path, caption) in figures.items():
         lines += [f"**{name}**: {caption}", "", f"![{name}]({path.name})", ""]

@@ -173,6 +173,36 @@ def latency_bound_parts(sim: Simulation) -> dict:
     }
 
 
+def group_holding(sim: Simulation, released_from_s: float = 0.0) -> dict:
+    """Where the trained groups' time in flight went, measured (means per group, seconds; the groups
+    released at `released_from_s` or later: tools/sim_vs_real.py's steady window passes the first
+    publication, as a real run's groups created during its start-up wait for its engines): from the
+    feeder's release until the trainer saw the group complete (its slowest task, with the engines'
+    queueing, CTB pauses and the report delay), in the buffer until a step claimed it, and from the
+    claim until that step published (the step's other groups, its training, its optimizer step).
+    The staleness-latency bound counts each part at its least (`latency_bound`): the measured
+    parts show which one keeps a run below the bound."""
+    publish_at = {r.version: r.end_s for r in sim.records}
+    seen: set[int] = set()
+    parts = [0.0, 0.0, 0.0]
+    n = 0
+    for task in sim.consumed_tasks:
+        g = task.group
+        if id(g) in seen or g.claim_version not in publish_at or g.released_s < released_from_s:
+            continue
+        seen.add(id(g))
+        n += 1
+        parts[0] += g.seen_s - g.released_s
+        parts[1] += g.claimed_s - g.seen_s
+        parts[2] += publish_at[g.claim_version] - g.claimed_s
+    return {
+        "groups": n,
+        "release_to_seen_s": round(parts[0] / n, 3) if n else None,
+        "seen_to_claim_s": round(parts[1] / n, 3) if n else None,
+        "claim_to_publish_s": round(parts[2] / n, 3) if n else None,
+    }
+
+
 def latency_bound_tok_s(sim: Simulation) -> float:
     return latency_bound_parts(sim)["latency_bound_tok_s"]
 
@@ -209,6 +239,7 @@ def summarize(sim: Simulation, wall_s: float) -> dict:
         "bound_tok_s": round(min(compute_bound, latency_bound), 1),
         "bound_term": "compute" if compute_bound <= latency_bound else "staleness_latency",
         "latency_bound": latency_parts,
+        "group_holding": group_holding(sim),
         "stale_dropped_groups": sim.dropped_groups,
         "stale_dropped_gen_tokens": sim.dropped_gen_tokens,
         "rwt_s": round(sim.rollout.rwt_rank_s(), 1),

@@ -273,6 +273,12 @@ def format_report(report: dict) -> str:
         out += format_best_fixed(best) + [""]
     out.append(f"Bound of the TideRL run: {report['bound_tok_s']:,.0f} tok/s ({report['bound_term']}; compute "
                f"{tiderl['upper_bound_tok_s']:,.0f}, staleness-latency {tiderl['latency_bound_tok_s']:,.0f})")
+    held, least = tiderl.get("group_holding"), tiderl["latency_bound"]
+    if held and held["groups"]:
+        out.append(f"  a trained group's time in flight, measured (the bound's least): release to seen "
+                   f"{held['release_to_seen_s']:.1f} s ({least['slowest_task_s'] + least['seen_delay_s']:.1f}), "
+                   f"in the buffer {held['seen_to_claim_s']:.1f} s (0), claim to publish "
+                   f"{held['claim_to_publish_s']:.1f} s ({least['after_consumption_s']:.1f} with the feed)")
     out.append("")
     r, p = report["ratios"], report["paper"]
     out.append("TideRL goodput ratios (simulated | paper):")

@@ -65,7 +65,7 @@ _NO_WORK = (("idle", "idle_held"), ("rwt", "rwt_held"))
 
 class SimGroup:
     __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version",
-                 "dropped")
+                 "dropped", "released_s", "seen_s", "claimed_s", "claim_version")
 
     def __init__(self, gid: int, tasks: list[SimTask], is_eval: bool, task_type: str, version: int) -> None:
         self.id = gid
@@ -78,6 +78,11 @@ class SimGroup:
         self.probe_tokens = tasks[0].footprint
         self.version = version
         self.dropped = False  # doomed by the staleness bound while open (RolloutSide.drop_doomed)
+        # Its life in flight, for the result's `group_holding` (a training group's; None until then):
+        self.released_s: float | None = None  # released by the feeder
+        self.seen_s: float | None = None  # complete and seen by the trainer (in the buffer)
+        self.claimed_s: float | None = None  # claimed by a step
+        self.claim_version: int | None = None  # the version that step trained from
 
     @property
     def seq_tokens(self) -> list[int]:

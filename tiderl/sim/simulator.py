@@ -208,9 +208,8 @@ class Simulation:
         self.rwt_since_publish = 0.0
         self.empty_at_publish = 0.0
         self.busy_at_publish = 0.0
-        # What ERS reads: one StepObservation per step, and each training group's release and completion.
+        # What ERS reads: one StepObservation per step, and the training groups completed in the step.
         self.observations: list[StepObservation] = []
-        self.released_s: dict[tuple, float] = {}
         self.groups_seen = GroupSums()  # this step's
         self.end_s = 0.0
 
@@ -290,7 +289,7 @@ class Simulation:
             self.train_released += allowed
             groups = self._new_groups(allowed, False)
             for group in groups:
-                self.released_s[group.id] = t
+                group.released_s = t
             self.rollout.release(t, groups)
 
     def _feed_batch(self) -> int:
@@ -325,8 +324,8 @@ class Simulation:
                     self._publish(t)
             return
         self.buffer.append(group)
-        released = self.released_s.pop(group.id, t)
-        self.groups_seen.add(group, released, t)
+        group.seen_s = t
+        self.groups_seen.add(group, group.released_s if group.released_s is not None else t, t)
         if self.system.synchronous:
             self.phase_done += 1
             if self.phase_done == self.b_ideal:
@@ -340,6 +339,7 @@ class Simulation:
         bound = oldest_trainable_version(self.version, self.staleness)
         claimed, dropped = self.trainer.offer(t, self.buffer, lambda g: g.version_start < bound)
         for group in claimed:
+            group.claimed_s, group.claim_version = t, self.version
             self.consumed_tasks.extend(group.tasks)
             self.staleness_seen.append(self.version - group.version_start)
         if dropped:
@@ -539,7 +539,10 @@ class Simulation:
         self.phase = "rollout"
         self.phase_done = 0
         self.train_released += self.b_ideal
-        self.rollout.release(t, self._new_groups(self.b_ideal, False))
+        groups = self._new_groups(self.b_ideal, False)
+        for group in groups:
+            group.released_s = t
+        self.rollout.release(t, groups)
 
     def _sync_train(self, t: float) -> None:
         self.phase = "train"

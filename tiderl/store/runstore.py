@@ -928,6 +928,33 @@ class RunStore:
             .where(trajectories.c.state == TrajectoryState.CONSUMED.value)
             .group_by(staleness).order_by(staleness)).mappings()])
 
+    def group_holding(self, from_version: int = 1) -> dict[str, Any]:
+        """Where the trained training groups created at the publication of `from_version` or later spent
+        their time in flight (a group created during the start-up waits for the engines to start), means
+        per group in seconds, as the simulator's `group_holding` (docs/simulator.md): from its creation
+        to its completion (the report of its last task), until the trainer's claim of its first
+        trajectory, and until the publication of the version that trained it."""
+        start = select(versions.c.created_at).where(versions.c.version == from_version).scalar_subquery()
+        rows = self.tx.read(lambda c: c.execute(
+            select(task_groups.c.created_at, task_groups.c.completed_at,
+                   func.min(trajectories.c.claimed_at).label("claimed_at"),
+                   versions.c.created_at.label("published_at"))
+            .join(trajectories, trajectories.c.group_id == task_groups.c.id)
+            .join(versions, versions.c.version == trajectories.c.consumed_version)
+            .where(task_groups.c.kind == TaskKind.TRAIN.value, task_groups.c.created_at >= start)
+            .group_by(task_groups.c.id, task_groups.c.created_at, task_groups.c.completed_at,
+                      versions.c.created_at)).all())
+        rows = [r for r in rows if r.completed_at is not None and r.claimed_at is not None]
+        n = len(rows)
+
+        def mean(values: Iterable[float]) -> float | None:
+            return round(sum(values) / n, 3) if n else None
+
+        return {"groups": n,
+                "release_to_seen_s": mean(r.completed_at - r.created_at for r in rows),
+                "seen_to_claim_s": mean(r.claimed_at - r.completed_at for r in rows),
+                "claim_to_publish_s": mean(r.published_at - r.claimed_at for r in rows)}
+
     def eval_rows(self) -> list[dict[str, Any]]:
         """Per evaluated version: tasks, mean reward, success rate and the time the last task finished."""
         return self.tx.read(lambda c: [dict(r) for r in c.execute(
