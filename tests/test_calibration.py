@@ -21,6 +21,7 @@ from tiderl.sim.systems import parse_system, with_scheduler
 sys.path.insert(0, str(ROOT / "tools"))
 calibrate = importlib.import_module("calibrate_cpu")
 sim_vs_real = importlib.import_module("sim_vs_real")
+bench_systems = importlib.import_module("bench_systems")
 
 BENCH_SETS = ["launch.num_ranks=3", "launch.rollout_fraction=0.34", "trainer.groups_ideal=2",
               "trainer.groups_min=1", "rollout.eval_every_steps=0"]
@@ -171,6 +172,23 @@ def test_steady_figures_from_literal_steps():
     assert got["rwt_s_per_step"] == pytest.approx(2.0)
     assert got["twt_s_per_step"] == pytest.approx(1.0)  # a missing value counts as no wait
     assert sim_vs_real.steady_from_steps(rows[:1]) == dict.fromkeys(sim_vs_real.FIGURES)
+    # From a later version (the bench's steady window): the rows before it are left out on both sides.
+    numbered = [r | {"version": v} for v, r in enumerate(rows, start=1)]
+    later = sim_vs_real.steady_from_steps(numbered, from_version=2)
+    assert later["steady_goodput_tok_s"] == pytest.approx(200 / 6) and later["step_s"] == pytest.approx(6.0)
+    assert sim_vs_real.steady_from_steps(numbered, from_version=3) == dict.fromkeys(sim_vs_real.FIGURES)
+
+
+def test_the_steady_window_starts_once_every_engine_is_up():
+    published = [(0, 0.0), (1, 50.0), (2, 60.0), (3, 70.0), (4, 80.0)]
+    # An engine came up after version 1 (a second rollout rank, an idle rank's): the window starts at 3.
+    assert bench_systems.steady_from_version(published, [40.0, 65.0]) == 3
+    assert bench_systems.steady_from_version(published, [40.0, 70.0]) == 3  # published as it came up
+    # Every engine up before version 1 (or none recorded): version 1, the start of the old window.
+    assert bench_systems.steady_from_version(published, [20.0, 45.0]) == 1
+    assert bench_systems.steady_from_version(published, []) == 1
+    # The last engine after the last version: no window left (the last version).
+    assert bench_systems.steady_from_version(published, [90.0]) == 4
 
 
 def test_compare_reports_errors_and_what_is_over_threshold():
@@ -199,7 +217,7 @@ def test_the_real_group_holding_reads_the_steady_groups_life_from_the_store(tmp_
     publication of the version that trained it."""
     import time
 
-    from tiderl.rundir import create_run
+    from tiderl.rundir import create_run, open_run
     from tiderl.roles import Role
     from tiderl.store.types import FinishedTrajectory, NewGroup, RankReport, TaskKind, VersionRecord
 
@@ -222,7 +240,8 @@ def test_the_real_group_holding_reads_the_steady_groups_life_from_the_store(tmp_
         store.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="c",
                                             trajectory_ids=[t.id for t in got], step_started_at=0.0,
                                             duration_s=0.1), owner=0)
-    created, completed, claimed, published = store.tx.read(lambda c: c.exec_driver_sql(
+    published = {r["version"]: r["created_at"] for r in store.version_rows()}
+    created, completed, claimed, at = store.tx.read(lambda c: c.exec_driver_sql(
         "select g.created_at, g.completed_at, min(r.claimed_at), v.created_at from task_groups g"
         " join trajectories r on r.group_id = g.id join versions v on v.version = r.consumed_version"
         " where v.version = 2 group by g.id").one())
@@ -230,9 +249,17 @@ def test_the_real_group_holding_reads_the_steady_groups_life_from_the_store(tmp_
     got = sim_vs_real.real_group_holding(run_dir)
     assert got == {"groups": 1, "release_to_seen_s": pytest.approx(completed - created, abs=1e-3),
                    "seen_to_claim_s": pytest.approx(claimed - completed, abs=1e-3),
-                   "claim_to_publish_s": pytest.approx(published - claimed, abs=1e-3)}
+                   "claim_to_publish_s": pytest.approx(at - claimed, abs=1e-3)}
     assert min(got["release_to_seen_s"], got["seen_to_claim_s"], got["claim_to_publish_s"]) >= 0.015
     assert sim_vs_real.real_group_holding(run_dir, from_version=0)["groups"] == 2
+    # bench_systems' steady window reads the same store: every engine up before version 1 (none
+    # recorded), it starts at version 1; one that came up after version 2, no window is left.
+    goodput, start = bench_systems.steady_goodput(run_dir)
+    assert start == 1 and goodput == pytest.approx(2 / (published[2] - published[1]), rel=1e-6)
+    _, store = open_run(run_dir)
+    store.record_event("rank1", "engine_up", "rank 1: engine up", rank=1)
+    store.close()
+    assert bench_systems.steady_goodput(run_dir) == (None, 2)
 
 
 @pytest.mark.slow

@@ -15,8 +15,13 @@ figures alone). `task_s_mean` is the mean time from a trained task's last claim 
 end, `turns_mean` its mean number of turns (environment steps): with an injected environment delay,
 how much of a task's life is the environment's.
 
-`steady_goodput_tok_s` leaves the start-up out: tokens trained from the second version on, per second
-between the first and the last published version (engine start-up dominates short runs on a CPU).
+`steady_goodput_tok_s` leaves the start-up out: the tokens trained by the versions after
+`steady_from_version`, per second between its publication and the last one's. `steady_from_version` is
+the first version published once every rank that starts an engine had it up (the run store's last
+`engine_up` event), and at least version 1: engine start-up dominates short runs on a CPU, and a
+system that publishes its first version from one rank's engine while others still start (streaming
+with a small first fetch; ERS's idle rank building its engine) would otherwise count their start-up
+as steady. `goodput_from_v1_tok_s` is the same from version 1, the definition before 2026-12-05.
 With --reuse, a system whose run dir already holds a finished run is summarised, not run again.
 """
 
@@ -36,22 +41,37 @@ sys.path.insert(0, str(ROOT))
 SYSTEMS = ("sync", "async", "stream", "tiderl")
 
 
-def steady_goodput(run_dir: Path) -> float | None:
-    """Trained tokens of versions 2..N per second between the publication of version 1 and of N."""
-    from tiderl.store import RunStore
-    from tiderl.store.schema import versions
+def steady_from_version(published: list[tuple[int, float]], engines_up_at: list[float]) -> int:
+    """The first version (>= 1) published at or after the last engine came up; `published` holds
+    (version, publication time) in order. Where none is, the last version (no steady window)."""
+    last_up = max(engines_up_at, default=0.0)
+    after = [v for v, at in published if v >= 1 and at >= last_up]
+    return after[0] if after else max((v for v, _ in published), default=1)
+
+
+def steady_goodput(run_dir: Path, from_version: int | None = None) -> tuple[float | None, int]:
+    """(trained tokens of the versions after `from_version` per second between its publication and
+    the last one's, that version); `from_version` None: `steady_from_version` of the run."""
     from sqlalchemy import select
+
+    from tiderl.store import RunStore
+    from tiderl.store.schema import events, versions
 
     store = RunStore.for_run_dir(run_dir)
     try:
         rows = store.tx.read(lambda c: c.execute(select(versions.c.version, versions.c.created_at,
                                                         versions.c.consumed_tokens)
                                                  .where(versions.c.version >= 1).order_by(versions.c.version)).all())
+        ups = store.tx.read(lambda c: c.execute(
+            select(events.c.ts).where(events.c.kind == "engine_up")).scalars().all())
     finally:
         store.close()
-    if len(rows) < 2 or rows[-1].created_at <= rows[0].created_at:
-        return None
-    return sum(r.consumed_tokens for r in rows[1:]) / (rows[-1].created_at - rows[0].created_at)
+    if from_version is None:
+        from_version = steady_from_version([(r.version, r.created_at) for r in rows], list(ups))
+    window = [r for r in rows if r.version >= from_version]
+    if len(window) < 2 or window[-1].created_at <= window[0].created_at:
+        return None, from_version
+    return sum(r.consumed_tokens for r in window[1:]) / (window[-1].created_at - window[0].created_at), from_version
 
 
 def task_times(run_dir: Path) -> tuple[float | None, float | None]:
@@ -96,9 +116,12 @@ def run_one(job: Path, system: str, overrides: list[str], run_dir: Path, reuse: 
     durations = [s["duration_s"] for s in steps if s["duration_s"]]
     load_after = os.getloadavg()
     task_s, turns = task_times(run_dir)
+    steady, steady_from = steady_goodput(run_dir)
     return {
         "goodput_tok_s": round(doc["goodput_tok_s"], 2),
-        "steady_goodput_tok_s": round(g, 2) if (g := steady_goodput(run_dir)) is not None else None,
+        "steady_goodput_tok_s": round(steady, 2) if steady is not None else None,
+        "steady_from_version": steady_from,
+        "goodput_from_v1_tok_s": round(g, 2) if (g := steady_goodput(run_dir, 1)[0]) is not None else None,
         "rwt_s": round(doc["rwt_s"], 1),
         "rollout_idle_s": round(idle_seconds(run_dir), 1),
         "twt_s": round(doc["twt_s"], 1),

@@ -21,13 +21,14 @@ replaced: the turn statistics belong to that limit; a lower limit is the environ
 its episodes, hilo's 6 turns under an agent loop's 8).
 Figures compared, each the same quantity on both sides (and, beside them, the training groups each side
 dropped as older than the staleness bound over the whole run):
-- steady goodput: generated tokens trained by versions 2..N per second between the publication of
-  version 1 and of version N (bench_systems' `steady_goodput_tok_s`: start-up left out);
-- mean step time: seconds between two publications, versions 2..N;
-- RWT and TWT per step, rank-seconds, versions 2..N (real: the store's per-version `rwt_s` and
+- steady goodput: generated tokens trained by versions S+1..N per second between the publication of
+  version S and of version N, S the run's `steady_from_version` in BENCH.json (bench_systems'
+  `steady_goodput_tok_s`: start-up left out; 1 where the file has none), on both sides;
+- mean step time: seconds between two publications, versions S+1..N;
+- RWT and TWT per step, rank-seconds, versions S+1..N (real: the store's per-version `rwt_s` and
   `twt_s` metrics; simulated: the per-step records).
 The error is (simulated - measured) / measured; `over_threshold` lists what is off by more than 25%.
-Beside them, `group_holding`: where the training groups created from the publication of version 1 on
+Beside them, `group_holding`: where the training groups created from the publication of version S on
 (the steady window's; one created during the start-up waits for the engines) spent their time in flight,
 means per group on both sides (the simulator's `group_holding`, docs/simulator.md): from their creation to
 their completion (`release_to_seen_s`; real: the report of its last task), until a trainer step claimed
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -56,9 +58,11 @@ def rel_error(simulated: float | None, measured: float | None) -> float | None:
     return (simulated - measured) / measured
 
 
-def steady_from_steps(rows: list[dict]) -> dict:
+def steady_from_steps(rows: list[dict], from_version: int = 1) -> dict:
     """Steady figures from per-step rows in publication order, each with `end_s` (publication time),
-    `gen_tokens`, `rwt_s` and `twt_s`: the first row (version 1) only marks the start."""
+    `gen_tokens`, `rwt_s` and `twt_s` (and `version`, the version it published: rows before
+    `from_version` are left out): the first row kept (version `from_version`) only marks the start."""
+    rows = [r for r in rows if r.get("version", from_version) >= from_version]
     if len(rows) < 2 or rows[-1]["end_s"] <= rows[0]["end_s"]:
         return dict.fromkeys(FIGURES)
     later = rows[1:]
@@ -116,7 +120,7 @@ def real_steps(run_dir: Path) -> list[dict]:
     for p in points:
         sums[(p.name, p.version)] = sums.get((p.name, p.version), 0.0) + float(p.value)
     # A metric of version v is recorded while version v's weights roll out / the step to v+1 trains.
-    return [{"end_s": r.created_at, "gen_tokens": r.consumed_tokens,
+    return [{"version": r.version, "end_s": r.created_at, "gen_tokens": r.consumed_tokens,
              "rwt_s": sums.get(("rwt_s", r.version - 1)), "twt_s": sums.get(("twt_s", r.version - 1))}
             for r in rows]
 
@@ -208,8 +212,9 @@ def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dic
     return cluster, workload, changed, mismatch
 
 
-def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: int) -> dict:
-    """One simulated run of `run:SYSTEM`; `workload` and `cluster` are loaded specs or file paths."""
+def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: int, from_version: int = 1) -> dict:
+    """One simulated run of `run:SYSTEM`; `workload` and `cluster` are loaded specs or file paths.
+    `steady_group_holding`: the groups released from the publication of `from_version` on."""
     from tiderl.sim.metrics import group_holding
     from tiderl.sim.simulator import Simulation
     from tiderl.sim.spec import load_cluster, load_workload
@@ -220,13 +225,17 @@ def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: i
     sim_system = with_scheduler(parse_system(f"run:{system}"), scheduler)
     sim = Simulation(wl, cl, sim_system, steps=steps, seed=seed, rollout_fraction=cl.training.default_rollout_fraction)
     result = sim.run()
-    # The groups released from the first publication on, as real_group_holding reads them.
-    result["steady_group_holding"] = group_holding(sim, sim.records[0].end_s if sim.records else 0.0)
+    # The groups released from the publication of `from_version` on, as real_group_holding reads them (a
+    # step record trains from its version and publishes the next).
+    start = next((r.end_s for r in sim.records if r.version + 1 >= from_version), math.inf)
+    result["steady_group_holding"] = group_holding(sim, start)
     return result
 
 
 def sim_steps(result: dict) -> list[dict]:
-    return [{"end_s": r["end_s"], "gen_tokens": r["consumed_gen_tokens"], "rwt_s": r.get("rwt_gpu_s"),
+    # A simulated step trains from `version` and publishes version + 1.
+    return [{"version": r["version"] + 1, "end_s": r["end_s"], "gen_tokens": r["consumed_gen_tokens"],
+             "rwt_s": r.get("rwt_gpu_s"),
              "twt_s": r["twt_gpu_s"]} for r in result["per_step"]]
 
 
@@ -262,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(run, dict) or "error" in run or "run_dir" not in run:
             continue
         run_dir = Path(run["run_dir"])
-        measured[name] = steady_from_steps(real_steps(run_dir))
+        # The bench's steady window (from the first version published once every engine was up) on both
+        # sides: the simulator starts its engines at once, so its own window would start at version 1.
+        from_version = int(run.get("steady_from_version", 1))
+        measured[name] = steady_from_steps(real_steps(run_dir), from_version)
         config = yaml.safe_load((run_dir / "config.yaml").read_text())
         if args.job is not None:
             cl_doc, wl_doc, changed, mismatch = job_settings(cluster_doc, workload_doc, config)
@@ -272,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             workload = build(WorkloadSpec, wl_doc, f"{args.workload} with {run_dir / 'config.yaml'}")
         else:
             cluster, workload = args.cluster, args.workload
-        result = simulate(name, config["rollout"]["scheduler"], workload, cluster, run["steps"], args.seed)
-        simulated[name] = steady_from_steps(sim_steps(result))
+        result = simulate(name, config["rollout"]["scheduler"], workload, cluster, run["steps"], args.seed,
+                          from_version)
+        simulated[name] = steady_from_steps(sim_steps(result), from_version)
         raw[name] = {k: result[k] for k in ("goodput_gen_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "gpu_s",
                                             "ra2p", "roles_timeline", "stale_dropped_groups")}
         drops[name] = {"measured": real_stale_drops(run_dir), "simulated": result["stale_dropped_groups"]}
-        real_held, sim_held = real_group_holding(run_dir), result["steady_group_holding"]
+        real_held, sim_held = real_group_holding(run_dir, from_version), result["steady_group_holding"]
         holding[name] = {}
         for part in HOLDING:
             err = rel_error(sim_held[part], real_held[part])
