@@ -29,7 +29,7 @@ MEASURED = {
     "job": "jobs/quickstart.yaml", "repeats": 3, "batches": [1, 4, 16], "load_before": "1.00 1.00 1.00",
     "load_after": "1.00 1.00 1.00", "decode_step_s": 0.004, "decode_s_per_seq": 0.0002,
     "prefill_s_per_token": 2e-5, "actor_forward_s_per_token": 5e-5, "actor_backward_s_per_token": 1.1e-4,
-    "ref_forward_s_per_token": 3e-5, "swap_s": 0.002, "weight_reload_s": 0.05, "optimizer_s": 0.08,
+    "ref_forward_s_per_token": 3e-5, "swap_s": 0.002, "weight_reload_s": 0.05, "optimizer_s": 0.08, "engine_start_s": 12.5,
     "kv_capacity_tokens": 20000, "trainer_tokens_per_microbatch": 512, "prefill_chunk_tokens": 4096,
     "host_compute_slots": 1.2, "host_procs": 2, "host_alone_s": 1.0, "host_together_s": 1.6667,
     "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "bell_s": 0.02, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
@@ -63,7 +63,7 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     assert costs.prefill_s(100.0) == pytest.approx(100 * 2e-5)
     assert costs.train_s(100) == pytest.approx(100 * (5e-5 + 1.1e-4 + 3e-5))
     assert (costs.swap_s, costs.weight_sync_s, costs.kv_capacity_tokens) == (0.002, 0.05, 20000)
-    assert (costs.optimizer_s(1), costs.turn_overhead_s) == (0.3, 0.05)
+    assert (costs.optimizer_s(1), costs.turn_overhead_s, costs.engine_start_s) == (0.3, 0.05, 12.5)
     assert costs.decoupled_step_s == calibrate.DECOUPLED_STEP_S > 0  # from real runs, with its source
     assert (cluster.control.report_interval_s, cluster.control.poll_s, cluster.control.control_tick_s) == (0.25, 0.2, 0.2)
     assert cluster.control.bell_s == 0.02

@@ -122,6 +122,12 @@ def test_6_preemptive_max_rollout_at_cold_start_and_evaluation():
     for _, signals, limits, p in cases():
         if limits.preemptive_rollout and (not signals.step_history_s or signals.is_eval_next):
             assert F not in p.roles and I not in p.roles and p.mode is Ra2pMode.COLOCATED
+    # A shared host without room for a further busy rollout rank: the spare ranks idle, unless the rollout
+    # ranks' task slots cannot hold the tasks in flight ((1 + 1) x 4 groups x 8 tasks = 64).
+    full = ErsLimits(groups_min=2, groups_ideal=4, group_size=8, host=HostShare(slots=1.0, rollout_weight=2.0))
+    assert plan((R, F, I, A), cold, replace(full, rank_tasks=64)).roles == (R, I, I, A)
+    assert plan((R, F, I, A), cold, replace(full, rank_tasks=32)).roles == (R, R, I, A)  # 2 ranks' slots hold 64
+    assert plan((R, F, I, A), cold, replace(full, rank_tasks=16)).roles == (R, R, R, A)  # 4 needed, 3 there
 
 
 def test_13_the_evaluations_end_puts_its_ref_and_idle_ranks_back():
@@ -247,3 +253,42 @@ def test_12_refs_only_while_they_cannot_keep_up():
         if refs_after > refs_before and refs_before > 0:
             t = signals.stage_times
             assert t is not None and count(roles, A) * t.t_ref_s / refs_before > t.t_act_f_s + t.t_act_b_s
+
+
+def test_14_engines_on_demand_an_idle_rank_joins_rollout_once_its_engine_is_up():
+    host = HostShare(slots=4.0, rollout_weight=1.0)  # room for further busy rollout ranks: cold start fills it
+    cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None)
+    on_demand = ErsLimits(groups_min=4, groups_ideal=8, host=host, engines_on_demand=True)
+    p = plan((R, I, I, A), replace(cold, engine_ranks=frozenset({0, 1})), on_demand)
+    assert p.roles == (R, R, I, A) and p.warm == (2,) and p.reason is ErsReason.COLD_START
+    assert p.moves == (RoleMove(1, I, R),)
+    p = plan((R, I, I, A), replace(cold, engine_ranks=frozenset({0})), on_demand)
+    assert p.roles == (R, I, I, A) and p.warm == (1, 2) and p.moves == () and p.reason is ErsReason.ENGINE_START
+    # Parked engines, an accelerator per rank, or engines not tracked: the rules' plan as it is.
+    for limits, up in ((replace(on_demand, engines_on_demand=False), frozenset()), (replace(on_demand, host=None), frozenset()),
+                       (on_demand, None)):
+        p = plan((R, I, I, A), replace(cold, engine_ranks=up), limits)
+        assert p.roles == (R, R, R, A) and p.warm == ()
+    # Every rule's plan, with engines on demand: the same plan but for the warmed ranks, left idle.
+    rng = random.Random(14)
+    warmed = 0
+    for roles, signals, limits, _ in cases():
+        limits = replace(limits, host=HostShare(slots=rng.choice([1.0, 3.0, 8.0])), engines_on_demand=True)
+        up = frozenset(i for i in range(len(roles)) if rng.random() < 0.5)
+        free = plan(roles, replace(signals, engine_ranks=None), limits)
+        p = plan(roles, replace(signals, engine_ranks=up), limits)
+        assert all(p.roles[i] is I and roles[i] is I and i not in up for i in p.warm)
+        assert not any(m.from_role is I and m.to_role is R and m.rank not in up for m in p.moves)
+        assert p.roles == tuple(I if i in p.warm else r for i, r in enumerate(free.roles))
+        assert set(p.warm) == {m.rank for m in free.moves if m.from_role is I and m.to_role is R and m.rank not in up}
+        assert p.mode is (Ra2pMode.DECOUPLED if F in p.roles else Ra2pMode.COLOCATED)
+        warmed += bool(p.warm)
+    assert warmed > 20  # the cases reach the rule
+
+
+def test_engines_on_demand_come_from_the_ers_section_with_a_shared_host():
+    from tiderl.config.ers import ErsConfig
+
+    assert ErsLimits.from_config(ErsConfig(host_slots=2.0), 2, 4).engines_on_demand  # the default
+    assert not ErsLimits.from_config(ErsConfig(host_slots=2.0, idle_engines="parked"), 2, 4).engines_on_demand
+    assert not ErsLimits.from_config(ErsConfig(), 2, 4).engines_on_demand  # an accelerator per rank

@@ -89,7 +89,11 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     plane = ControlPlane(config, store)
     roles = {0: A, 1: R, 2: R}
     store.plan_roles(0, roles, ra2p_mode="colocated", fetch_groups=1)
+    store.record_event("rank2", "engine_up", "an engine up before rank 2 registered: a restart's", rank=2)
+    time.sleep(0.01)
     store.register_rank(1, R)
+    store.register_rank(2, R)
+    store.record_event("rank1", "engine_up", "rank 1: engine up", rank=1)
     store.add_groups([NewGroup(TaskKind.TRAIN, 7, 2)])
     claims = store.claim_tasks(1, 2)
     trajectories = [FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
@@ -121,7 +125,7 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     assert signals.rollout_idle_ranks == pytest.approx(0.25 / duration)  # the real run's idle rollout ranks
     assert build_signals(snapshot(roles=(A, R, R), micro_batch_tokens=16, ready_tokens=0, ready_groups=0,
                                   oldest_ready_age_s=None, steps=(expected,), stage_times=None, fetch_groups=1,
-                                  fill_steps=2),
+                                  fill_steps=2, engine_ranks=frozenset({1})),
                          config.ers.history_steps) == signals
 
 

@@ -221,3 +221,29 @@ def test_each_plan_rings_the_planned_bell_and_only_a_plan(tmp_path: Path) -> Non
     _train_one_step(store, 0)
     plane.tick()
     assert store.latest_planned_version() == 1 and waiter.rang()
+
+
+def test_the_control_plane_asks_an_idle_rank_once_to_start_its_engine(tmp_path: Path, monkeypatch) -> None:
+    """A plan's `warm` ranks (engines on demand, tiderl.policy.ers invariant 14) get one `engine_wanted` event
+    each, read by the rank at its boundary; the signals carry the ranks whose engine is up since their start."""
+    import dataclasses
+
+    from tiderl.run import control
+
+    seen = []
+    planned = control.ers.plan
+
+    def plan(roles, signals, limits):
+        seen.append(signals.engine_ranks)
+        return dataclasses.replace(planned(roles, signals, limits), warm=(2,))
+
+    monkeypatch.setattr(control.ers, "plan", plan)
+    store, config = _store(tmp_path, "system=tiderl", "launch.num_ranks=3", "ers.host_slots=2")
+    plane = ControlPlane(config, store)
+    store.register_rank(1, Role.ROLLOUT)
+    store.record_event("rank1", "engine_up", "rank 1: engine up", rank=1)
+    plane.plan(0)
+    plane.plan(0)  # planned again (a restarted control plane): not asked twice
+    assert store.ranks_with_event("engine_wanted", since_start=False) == {2}
+    assert len(store.recent_events(10, kinds=["engine_wanted"])) == 1
+    assert seen == [frozenset({1}), frozenset({1})]

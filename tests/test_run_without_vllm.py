@@ -37,8 +37,9 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SHARED_HOST = ["ers.host_slots=2", "ers.rollout_host_weight=1.5"]
 
 
-@pytest.mark.parametrize("system,extra", [("tiderl", []), ("sync", []), ("tiderl", SHARED_HOST)],
-                         ids=["tiderl", "sync", "tiderl-shared-host"])
+@pytest.mark.parametrize("system,extra", [("tiderl", []), ("sync", []), ("tiderl", SHARED_HOST),
+                                          ("tiderl", SHARED_HOST + ["ers.idle_engines=parked"])],
+                         ids=["tiderl", "sync", "tiderl-shared-host", "tiderl-shared-host-parked"])
 def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, extra: list[str], cache: Path) -> None:
     run_dir = tmp_path / "run"
     sets = SCRIPTED + [f"system={system}"] + extra
@@ -52,11 +53,21 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
     assert facts["versions"] == 3
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("rank*.log")}
     assert f"{SCRIPTED_ENGINE} engine up" in "".join(logs.values())
-    # ERS's parked (idle) rank starts its engine too, so that a move back to rollout costs a reload; a fixed
-    # split's spare (sync's rank 3) starts nothing.
+    # ERS's idle rank on a shared host starts its engine only when asked (engines on demand: the control plane's
+    # `engine_wanted` event), or at once with `ers.idle_engines: parked`, so that a move to rollout costs a
+    # reload; a fixed split's spare (sync's rank 3) starts nothing.
+    from tiderl.store import RunStore
+
+    store = RunStore.for_run_dir(run_dir, read_only=True)
+    try:
+        asked = store.ranks_with_event("engine_wanted", since_start=False)
+    finally:
+        store.close()
     idle = [name for name, text in logs.items() if "role idle from" in text]
     assert bool(idle) == (system == "sync" or bool(extra))  # without a shared host ERS parks no rank
-    assert all((f"{SCRIPTED_ENGINE} engine up" in logs[name]) == (system == "tiderl") for name in idle)
+    for name in idle:
+        wanted = system == "tiderl" and ("ers.idle_engines=parked" in extra or int(name[4:].split(".")[0]) in asked)
+        assert (f"{SCRIPTED_ENGINE} engine up" in logs[name]) == wanted, name
 
 
 def test_an_engine_that_cannot_be_loaded_is_a_config_error(tmp_path: Path) -> None:

@@ -354,7 +354,8 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
     """Per completed task the simulator hands ERS its time in a slot, its environment's and its wait for the
     slot (the store's trajectories and tasks); on the shipped bench-latency x cpu pair 1 rollout rank of 16
     slots serves 64 tasks in flight, so tasks wait for a slot, and the rate planner adds the spare rank to
-    rollout (it kept 1 while the wait for slots read as generation latency)."""
+    rollout (it kept 1 while the wait for slots read as generation latency), once its engine is up (engines
+    on demand: the plan that wants it asks it to start one, and a later one moves it)."""
     root = Path(__file__).resolve().parents[1]
     import yaml
 
@@ -362,7 +363,9 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
 
     workload = build(WorkloadSpec, yaml.safe_load((root / "jobs/sim/bench-latency.workload.yaml").read_text()), "w")
     cluster = build(ClusterSpec, yaml.safe_load((root / "jobs/sim/cpu.cluster.yaml").read_text()), "c")
-    sim = Simulation(workload, cluster, parse_system("tiderl"), steps=12, seed=0)
+    # Without the cold start's rules, which roll out on the spare rank at once where the slots need it.
+    cluster = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, preemptive_rollout=False))
+    sim = Simulation(workload, cluster, parse_system("tiderl"), steps=40, seed=0)
     result = sim.run()
     for o in sim.observations:
         assert o.tasks_completed == o.groups_completed * workload.group_size
@@ -375,3 +378,55 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
     assert slot_wait_s(one) > 2 * (slot - env)  # groups waited for slots longer than their tasks generated
     assert slot_wait_s(two) < slot_wait_s(one) / 2
     assert max(r["rollout"] for r in result["roles_timeline"]) == 2
+
+
+def test_a_rank_without_an_engine_starts_one_on_the_shared_host_before_it_rolls_out(monkeypatch):
+    """Engines on demand (the default on a shared host): the plan that wants the spare rank in rollout asks it
+    to start its engine (reason `engine_start`), the start takes the host's cores at their share, so it lasts
+    longer than `engine_start_s` alone, and a later plan moves the rank once the engine is up. Parked
+    (`ers.idle_engines: parked`): the spare starts its engine at the cold start and no plan waits for it.
+    Not priced (`engine_start_s: 0`): no plan waits either. With the cold start's rules the spare rolls out
+    from the start (1 rank's 16 slots cannot hold the 64 tasks in flight), its engine started with the others'."""
+    from tiderl.sim.spec import load_cluster, load_workload
+
+    root = Path(__file__).resolve().parents[1] / "jobs" / "sim"
+    workload = load_workload(root / "bench-latency.workload.yaml")
+    shipped = load_cluster(root / "cpu.cluster.yaml")
+    cold = Simulation(workload, shipped, parse_system("tiderl"), steps=10, seed=0)
+    out = cold.run()
+    assert {e["rollout"] for e in out["roles_timeline"]} == {2} and cold.engines[2] == 0.0
+    # The planner's own moves from a cold start that parks the spare idle (as on a host without slot room).
+    from tiderl.policy import ers
+    from tiderl.sim import simulator
+
+    planned = ers.plan
+
+    def plan(roles, signals, limits):
+        if not signals.step_history_s:
+            return ers.finish_plan(tuple(roles), tuple(ers.Role.IDLE if r is ers.Role.REF else r for r in roles),
+                                   limits.groups_ideal, ers.ErsReason.COLD_START)
+        return planned(roles, signals, limits)
+
+    monkeypatch.setattr(simulator.ers, "plan", plan)
+    cluster = shipped
+    start_s = cluster.rollout.engine_start_s
+    assert start_s > 0
+    sim = Simulation(workload, cluster, parse_system("tiderl"), steps=40, seed=0)
+    result = sim.run()
+    reasons = {s["version"]: s["ers_reason"] for s in result["per_step"]}
+    when = {e["version"]: (e["t_s"], e["rollout"]) for e in result["roles_timeline"]}
+    waits = sorted(v for v, r in reasons.items() if r == "engine_start")
+    assert waits, reasons
+    moved = min(v for v, (_, n) in when.items() if n == 2)
+    spare = 2  # 1 actor, 1 rollout rank, the spare
+    asked = when[waits[0] + 1][0]  # the plan of a step's end is in force from the next version
+    assert sim.engines[spare] - asked > start_s  # at the host's share: slower than alone
+    assert moved == waits[-1] + 2 and when[moved][0] >= sim.engines[spare]  # it joined once up, not before
+    parked_cluster = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, idle_engines="parked"))
+    parked = Simulation(workload, parked_cluster, parse_system("tiderl"), steps=40, seed=0)
+    out = parked.run()
+    assert "engine_start" not in {s["ers_reason"] for s in out["per_step"]}
+    assert parked.engines[spare] > start_s  # started at t = 0 beside the working ranks
+    free = dataclasses.replace(cluster, rollout=dataclasses.replace(cluster.rollout, engine_start_s=0.0))
+    assert "engine_start" not in {s["ers_reason"] for s in Simulation(workload, free, parse_system("tiderl"),
+                                                                       steps=40, seed=0).run()["per_step"]}

@@ -83,6 +83,15 @@ class ErsConfig:
         "predicts how a further busy rank slows the others, and may leave a rollout rank idle (its engine "
         "kept, claiming nothing). null: every rank has an accelerator of its own.",
     )
+    idle_engines: Literal["on_demand", "parked"] = option(
+        "on_demand",
+        help="With `host_slots`: when an idle rank starts its rollout engine. `on_demand`: only once a plan "
+        "wants the rank in rollout; it stays idle while the engine starts (minutes of the shared cores) and "
+        "joins rollout at a later boundary. `parked`: at once, while idle, so that a move to rollout costs "
+        "a weight reload, and the start takes the host's cores from the working ranks whether or not ERS "
+        "ever moves the rank. Without `host_slots` every idle rank starts its engine while parked (its own "
+        "accelerator: the start costs the others nothing).",
+    )
     rollout_host_weight: float = option(
         1.0,
         gt=0,

@@ -26,6 +26,12 @@ Roles and moves
   with the actors (M t_ref / R > t_act_f + t_act_b): a further one would idle.
 - ``IDLE`` ranks are put back to rollout at cold start and evaluation (on a shared host, while it has
   room for them).
+- Engines on demand (``engines_on_demand``, a shared host): a rank that holds no engine yet
+  (``signals.engine_ranks``) does not go from ``IDLE`` to rollout: it stays idle and the plan asks it
+  to start one (``warm``); it joins rollout at a later boundary, once its engine is up, at a reload's
+  cost. An engine's start takes minutes of the host's cores (the ranks' processes share them), and
+  counted as a rollout rank while it starts, the rank would make its split's measurements say that
+  it adds nothing (tiderl.policy.ers_rate judges a split by them).
 - Moves pick the highest-index eligible rank, or for actors leaving, the
   lowest-index actor (deterministic; lay the role map out as rollout ranks
   first, then actors, so the boundary between them is where ranks move).
@@ -58,7 +64,10 @@ Signals (:class:`ErsSignals`)
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
   busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
-  trainer waiting); ref ranks beyond that become IDLE (a ref rank's
+  trainer waiting), or while the rollout ranks' task slots (``rank_tasks``
+  each) cannot hold the training tasks the staleness bound keeps in flight
+  ((staleness + 1) x ``groups_ideal`` x ``group_size``: tasks would queue for a
+  slot, which no engine speed makes up for; :func:`slot_room`); ref ranks beyond that become IDLE (a ref rank's
   decoupled step pays a coordination the colocated one does not: on this
   project's CPU host it costs more than the ref saves, docs/RESULTS.md).
 
@@ -81,7 +90,8 @@ Invariants (each has a test in tests/test_policy_ers.py)
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
 6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
    rank, colocated, every idle rank back to rollout (on a shared host, only
-   while ``host.speed(rollout ranks, 0) == 1``; the others idle).
+   while ``host.speed(rollout ranks, 0) == 1`` or the slots need the rank, :func:`slot_room`; the others
+   idle).
 7. Consumption deficit: trainer ranks (actor + ref) never decrease.
 8. Generation deficit without consumption deficit: trainer ranks never
    increase; they do not decrease either while ``rollout_idle_ranks >= 1``,
@@ -96,6 +106,11 @@ Invariants (each has a test in tests/test_policy_ers.py)
     only ROLLOUT ranks move, each to the REF or IDLE role it held before the
     evaluation; every other rank keeps its role.
 11. Pure: equal inputs give equal plans.
+14. Engines on demand (``engines_on_demand`` with a shared host and ``engine_ranks`` known): no rank
+    whose engine is not up moves from IDLE to ROLLOUT; each such move the rules chose leaves the rank
+    IDLE and lists it in ``warm`` (the rest of the plan as the rules chose it; the reason
+    ``engine_start`` where nothing else moves). ``warm`` holds only IDLE ranks without an engine, and
+    is empty otherwise.
 """
 
 from __future__ import annotations
@@ -117,6 +132,7 @@ __all__ = [
     "Role",
     "RoleMove",
     "StepObservation",
+    "await_engines",
     "finish_plan",
     "move_roles",
     "plan",
@@ -139,6 +155,8 @@ class ErsReason(enum.Enum):
     """The trainer's ranks divided anew between actor and ref (the rollout side as it is)."""
     RATE_TO_IDLE = "rate_to_idle"
     """A rollout rank left idle: on a shared host it slowed the others more than it added."""
+    ENGINE_START = "engine_start"
+    """Idle ranks the rules sent to rollout start their engines first (engines on demand); nothing moves."""
 
 
 class ErsPolicy(enum.Enum):
@@ -180,6 +198,9 @@ class ErsLimits:
     predicts how a busy rank slows the others and may leave a rollout rank IDLE."""
     decoupled_step_s: float = 0.0
     """A decoupled step's coordination with its ref ranks beyond their work, once a step (0: not priced)."""
+    engines_on_demand: bool = False
+    """With a shared host: an idle rank starts its engine only when a plan wants it in rollout, and joins
+    rollout once it is up (invariant 14). False: every idle rank keeps an engine up while parked."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.groups_min <= self.groups_ideal:
@@ -235,6 +256,7 @@ class ErsLimits:
             elastic_actors=ers.elastic_actors,  # type: ignore[attr-defined]
             preemptive_rollout=ers.preemptive_rollout,  # type: ignore[attr-defined]
             adaptive_retention=ers.adaptive_retention,  # type: ignore[attr-defined]
+            engines_on_demand=host is not None and getattr(ers, "idle_engines", "parked") == "on_demand",
         )
 
 
@@ -334,6 +356,8 @@ class ErsSignals:
     pre_evaluation_roles: tuple[Role, ...] | None = None
     """The role map an evaluation's preemptive rule replaced, when that evaluation is over at this boundary
     (None: no evaluation just ended)."""
+    engine_ranks: frozenset[int] | None = None
+    """Ranks whose engine is up now (None: not tracked; every rank joins rollout at a reload's cost)."""
     walk: ErsSignals | None = None
     """The signals as they were at the end of the newest split the rate window measured, while the current
     split is not measured yet (None otherwise): the rate planner may go on with the previous plan's walk
@@ -354,6 +378,8 @@ class ErsPlan:
     fetch_groups: int
     moves: tuple[RoleMove, ...]
     reason: ErsReason
+    warm: tuple[int, ...] = ()
+    """Idle ranks asked to start their engine (engines on demand, invariant 14)."""
 
 
 def _mode_of(roles: Sequence[Role]) -> Ra2pMode:
@@ -381,13 +407,32 @@ def plan(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> ErsPl
     """The next role map, RA2P mode and fetch size, by ``limits.policy`` (see the module invariants;
     the rate planner's own are in tiderl.policy.ers_rate)."""
     current = tuple(roles)
+    return await_engines(current, _plan(current, signals, limits), signals, limits)
+
+
+def await_engines(current: tuple[Role, ...], planned: ErsPlan, signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
+    """Engines on demand (invariant 14): an idle rank without an engine up stays idle and starts one."""
+    up = signals.engine_ranks
+    if not limits.engines_on_demand or limits.host is None or up is None:
+        return planned
+    warm = tuple(m.rank for m in planned.moves
+                 if m.from_role is Role.IDLE and m.to_role is Role.ROLLOUT and m.rank not in up)
+    if not warm:
+        return planned
+    new = tuple(Role.IDLE if i in warm else r for i, r in enumerate(planned.roles))
+    done = finish_plan(current, new, planned.fetch_groups, planned.reason)
+    reason = planned.reason if done.moves else ErsReason.ENGINE_START
+    return ErsPlan(done.roles, done.mode, done.fetch_groups, done.moves, reason, warm)
+
+
+def _plan(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
     fetch = limits.groups_ideal
     if not limits.enabled:
         return ErsPlan(current, _mode_of(current), fetch, (), ErsReason.DISABLED)
 
     cold = not signals.step_history_s
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
-        new = max_rollout(current, limits.host)
+        new = max_rollout(current, limits.host, slot_room(current, limits))
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
         return finish_plan(current, new, fetch, reason)
     restore = signals.pre_evaluation_roles
@@ -484,10 +529,21 @@ def host_room(rollout: int, host: HostShare | None) -> int:
     return room
 
 
-def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
+def slot_room(roles: Sequence[Role], limits: ErsLimits) -> int:
+    """Further rollout ranks the task slots need: the training tasks the staleness bound keeps in flight
+    ((max_staleness + 1) x groups_ideal x group_size) over `rank_tasks` slots a rank, less the rollout
+    ranks there are (0: no slot bound known)."""
+    if limits.rank_tasks is None:
+        return 0
+    tasks = (limits.max_staleness + 1) * limits.groups_ideal * limits.group_size
+    return max(0, -(-tasks // limits.rank_tasks) - sum(1 for r in roles if r is Role.ROLLOUT))
+
+
+def max_rollout(roles: tuple[Role, ...], host: HostShare | None, slots: int = 0) -> tuple[Role, ...]:
     """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
-    busy rollout rank at full speed (the others idle)."""
-    room = host_room(sum(1 for r in roles if r is Role.ROLLOUT), host)
+    busy rollout rank at full speed or the rollout ranks' task slots cannot hold the tasks in flight (`slots`
+    further ranks needed, :func:`slot_room`); the others idle."""
+    room = max(host_room(sum(1 for r in roles if r is Role.ROLLOUT), host), slots)
     new = []
     for r in roles:
         if r in (Role.REF, Role.IDLE):

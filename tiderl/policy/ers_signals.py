@@ -112,6 +112,8 @@ class ErsSnapshot:
     their rates and latencies say nothing of the steady state, and the rate window leaves them out."""
     pre_evaluation_roles: tuple[Role, ...] | None = None
     """The role map the running evaluation's preemptive plan replaced (:class:`EvaluationMemory`)."""
+    engine_ranks: frozenset[int] | None = None
+    """Ranks whose rollout engine is up now, in the role map's order (None: not tracked)."""
 
 
 @dataclass(slots=True)
@@ -171,6 +173,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         slot_wait_s=slot_wait_s(window),
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
+        engine_ranks=snapshot.engine_ranks,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
     )
 

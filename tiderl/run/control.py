@@ -180,6 +180,7 @@ class ControlPlane:
             fetch = decision.fetch_groups
             mode = self.system.ra2p_mode or decision.mode  # a fixed trainer.ra2p_mode wins over ERS's
             reason = decision.reason.value
+            self._ask_engines(version, decision.warm)
             if decision.moves:
                 old, new = (ers_rate.describe(signals, self.limits, r) for r in (before, decision.roles))
                 seen = (f" (predicted trajectory tokens trained {old['predicted_trained_tok_s']:.0f} -> "
@@ -224,8 +225,21 @@ class ControlPlane:
             is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
-            pre_evaluation_roles=self._evaluation_memory.roles)
+            pre_evaluation_roles=self._evaluation_memory.roles,
+            engine_ranks=self.store.ranks_with_event("engine_up"))
         return build_signals(snapshot, cfg.ers.history_steps)
+
+    def _ask_engines(self, version: int, ranks: tuple[int, ...]) -> None:
+        """Ask the idle ranks of a plan's `warm` to start their engines (engines on demand: the rank reads
+        its `engine_wanted` event at the boundary; asked once: a restarted rank reads it again)."""
+        asked = self.store.ranks_with_event("engine_wanted", since_start=False) if ranks else frozenset()
+        for rank in ranks:
+            if rank not in asked:
+                log.info("version %d: ERS asks idle rank %d to start its engine (it joins rollout once up)",
+                         version, rank)
+                self.store.record_event("control", "engine_wanted", f"rank {rank}: start the engine (ERS wants "
+                                        f"it in rollout from version {version} on)", rank=rank,
+                                        data={"version": version})
 
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
         """The finished steps up to `version` (the newest HISTORY_FACTOR x history_steps), read from the

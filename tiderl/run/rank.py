@@ -60,10 +60,9 @@ async def serve(ctx: RankContext) -> None:
             previous = role
         if role not in (Role.ACTOR, Role.REF):
             release_trainer_group(ctx)  # no step of this rank's runs in it now
-        if role is Role.IDLE and ctx.system.uses_ers and ctx.config.ers.enabled:
-            # A parked rollout rank: its engine ready, so that ERS moves it back to rollout at a reload's
-            # cost, as the simulator prices the move (a rank idle from the start has none yet). A fixed
-            # split's spare never moves: it starts nothing.
+        if role is Role.IDLE and ctx.system.uses_ers and ctx.config.ers.enabled and _engine_wanted(ctx):
+            # A parked rollout rank: its engine ready, so that ERS moves it to rollout at a reload's cost,
+            # as the simulator prices the move. A fixed split's spare never moves: it starts nothing.
             rank_engine(ctx)
         if role is Role.ROLLOUT:
             nxt = await run_rollout(ctx, plan)
@@ -77,6 +76,15 @@ async def serve(ctx: RankContext) -> None:
             await run_ref_step(ctx, plan)
         plan = await _wait_next(ctx, plan.version)
         ctx.store.report(RankReport(rank=ctx.rank, role=plan.roles[ctx.rank], version=plan.version))
+
+
+def _engine_wanted(ctx: RankContext) -> bool:
+    """Does this idle ERS rank start its engine now? Always with an accelerator of its own; on a shared host
+    with `ers.idle_engines: on_demand` only once the control plane asked (tiderl.policy.ers, invariant 14)."""
+    ers = ctx.config.ers
+    if ctx.engine is not None or ers.host_slots is None or ers.idle_engines == "parked":
+        return True
+    return ctx.rank in ctx.store.ranks_with_event("engine_wanted", since_start=False)
 
 
 def _heartbeats(ctx: RankContext, stopped: threading.Event, *, on_give_up: Callable[[], None] | None = None,

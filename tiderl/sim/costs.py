@@ -71,6 +71,8 @@ class Costs:
     turn_overhead_s: float = 0.0
     """Latency a turn adds outside engine iterations and the environment (request path, agent loop)."""
     decoupled_step_s: float = 0.0
+    engine_start_s: float = 0.0
+    """A rank's rollout engine start, alone on its device or host (0: not priced)."""
     """A decoupled step's coordination beyond its pipeline (input to the ref ranks, log-probs back)."""
 
     rollout_busy_cores: float = 1.0
@@ -155,6 +157,7 @@ def _measured_costs(cluster: ClusterSpec) -> Costs:
         rollout_busy_cores=m.rollout_busy_cores,
         turn_overhead_s=m.turn_overhead_s,
         decoupled_step_s=m.decoupled_step_s,
+        engine_start_s=cluster.rollout.engine_start_s,
     )
 
 
@@ -222,6 +225,7 @@ def derive_costs(cluster: ClusterSpec) -> Costs:
         communicator_init_s=t.communicator_init_s,
         gpus_per_node=gpu.gpus_per_node,
         prefill_s_per_token=2 * params / rollout_flops,
+        engine_start_s=cluster.rollout.engine_start_s,
     )
 
 
@@ -234,6 +238,7 @@ def describe(costs: Costs) -> dict[str, float]:
         "optimizer_s_single_node": round(costs.optimizer_s_single_node, 3),
         "optimizer_s_multi_node": round(costs.optimizer_s_multi_node, 3),
         "phase_switch_s": round(costs.phase_switch_s, 3),
+        "engine_start_s": round(costs.engine_start_s, 3),
         "actor_regroup_s_8": round(costs.regroup_s(8), 3),
         "prefill_tok_s": round(1 / costs.prefill_s(1.0, 2000.0)),
         "train_fwd_bwd_ref_tok_s_4k": round(4096 / costs.train_s(4096)),

@@ -189,6 +189,8 @@ class RolloutSide:
         self.allowance_left = 0  # groups the staleness bound still lets the feeder release
         self.now = 0.0  # the event loop's clock (set by the simulation before each event)
         self.trainer_busy = 0  # trainer ranks computing now (shared host)
+        self.building = 0  # ranks starting an engine now (shared host: they take cores as a busy rollout rank)
+        self.builds: dict[int, list] = {}  # rank -> [work left at full speed (s), as of (s), epoch, on_up]
         self._engines_busy = 0
         self._speed = 1.0
         self.on_speed: Callable[[float, float], None] | None = None  # the trainer's re-timing
@@ -206,6 +208,38 @@ class RolloutSide:
         self._account(rank, t)
         if stall_s > 0:
             self.schedule(t + stall_s, self._stall_end, rank)
+
+    def start_engine(self, t: float, index: int, on_up: Callable[[float, int], None]) -> None:
+        """Rank `index` starts its engine now; `on_up(t, index)` once it is up. On a shared host the start is
+        a busy rollout rank's load on the host while it lasts, and it progresses at the host's share."""
+        if self.costs.host_compute_slots is None:
+            self.schedule(t + self.costs.engine_start_s, on_up, index)
+            return
+        self._advance_builds(t)
+        self.builds[index] = [self.costs.engine_start_s, t, 0, on_up]
+        self.building += 1
+        self._share_host()
+        self._time_build(t, index)
+
+    def _advance_builds(self, t: float) -> None:
+        for build in self.builds.values():
+            build[0] -= (t - build[1]) * self._speed
+            build[1] = t
+
+    def _time_build(self, t: float, index: int) -> None:
+        build = self.builds[index]
+        build[2] += 1
+        self.schedule(t + max(0.0, build[0]) / self._speed, self._build_done, index, build[2])
+
+    def _build_done(self, t: float, index: int, epoch: int) -> None:
+        build = self.builds.get(index)
+        if build is None or build[2] != epoch:
+            return
+        self._advance_builds(t)
+        del self.builds[index]
+        self.building -= 1
+        self._share_host()
+        build[3](t, index)
 
     def remove_rank(self, t: float, index: int) -> None:
         """The rank leaves rollout: its tasks become orphans, resumed elsewhere with a fresh prefill."""
@@ -340,7 +374,7 @@ class RolloutSide:
         """The trainer starts (or ends) computing on `num_ranks` ranks; returns its speed on the host."""
         self.trainer_busy = num_ranks
         self._share_host()
-        return self.costs.host_speed(self._engines_busy, num_ranks)
+        return self.costs.host_speed(self._engines_busy + self.building, num_ranks)
 
     def _share_host(self) -> None:
         """Shared host: every busy rank runs at the same share; engines advance at the old share
@@ -349,10 +383,13 @@ class RolloutSide:
             return
         # A rank playing tasks keeps its processes busy (turn handling as well as engine iterations).
         self._engines_busy = sum(1 for r in self.ranks.values() if r.tasks or r.engine.has_work())
-        speed = self.costs.host_speed(self._engines_busy, self.trainer_busy)
+        speed = self.costs.host_speed(self._engines_busy + self.building, self.trainer_busy)
         if speed == self._speed:
             return
+        self._advance_builds(self.now)
         self._speed = speed
+        for index in self.builds:
+            self._time_build(self.now, index)
         for rank in self.ranks.values():
             rank.engine.advance(self.now)
             rank.engine.speed = speed

@@ -173,6 +173,13 @@ class Simulation:
                                                         decoupled_step_s=self.costs.decoupled_step_s),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
+        # When each rank's engine is up (absent: it has none). The rollout ranks' start before t = 0; a spare
+        # rank starts its own with them, at its share of a shared host, unless engines start on demand
+        # (then at the plan that warms it); a ref rank only when it joins rollout (the run builds an engine
+        # once, on the base model, and keeps it across roles).
+        self.engines: dict[int, float] = {i: 0.0 for i, r in enumerate(self.roles) if r is Role.ROLLOUT}  # inf: starting
+        self.parked_engines = (system.ers and self.ers_limits.enabled and not self.ers_limits.engines_on_demand
+                               and not system.synchronous)
         self.adaptive_admission = self.ers_limits.enabled and e.adaptive_admission
         self.inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
         self.evaluation_memory = EvaluationMemory()
@@ -238,11 +245,20 @@ class Simulation:
         for i, role in enumerate(self.roles):
             if role is Role.ROLLOUT:
                 self.rollout.add_rank(t, i, 0.0)
+            elif role is Role.IDLE and self.parked_engines:
+                if self.costs.host_compute_slots is None:
+                    self.engines[i] = 0.0  # started with the rollout ranks' on its own device
+                else:
+                    self._start_engine(t, i)
         if self.system.synchronous:
             self._sync_start_version(t)
             return
         if self.system.ers:
-            self._apply_plan(t, ers.plan(self.roles, self._signals(t, None), self.ers_limits), stall_s=0.0)
+            plan = ers.plan(self.roles, self._signals(t, None), self.ers_limits)
+            for i, role in enumerate(plan.roles):
+                if role is Role.ROLLOUT:  # the cold start's rollout ranks start their engines with the others
+                    self.engines.setdefault(i, 0.0)
+            self._apply_plan(t, plan, stall_s=0.0)
         self._record_roles(t)
         self._release(t)
         self._begin_step(t)
@@ -398,6 +414,9 @@ class Simulation:
             stage_times=self._stage_times() if self.consumed_tasks else None,
             fill_steps=self.staleness + 1,
             pre_evaluation_roles=self.evaluation_memory.roles,
+            # Engine starts not priced (engine_start_s 0): every rank joins rollout at a reload's cost.
+            engine_ranks=(frozenset(r for r, up in self.engines.items() if up <= t) if self.costs.engine_start_s
+                          else None),
         )
         return build_signals(snapshot, self.history_steps)
 
@@ -446,14 +465,38 @@ class Simulation:
         before = self._num(Role.ROLLOUT)
         for move in plan.moves:
             if move.from_role is Role.ROLLOUT:
-                self.rollout.remove_rank(t, move.rank)
+                if move.rank in self.rollout.ranks:  # (not while its engine still starts)
+                    self.rollout.remove_rank(t, move.rank)  # its engine stays up
             elif move.to_role is Role.ROLLOUT:
-                self.rollout.add_rank(t, move.rank, stall_s)
+                if move.rank not in self.engines:
+                    self._start_engine(t, move.rank)
+                if self.engines[move.rank] <= t:
+                    self.rollout.add_rank(t, move.rank, stall_s)
+            elif move.to_role is Role.IDLE and self.parked_engines and move.rank not in self.engines:
+                self._start_engine(t, move.rank)
+        for rank in plan.warm:
+            if rank not in self.engines:
+                self._start_engine(t, rank)
         self.roles = list(plan.roles)
         self.mode = plan.mode
         self.fetch = plan.fetch_groups
         self.last_rollout_change = self._num(Role.ROLLOUT) - before
         self.ers_reason = plan.reason.value
+
+    def _start_engine(self, t: float, rank: int) -> None:
+        """The rank starts its engine (on the base model, as the run's ranks do); it plays tasks once the
+        engine is up and holds the published weights (a reload)."""
+        if self.costs.engine_start_s <= 0:  # not priced: up at once
+            self.engines[rank] = t
+            return
+        self.engines[rank] = math.inf
+        self.rollout.start_engine(t, rank, self._engine_up)
+
+    def _engine_up(self, t: float, rank: int) -> None:
+        self.engines[rank] = t
+        if self.roles[rank] is Role.ROLLOUT and rank not in self.rollout.ranks and not self.done:
+            self.rollout.add_rank(t, rank, self.costs.weight_sync_s)
+            self.rollout.dispatch(t)
 
     def _publish(self, t: float) -> None:
         self.publish_waiting = False

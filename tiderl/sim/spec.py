@@ -257,6 +257,10 @@ class RolloutSpec:
     max_num_seqs: int = option(ge=1, help="vLLM: most sequences in one batch.")
     prefill_chunk_tokens: int = option(ge=1, help="vLLM: tokens per iteration (chunked prefill budget).")
     weight_reload_s: float = option(ge=0, help="Engine-side cost of loading new weights, beyond the transfer, s.")
+    engine_start_s: float = option(
+        0.0, ge=0, help="A rank's engine start (building the engine on the base model), alone on its device or "
+        "host, s: paid by a rank that joins rollout without an engine, and on a shared host its cores are taken "
+        "while it starts (it runs at the host's share). 0: not priced.")
     kv_capacity_tokens: int | None = option(None, ge=1, help="Override the derived KV capacity per rank.")
     kv_block_size: int = option(16, ge=1, help="vLLM: tokens per KV block (its default on GPUs); CTB's adaptive "
                                 "budget judges a turn's prefix in whole blocks.")

@@ -889,6 +889,18 @@ class RunStore:
                    metrics.c.value).where(metrics.c.id > after_id, metrics.c.name.in_(list(names)))
             .order_by(metrics.c.id).limit(limit)).mappings()])
 
+    def ranks_with_event(self, kind: str, *, since_start: bool = True) -> frozenset[int]:
+        """The ranks that recorded (or were sent) an event of `kind`; with `since_start` only since their
+        process registered (a restarted rank's events from before its restart do not count): `engine_up`
+        gives the ranks whose engine is up."""
+        def read(c: Connection) -> frozenset[int]:
+            q = select(events.c.rank).distinct().where(events.c.kind == kind, events.c.rank.is_not(None))
+            if since_start:
+                q = q.join(ranks, ranks.c.rank == events.c.rank).where(events.c.ts >= ranks.c.started_at)
+            return frozenset(int(r) for r in c.execute(q).scalars())
+
+        return self.tx.read(read)
+
     def recent_events(self, limit: int = 50, *, kinds: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """The latest events, newest first."""
         def read(c: Connection) -> list[dict[str, Any]]:
