@@ -363,8 +363,6 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
 
     workload = build(WorkloadSpec, yaml.safe_load((root / "jobs/sim/bench-latency.workload.yaml").read_text()), "w")
     cluster = build(ClusterSpec, yaml.safe_load((root / "jobs/sim/cpu.cluster.yaml").read_text()), "c")
-    # Without the cold start's rules, which roll out on the spare rank at once where the slots need it.
-    cluster = dataclasses.replace(cluster, ers=dataclasses.replace(cluster.ers, preemptive_rollout=False))
     sim = Simulation(workload, cluster, parse_system("tiderl"), steps=40, seed=0)
     result = sim.run()
     for o in sim.observations:
@@ -380,35 +378,17 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
     assert max(r["rollout"] for r in result["roles_timeline"]) == 2
 
 
-def test_a_rank_without_an_engine_starts_one_on_the_shared_host_before_it_rolls_out(monkeypatch):
+def test_a_rank_without_an_engine_starts_one_on_the_shared_host_before_it_rolls_out():
     """Engines on demand (the default on a shared host): the plan that wants the spare rank in rollout asks it
     to start its engine (reason `engine_start`), the start takes the host's cores at their share, so it lasts
     longer than `engine_start_s` alone, and a later plan moves the rank once the engine is up. Parked
     (`ers.idle_engines: parked`): the spare starts its engine at the cold start and no plan waits for it.
-    Not priced (`engine_start_s: 0`): no plan waits either. With the cold start's rules the spare rolls out
-    from the start (1 rank's 16 slots cannot hold the 64 tasks in flight), its engine started with the others'."""
+    Not priced (`engine_start_s: 0`): no plan waits either."""
     from tiderl.sim.spec import load_cluster, load_workload
 
     root = Path(__file__).resolve().parents[1] / "jobs" / "sim"
     workload = load_workload(root / "bench-latency.workload.yaml")
-    shipped = load_cluster(root / "cpu.cluster.yaml")
-    cold = Simulation(workload, shipped, parse_system("tiderl"), steps=10, seed=0)
-    out = cold.run()
-    assert {e["rollout"] for e in out["roles_timeline"]} == {2} and cold.engines[2] == 0.0
-    # The planner's own moves from a cold start that parks the spare idle (as on a host without slot room).
-    from tiderl.policy import ers
-    from tiderl.sim import simulator
-
-    planned = ers.plan
-
-    def plan(roles, signals, limits):
-        if not signals.step_history_s:
-            return ers.finish_plan(tuple(roles), tuple(ers.Role.IDLE if r is ers.Role.REF else r for r in roles),
-                                   limits.groups_ideal, ers.ErsReason.COLD_START)
-        return planned(roles, signals, limits)
-
-    monkeypatch.setattr(simulator.ers, "plan", plan)
-    cluster = shipped
+    cluster = load_cluster(root / "cpu.cluster.yaml")
     start_s = cluster.rollout.engine_start_s
     assert start_s > 0
     sim = Simulation(workload, cluster, parse_system("tiderl"), steps=40, seed=0)

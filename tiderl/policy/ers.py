@@ -31,7 +31,9 @@ Roles and moves
   to start one (``warm``); it joins rollout at a later boundary, once its engine is up, at a reload's
   cost. An engine's start takes minutes of the host's cores (the ranks' processes share them), and
   counted as a rollout rank while it starts, the rank would make its split's measurements say that
-  it adds nothing (tiderl.policy.ers_rate judges a split by them).
+  it adds nothing (tiderl.policy.ers_rate judges a split by them). Not even at cold start: on
+  hilo-bench x cpu, in the simulator, one spare engine's start beside the working ranks cost 30% of
+  goodput (docs/RESULTS.md); only a plan that measured a gain from the rank pays for it.
 - Moves pick the highest-index eligible rank, or for actors leaving, the
   lowest-index actor (deterministic; lay the role map out as rollout ranks
   first, then actors, so the boundary between them is where ranks move).
@@ -64,10 +66,7 @@ Signals (:class:`ErsSignals`)
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
   busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
-  trainer waiting), or while the rollout ranks' task slots (``rank_tasks``
-  each) cannot hold the training tasks the staleness bound keeps in flight
-  ((staleness + 1) x ``groups_ideal`` x ``group_size``: tasks would queue for a
-  slot, which no engine speed makes up for; :func:`slot_room`); ref ranks beyond that become IDLE (a ref rank's
+  trainer waiting); ref ranks beyond that become IDLE (a ref rank's
   decoupled step pays a coordination the colocated one does not: on this
   project's CPU host it costs more than the ref saves, docs/RESULTS.md).
 
@@ -90,8 +89,7 @@ Invariants (each has a test in tests/test_policy_ers.py)
 5. The mode is DECOUPLED iff the plan has at least one REF rank.
 6. Cold start or an evaluation step (with ``preemptive_rollout``): no REF
    rank, colocated, every idle rank back to rollout (on a shared host, only
-   while ``host.speed(rollout ranks, 0) == 1`` or the slots need the rank, :func:`slot_room`; the others
-   idle).
+   while ``host.speed(rollout ranks, 0) == 1``; the others idle).
 7. Consumption deficit: trainer ranks (actor + ref) never decrease.
 8. Generation deficit without consumption deficit: trainer ranks never
    increase; they do not decrease either while ``rollout_idle_ranks >= 1``,
@@ -109,8 +107,8 @@ Invariants (each has a test in tests/test_policy_ers.py)
 14. Engines on demand (``engines_on_demand`` with a shared host and ``engine_ranks`` known): no rank
     whose engine is not up moves from IDLE to ROLLOUT; each such move the rules chose leaves the rank
     IDLE and lists it in ``warm`` (the rest of the plan as the rules chose it; the reason
-    ``engine_start`` where nothing else moves). ``warm`` holds only IDLE ranks without an engine, and
-    is empty otherwise.
+    ``engine_start`` where nothing else moves).
+    ``warm`` holds only IDLE ranks without an engine, and is empty otherwise.
 """
 
 from __future__ import annotations
@@ -415,14 +413,15 @@ def await_engines(current: tuple[Role, ...], planned: ErsPlan, signals: ErsSigna
     up = signals.engine_ranks
     if not limits.engines_on_demand or limits.host is None or up is None:
         return planned
-    warm = tuple(m.rank for m in planned.moves
-                 if m.from_role is Role.IDLE and m.to_role is Role.ROLLOUT and m.rank not in up)
-    if not warm:
+    waiting = tuple(m.rank for m in planned.moves
+                    if m.from_role is Role.IDLE and m.to_role is Role.ROLLOUT and m.rank not in up)
+    if not waiting:
         return planned
-    new = tuple(Role.IDLE if i in warm else r for i, r in enumerate(planned.roles))
+    new = tuple(Role.IDLE if i in waiting else r for i, r in enumerate(planned.roles))
     done = finish_plan(current, new, planned.fetch_groups, planned.reason)
     reason = planned.reason if done.moves else ErsReason.ENGINE_START
-    return ErsPlan(done.roles, done.mode, done.fetch_groups, done.moves, reason, warm)
+    return ErsPlan(done.roles, done.mode, done.fetch_groups, done.moves, reason,
+                   tuple(sorted(set(planned.warm) | set(waiting))))
 
 
 def _plan(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
@@ -432,7 +431,7 @@ def _plan(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> 
 
     cold = not signals.step_history_s
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
-        new = max_rollout(current, limits.host, slot_room(current, limits))
+        new = max_rollout(current, limits.host)
         reason = ErsReason.COLD_START if cold else ErsReason.EVALUATION
         return finish_plan(current, new, fetch, reason)
     restore = signals.pre_evaluation_roles
@@ -529,21 +528,10 @@ def host_room(rollout: int, host: HostShare | None) -> int:
     return room
 
 
-def slot_room(roles: Sequence[Role], limits: ErsLimits) -> int:
-    """Further rollout ranks the task slots need: the training tasks the staleness bound keeps in flight
-    ((max_staleness + 1) x groups_ideal x group_size) over `rank_tasks` slots a rank, less the rollout
-    ranks there are (0: no slot bound known)."""
-    if limits.rank_tasks is None:
-        return 0
-    tasks = (limits.max_staleness + 1) * limits.groups_ideal * limits.group_size
-    return max(0, -(-tasks // limits.rank_tasks) - sum(1 for r in roles if r is Role.ROLLOUT))
-
-
-def max_rollout(roles: tuple[Role, ...], host: HostShare | None, slots: int = 0) -> tuple[Role, ...]:
+def max_rollout(roles: tuple[Role, ...], host: HostShare | None) -> tuple[Role, ...]:
     """Preemptive maximum rollout: ref and idle ranks to rollout, on a shared host only while it runs each
-    busy rollout rank at full speed or the rollout ranks' task slots cannot hold the tasks in flight (`slots`
-    further ranks needed, :func:`slot_room`); the others idle."""
-    room = max(host_room(sum(1 for r in roles if r is Role.ROLLOUT), host), slots)
+    busy rollout rank at full speed (the others idle)."""
+    room = host_room(sum(1 for r in roles if r is Role.ROLLOUT), host)
     new = []
     for r in roles:
         if r in (Role.REF, Role.IDLE):
