@@ -254,7 +254,7 @@ class ErsLimits:
             elastic_actors=ers.elastic_actors,  # type: ignore[attr-defined]
             preemptive_rollout=ers.preemptive_rollout,  # type: ignore[attr-defined]
             adaptive_retention=ers.adaptive_retention,  # type: ignore[attr-defined]
-            engines_on_demand=host is not None and getattr(ers, "idle_engines", "parked") == "on_demand",
+            engines_on_demand=host is not None and ers.idle_engines == "on_demand",  # type: ignore[attr-defined]
         )
 
 

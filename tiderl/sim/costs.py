@@ -71,9 +71,9 @@ class Costs:
     turn_overhead_s: float = 0.0
     """Latency a turn adds outside engine iterations and the environment (request path, agent loop)."""
     decoupled_step_s: float = 0.0
+    """A decoupled step's coordination beyond its pipeline (input to the ref ranks, log-probs back)."""
     engine_start_s: float = 0.0
     """A rank's rollout engine start, alone on its device or host (0: not priced)."""
-    """A decoupled step's coordination beyond its pipeline (input to the ref ranks, log-probs back)."""
 
     rollout_busy_cores: float = 1.0
     """Cores a busy rollout rank occupies on a shared host (its process and its engine's)."""

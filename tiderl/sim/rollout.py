@@ -189,8 +189,9 @@ class RolloutSide:
         self.allowance_left = 0  # groups the staleness bound still lets the feeder release
         self.now = 0.0  # the event loop's clock (set by the simulation before each event)
         self.trainer_busy = 0  # trainer ranks computing now (shared host)
-        self.building = 0  # ranks starting an engine now (shared host: they take cores as a busy rollout rank)
-        self.builds: dict[int, list] = {}  # rank -> [work left at full speed (s), as of (s), epoch, on_up]
+        # Engines starting on a shared host (each a busy rollout rank's load on it): rank -> [work left at full
+        # speed (s), as of (s), epoch, on_up].
+        self.builds: dict[int, list] = {}
         self._engines_busy = 0
         self._speed = 1.0
         self.on_speed: Callable[[float, float], None] | None = None  # the trainer's re-timing
@@ -217,7 +218,6 @@ class RolloutSide:
             return
         self._advance_builds(t)
         self.builds[index] = [self.costs.engine_start_s, t, 0, on_up]
-        self.building += 1
         self._share_host()
         self._time_build(t, index)
 
@@ -237,7 +237,6 @@ class RolloutSide:
             return
         self._advance_builds(t)
         del self.builds[index]
-        self.building -= 1
         self._share_host()
         build[3](t, index)
 
@@ -374,7 +373,7 @@ class RolloutSide:
         """The trainer starts (or ends) computing on `num_ranks` ranks; returns its speed on the host."""
         self.trainer_busy = num_ranks
         self._share_host()
-        return self.costs.host_speed(self._engines_busy + self.building, num_ranks)
+        return self.costs.host_speed(self._engines_busy + len(self.builds), num_ranks)
 
     def _share_host(self) -> None:
         """Shared host: every busy rank runs at the same share; engines advance at the old share
@@ -383,7 +382,7 @@ class RolloutSide:
             return
         # A rank playing tasks keeps its processes busy (turn handling as well as engine iterations).
         self._engines_busy = sum(1 for r in self.ranks.values() if r.tasks or r.engine.has_work())
-        speed = self.costs.host_speed(self._engines_busy + self.building, self.trainer_busy)
+        speed = self.costs.host_speed(self._engines_busy + len(self.builds), self.trainer_busy)
         if speed == self._speed:
             return
         self._advance_builds(self.now)

@@ -173,10 +173,10 @@ class Simulation:
                                                         decoupled_step_s=self.costs.decoupled_step_s),
                                   enabled=system.ers and e.enabled)
         self.history_steps = e.history_steps
-        # When each rank's engine is up (absent: it has none). The rollout ranks' start before t = 0; a spare
-        # rank starts its own with them, at its share of a shared host, unless engines start on demand
-        # (then at the plan that warms it); a ref rank only when it joins rollout (the run builds an engine
-        # once, on the base model, and keeps it across roles).
+        # When each rank's engine is up (absent: it has none). The rollout ranks' start before t = 0; a rank
+        # parked idle starts its own at once unless engines start on demand (then at the plan that warms
+        # it); a ref rank only when it joins rollout (the run builds an engine once, on the base model, and
+        # keeps it across roles).
         self.engines: dict[int, float] = {i: 0.0 for i, r in enumerate(self.roles) if r is Role.ROLLOUT}  # inf: starting
         self.parked_engines = (system.ers and self.ers_limits.enabled and not self.ers_limits.engines_on_demand
                                and not system.synchronous)
@@ -245,11 +245,6 @@ class Simulation:
         for i, role in enumerate(self.roles):
             if role is Role.ROLLOUT:
                 self.rollout.add_rank(t, i, 0.0)
-            elif role is Role.IDLE and self.parked_engines:
-                if self.costs.host_compute_slots is None:
-                    self.engines[i] = 0.0  # started with the rollout ranks' on its own device
-                else:
-                    self._start_engine(t, i)
         if self.system.synchronous:
             self._sync_start_version(t)
             return
