@@ -13,7 +13,8 @@ from tiderl.cli import main
 from tiderl.config import load_job
 from tiderl.paths import RunPaths, atomic_write_text
 from tiderl.rundir import RunDirError, create_run, open_run
-from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
+from tiderl.store import (FinishedTrajectory, MetricPoint, NewGroup, NoRunError, RankReport, Role, RunState, RunStore,
+                          TaskKind, VersionRecord)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,24 @@ def test_weight_versions_ignore_half_written_dirs(tmp_path: Path) -> None:
 def test_open_run_without_store(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="no run store"):
         open_run(tmp_path)
+
+
+def test_a_run_being_created_reads_as_no_run_yet_not_as_an_sql_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Between the store's file appearing and its tables (then its run row) being written, a look at the run
+    # (`tiderl status`, a script polling it) gets NoRunError, which names the run store, not "no such table".
+    store = RunStore.for_run_dir(tmp_path)
+    store.tx.read(lambda c: c.exec_driver_sql("SELECT 1").scalar())  # the file exists, no tables yet
+    assert (tmp_path / "run.db").exists()
+    for look in (store.run_info, store.position, store.trainer_generation):
+        with pytest.raises(NoRunError, match="no run recorded yet"):
+            look()
+    assert main(["status", str(tmp_path)]) == 2
+    assert "no run recorded yet" in capsys.readouterr().err
+    store.create_schema()
+    with pytest.raises(NoRunError, match="no run recorded$"):
+        store.run_info()
+    store.close()
 
 
 def _story(run_dir: Path) -> None:

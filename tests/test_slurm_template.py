@@ -12,7 +12,7 @@ import pytest
 
 from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.states import JobState
-from tiderl.store import RunStore
+from tiderl.store import NoRunError, RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["trainer.num_steps=50", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
@@ -20,13 +20,15 @@ SHORT = ["trainer.num_steps=50", "trainer.groups_min=1", "trainer.groups_ideal=2
 
 
 def run_state(run_dir: Path) -> tuple[str, str | None] | None:
-    """(state, message) of the run; None before the run store exists."""
+    """(state, message) of the run; None before the run store holds the run (the file appears first)."""
     if not (run_dir / "run.db").exists():
         return None
     store = RunStore.for_run_dir(run_dir)
     try:
         info = store.run_info()
         return info.state.value, info.message
+    except NoRunError:
+        return None
     finally:
         store.close()
 

@@ -69,6 +69,11 @@ class StoreError(RuntimeError):
     """A run-store operation failed; the message names the database."""
 
 
+class NoRunError(StoreError):
+    """The store holds no run yet: its file exists but the run that makes it has not yet written its tables
+    or its run row (a look at a run that is starting), or never did."""
+
+
 class StoreBusyError(StoreError):
     """The database stayed locked through every retry."""
 

@@ -65,7 +65,7 @@ from tiderl.policy.ra2p import Ra2pMode
 from tiderl.config.store import StoreConfig
 from tiderl.policy.ctb import claim_limit
 from tiderl.store import codec
-from tiderl.store.engine import OUTAGE_RETRY_LAG_S, StoreError, Transactor, choose_journal_mode, make_engine
+from tiderl.store.engine import OUTAGE_RETRY_LAG_S, NoRunError, StoreError, Transactor, choose_journal_mode, make_engine
 from tiderl.store.location import POINTER_FILE, describe, is_postgres, parse_store_url, schema_of, store_url
 from tiderl.store.schema import (
     VIEWS,
@@ -282,19 +282,29 @@ class RunStore:
             values["finished_at"] = now
         self.tx.write(lambda c: c.execute(update(runs).where(runs.c.id == 1).values(**values)))
 
-    def run_info(self) -> RunRecord:
-        row = self.tx.read(lambda c: c.execute(select(runs).where(runs.c.id == 1)).first())
+    def _run_row(self, *columns: Any) -> Any:
+        """The run's row (those columns, else all). NoRunError, not a bare SQL error, where the store's file
+        exists but its run has not yet written the tables or the row: a look at a run that is starting."""
+        query = select(*columns) if columns else select(runs)
+        try:
+            row = self.tx.read(lambda c: c.execute(query.where(runs.c.id == 1)).first())
+        except StoreError as e:
+            if type(e) is not StoreError or self.tx.read(lambda c: inspect(c).has_table(runs.name)):
+                raise
+            raise NoRunError(f"run store {self.label}: no run recorded yet (no tables: the run is being "
+                             "created, or its creation stopped before it wrote them)") from e
         if row is None:
-            raise StoreError(f"run store {self.label}: no run recorded")
+            raise NoRunError(f"run store {self.label}: no run recorded")
+        return row
+
+    def run_info(self) -> RunRecord:
+        row = self._run_row()
         return RunRecord(name=row.name, system=row.system, state=RunState(row.state), version=int(row.version),
                          created_at=row.created_at, updated_at=row.updated_at, finished_at=row.finished_at,
                          message=row.message, config_yaml=row.config_yaml, control_seen_at=row.control_seen_at)
 
     def trainer_generation(self) -> TrainerGeneration:
-        row = self.tx.read(lambda c: c.execute(select(runs.c.trainer_generation, runs.c.trainer_members)
-                                               .where(runs.c.id == 1)).first())
-        if row is None:
-            raise StoreError(f"run store {self.label}: no run recorded")
+        row = self._run_row(runs.c.trainer_generation, runs.c.trainer_members)
         return TrainerGeneration(int(row.trainer_generation or 0), tuple(json.loads(row.trainer_members or "[]")))
 
     def advance_trainer_generation(self, seen: int, members: Sequence[int]) -> bool:
@@ -386,9 +396,7 @@ class RunStore:
 
     def position(self) -> tuple[RunState, int]:
         """(run state, last published version), in one read."""
-        row = self.tx.read(lambda c: c.execute(select(runs.c.state, runs.c.version).where(runs.c.id == 1)).first())
-        if row is None:
-            raise StoreError(f"run store {self.label}: no run recorded")
+        row = self._run_row(runs.c.state, runs.c.version)
         return RunState(row.state), int(row.version)
 
     def ranks(self) -> list[RankRecord]:
