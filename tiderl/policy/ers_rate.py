@@ -95,7 +95,8 @@ Decision: the best split over every split the limits allow (rollout ranks
 >= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
 up to the count that keeps up with the actors, and within max_ref_ranks,
 idle ranks only with a shared host);
-ties go to the current split, then to fewer moves. The plan moves toward it,
+ties go to the current split, then to fewer moves. The plan moves toward it (or, where its way ends in
+a valley, toward the next best split above the margin whose way does not: invariant 9),
 at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
 moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
 and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
@@ -106,9 +107,13 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 2. No move without a predicted gain above ``rate_margin``; no move at all
    while the window has fewer than MIN_WINDOW_STEPS steps or no measured
    supply or demand, except a walk's (invariant 10).
-3. Every move goes toward the best split: rollout ranks move the same way as
-   the target's rollout count (or, at an equal count, a rank passes through
-   rollout on its way between ref and actor).
+3. Every move goes toward the target: the best split, or where the way to it
+   ends in a valley (invariant 9), the best of the splits predicted above the
+   margin whose way does not and whose way the window measured (fewer rollout
+   ranks only where they idled, more only where the trainer waited for data:
+   :func:`regime`). Rollout ranks move the same way as the target's
+   rollout count (or, at an equal count, a rank passes through rollout on its
+   way between ref and actor).
 4. Supply-bound (the trainer waited at least 10% of the window, the rollout
    ranks idled less than half a rank): rollout ranks never decrease. Rollout
    ranks idle (one rank or more on average, for lack of admissible work):
@@ -518,7 +523,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     trial = None if walking else _host_trial(now, options, model, seen, limits)
     if trial is not None:
-        best = trial
+        targets = [trial]
     elif walking and best_g <= now_g * (1 + limits.rate_margin):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     elif best == now or best_g <= now_g * (1 + limits.rate_margin):
@@ -530,34 +535,69 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         else:
             new = move_roles(current, Role.REF, Role.ACTOR, now.refs - refs)
         return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
+    else:
+        # The best split first; where the way to it ends in a valley (invariant 9), the next best split
+        # predicted above the margin whose way does not, if the window measured the way it goes (on
+        # text-agentic x h100x32 from 24/8/0, 21/8/3's way passed through one ref rank feeding 8 actors,
+        # and the planner stayed 22 steps at 0.8x with idle rollout ranks, where 21/11/0 was predicted
+        # 0.05% below 21/8/3: docs/RESULTS.md).
+        ranked = sorted(scored, key=lambda x: (x[0], x[1]), reverse=True)
+        targets = [best] + [s for g, _, s in ranked if s not in (now, best) and g > now_g * (1 + limits.rate_margin)
+                            and _measured_way(now, s, seen) and (not walking or _walk_goes_on(now, s, signals))]
+    for target in targets:
+        moved = _toward(current, now, target, limits, model, now_g, exempt=trial is not None)
+        if moved is None:
+            continue
+        new, split = moved
+        if split.idle > now.idle:
+            reason = ErsReason.RATE_TO_IDLE
+        elif split.rollout > now.rollout:
+            reason = ErsReason.RATE_TO_ROLLOUT
+        elif split.rollout < now.rollout:
+            reason = ErsReason.RATE_TO_TRAINER
+        else:
+            reason = ErsReason.RATE_REBALANCE
+        return finish_plan(current, new, fetch, reason)
+    return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
+
+
+def _measured_way(now: Split, target: Split, seen: str) -> bool:
+    """Whether the window measured that the rollout side can go `target`'s way: fewer rollout ranks where
+    they idled (regime "idle"), more where the trainer waited for data ("supply"). Only such a target stands
+    in for a best split that no plan can reach: below a measured rollout count the model extrapolates, and
+    on mix-shift x h100x8 a stand-in at one rollout rank (never measured) ran at 0.6x of its prediction."""
+    if target.rollout < now.rollout:
+        return seen == "idle"
+    if target.rollout > now.rollout:
+        return seen == "supply"
+    return True
+
+
+def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits, model: RateModel,
+            now_g: float, exempt: bool = False) -> tuple[tuple[Role, ...], Split] | None:
+    """The role map and split after the moves toward `target` within the limits (beyond them only to leave a
+    valley, toward a measured rollout count: invariant 9), or None where no move is made or the plan would
+    land on a split predicted slower than the current one (`exempt`: the shared host's trial, a measurement)."""
     new = current
     split = now
     moves = {True: 0, False: 0}  # moves to rollout, other moves: each kind within its limit
     limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
     measured = dict(model.gen_curve)  # rollout counts measured: a valley is crossed only toward one
-    while split != best:
-        step = _one_move(new, split, best, limits, model.stage_times)
+    while split != target:
+        step = _one_move(new, split, target, limits, model.stage_times)
         if step is None:
             break
         grows = step[1].rollout > split.rollout
         # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
         # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
         if moves[grows] >= limit[grows] and (predict_tok_s(split, model)[2] >= now_g
-                                             or best.rollout not in measured):
+                                             or target.rollout not in measured):
             break
         new, split = step
         moves[grows] += 1
-    if trial is None and predict_tok_s(split, model)[2] < now_g:
-        return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
-    if split.idle > now.idle:
-        reason = ErsReason.RATE_TO_IDLE
-    elif split.rollout > now.rollout:
-        reason = ErsReason.RATE_TO_ROLLOUT
-    elif split.rollout < now.rollout:
-        reason = ErsReason.RATE_TO_TRAINER
-    else:
-        reason = ErsReason.RATE_REBALANCE
-    return finish_plan(current, new, fetch, reason)
+    if split == now or (not exempt and predict_tok_s(split, model)[2] < now_g):
+        return None
+    return new, split
 
 
 def _walk_goes_on(now: Split, best: Split, signals: ErsSignals) -> bool:
