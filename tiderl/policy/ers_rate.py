@@ -96,7 +96,8 @@ Decision: the best split over every split the limits allow (rollout ranks
 up to the count that keeps up with the actors, and within max_ref_ranks,
 idle ranks only with a shared host);
 ties go to the current split, then to fewer moves. The plan moves toward it (or, where its way ends in
-a valley, toward the next best split above the margin whose way does not: invariant 9),
+a valley, toward the next best split above the margin whose way does not and was measured: invariants 3
+and 9),
 at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
 moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
 and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
