@@ -35,7 +35,7 @@ MEASURED = {
     "report_interval_s": 0.25, "poll_s": 0.2, "control_tick_s": 0.2, "bell_s": 0.02, "step_overhead_s": 0.3, "trainer_steps": 5, "turn_overhead_s": 0.05, "turn_latency_s": 0.06, "turn_sessions": 16, "rollout_busy_cores": 1.5,
 }
 TRAJECTORIES = {
-    "versions": 12, "turns_min": 1, "turns_max": 6, "agent_capped": 0,
+    "versions": 12, "turns_min": 1, "turns_max": 6, "agent_capped": 0, "turns_group_icc": 0.42,
     "start": {"n": 96, "turns_mean": 4.4, "tokens_mean": 104.4, "gen_tokens_per_turn": 2.36, "prompt_tokens": 26.0},
     "end": {"n": 96, "turns_mean": 4.9, "tokens_mean": 116.2, "gen_tokens_per_turn": 2.32, "prompt_tokens": 26.0},
 }
@@ -73,6 +73,51 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     task = workload.task_types[0]
     assert task.turns_mean.start == pytest.approx(4.4) and task.env_latency.mean_s == pytest.approx(0.015)
     assert task.turns_max == 6  # the quickstart's env.max_turns
+    assert task.turns_group_icc == pytest.approx(0.42)
+
+
+def test_the_turns_intraclass_correlation_is_the_share_of_variance_a_group_shares():
+    assert calibrate.intraclass_correlation([[2, 2, 2], [5, 5, 5], [3, 3, 3]]) == pytest.approx(1.0)
+    assert calibrate.intraclass_correlation([[1, 6], [1, 6], [1, 6]]) == 0.0  # all within, clamped
+    # Groups of the most common size only (a group still in flight is incomplete); too few: 0.
+    assert calibrate.intraclass_correlation([[2, 2], [5, 5], [9]]) == pytest.approx(1.0)
+    assert calibrate.intraclass_correlation([[2, 4]]) == 0.0 and calibrate.intraclass_correlation([]) == 0.0
+    # One-way ANOVA's ICC(1): MSB = 2 * ((2 - 3.5)^2 + (5 - 3.5)^2) = 9, MSW = (1 + 1 + 1 + 1) / 2 = 2.
+    assert calibrate.intraclass_correlation([[1, 3], [4, 6]]) == pytest.approx((9 - 2) / (9 + 2))
+
+
+def test_the_run_stores_groups_give_the_turns_intraclass_correlation_trained_or_not(tmp_path):
+    """trajectory_stats reads the correlation over every finished training trajectory: the group that was
+    trained and the one still waiting both count (the trained ones alone would be the quick groups)."""
+    from tiderl.rundir import create_run
+    from tiderl.store import NewGroup, Role, RunState, TaskKind, VersionRecord
+
+    _, s = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "run")
+    s.register_initial_version("weights/v0", "c0")
+    s.register_rank(0, Role.ROLLOUT)
+    s.register_rank(1, Role.ACTOR)
+    s.set_run_state(RunState.RUNNING)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2), NewGroup(TaskKind.TRAIN, 2, 2)])
+    claims = s.claim_tasks(0, 4)
+    turns = {claims[0].task_id: 1, claims[1].task_id: 3, claims[2].task_id: 4, claims[3].task_id: 6}
+    s.report(_finished_report(claims, turns))
+    got = s.claim_ready_groups(1, 1)  # one group trained, the other stays ready
+    s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
+                                    step_started_at=0.0, duration_s=1.0), owner=1)
+    s.close()
+    ts = calibrate.trajectory_stats(tmp_path / "run")
+    assert ts["start"]["n"] == 2  # the summaries: trained trajectories only
+    # Groups {1, 3} and {4, 6}: MSB = 2 * (1.5^2 + 1.5^2) = 9, MSW = 4 / 2 = 2, ICC(1) = 7 / 11.
+    assert ts["turns_group_icc"] == pytest.approx(7 / 11)
+
+
+def _finished_report(claims, turns):  # type: ignore[no-untyped-def]
+    from tiderl.store import FinishedTrajectory, RankReport
+
+    return RankReport(rank=0, finished=[
+        FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], logprobs=[0, -1, -1, -1],
+                           token_versions=[-1, 0, 0, 0], num_turns=turns[c.task_id], reward=1.0, success=True)
+        for c in claims])
 
 
 def test_the_turn_cap_is_the_agent_loops_where_trajectories_reached_it(tmp_path):

@@ -74,6 +74,41 @@ def test_turns_have_the_workload_mean_before_the_context_limit():
     assert statistics.fmean(t.total_tokens for t in tasks) == pytest.approx(3400, rel=0.06)
 
 
+def test_a_groups_tasks_share_their_turns_as_the_workload_says_and_keep_the_marginal():
+    """`turns_group_icc`: the turns' intraclass correlation within a group is the workload's, the mean (and so
+    the whole marginal: a copula) stays the capped geometric's; at 0 the draws are the independent ones."""
+    from dataclasses import replace
+
+    from tiderl.sim.workload import latent_correlation, turns_icc
+
+    base = load_workload(ROOT / "jobs" / "sim" / "bench-latency.workload.yaml")
+    p = geometric_p(4.0, 1, 6)
+    for icc in (0.2, 0.45, 0.8):
+        assert turns_icc(p, 1, 6, latent_correlation(p, 1, 6, icc)) == pytest.approx(icc, abs=1e-3)
+
+    def sample(icc: float) -> list[list[int]]:
+        tt = replace(base.task_types[0], turns_group_icc=icc)
+        sampler = TaskSampler(replace(base, task_types=[tt]), seed=4)
+        return [[t.num_turns for t in sampler.group(g, 0, 8, False)] for g in range(2000)]
+
+    def icc_of(groups: list[list[int]]) -> float:  # one-way ANOVA ICC(1), groups of 8
+        grand = statistics.fmean(x for g in groups for x in g)
+        msb = 8 * sum((statistics.fmean(g) - grand) ** 2 for g in groups) / (len(groups) - 1)
+        msw = sum((x - statistics.fmean(g)) ** 2 for g in groups for x in g) / (len(groups) * 7)
+        return (msb - msw) / (msb + 7 * msw)
+
+    independent, shared = sample(0.0), sample(0.45)
+    assert abs(icc_of(independent)) < 0.05 and icc_of(shared) == pytest.approx(0.45, abs=0.06)
+    mean = base.task_types[0].turns_mean.start
+    for groups in (independent, shared):
+        assert statistics.fmean(x for g in groups for x in g) == pytest.approx(mean, rel=0.03)
+    # At 0 a group draws no shared value: the random stream, so every other draw, is the one the simulator
+    # drew before the key existed (these values are from that sampler).
+    assert independent[:3] == [[6, 5, 6, 6, 3, 2, 2, 6], [6, 6, 6, 6, 4, 2, 6, 3], [2, 1, 1, 3, 4, 1, 2, 6]]
+    plain = TaskSampler(replace(base, task_types=[replace(base.task_types[0], turns_group_icc=0.0)]), seed=4)
+    assert [round(t.env_latency_s[0], 6) for t in plain.group(3, 0, 8, False)][:3] == [0.229991, 2.087137, 0.482605]
+
+
 def test_sampled_tasks_respect_the_context_limit_and_are_reproducible():
     w = load_workload(WORKLOAD)
     a, b = TaskSampler(w, seed=3), TaskSampler(w, seed=3)

@@ -388,6 +388,10 @@ def trajectory_stats(run_dir: Path) -> dict:
         rows = store.tx.read(lambda c: c.execute(
             select(t.num_turns, t.num_tokens, t.num_generated, t.loss_mask, t.consumed_version, t.finish)
             .where(t.kind == "train", t.consumed_version.is_not(None))).all())
+        # Every finished training trajectory, trained or dropped as stale: the trained ones alone are the
+        # groups that finished in time, the shorter ones where a group's tasks share their length.
+        played = store.tx.read(lambda c: c.execute(
+            select(t.group_id, t.num_turns).where(t.kind == "train", t.finished_at.is_not(None))).all())
     finally:
         store.close()
     if not rows:
@@ -414,6 +418,7 @@ def trajectory_stats(run_dir: Path) -> dict:
         # Trajectories the agent loop cut at env.max_turns: none, and the environment ended every
         # episode itself (hilo's own limit of 6 turns under a job's env.max_turns of 8).
         "agent_capped": sum(1 for r in rows if r.finish == "max_turns"),
+        "turns_group_icc": intraclass_correlation(_by_group(played)),
         "start": summary(first or second),
         "end": summary(second),
     }
@@ -505,6 +510,31 @@ ers:
 """
 
 
+def _by_group(rows) -> list[list[float]]:  # type: ignore[no-untyped-def]
+    groups: dict[int, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r.group_id, []).append(float(r.num_turns))
+    return list(groups.values())
+
+
+def intraclass_correlation(groups: list[list[float]]) -> float:
+    """ICC(1) of one-way ANOVA over the groups of the most common size (complete groups): the share of the
+    values' variance that a group's members share; 0 where it cannot be told (fewer than two groups, no
+    variance) or comes out negative."""
+    if not groups:
+        return 0.0
+    size = statistics.mode(len(g) for g in groups)
+    full = [g for g in groups if len(g) == size]
+    if len(full) < 2 or size < 2:
+        return 0.0
+    grand = statistics.fmean(x for g in full for x in g)
+    msb = size * sum((statistics.fmean(g) - grand) ** 2 for g in full) / (len(full) - 1)
+    msw = sum((x - statistics.fmean(g)) ** 2 for g in full for x in g) / (len(full) * (size - 1))
+    if msb + (size - 1) * msw <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (msb - msw) / (msb + (size - 1) * msw)))
+
+
 def workload_yaml(ts: dict, env: dict, job, run_dir: Path, when: str) -> str:
     s, e = ts["start"], ts["end"]
     gen = (s["gen_tokens_per_turn"] * s["n"] + e["gen_tokens_per_turn"] * e["n"]) / (s["n"] + e["n"])
@@ -544,6 +574,7 @@ task_types:
     turns_mean: {{start: {turns(s['turns_mean'])}, end: {turns(e['turns_mean'])}}}   # [R] num_turns
     turns_min: {lo}           # [R] fewest turns seen
     turns_max: {hi}           # {hi_src}
+    turns_group_icc: {ts.get('turns_group_icc', 0.0):.3f}   # [R] intraclass correlation of num_turns within a group (every finished training trajectory)
     tokens_mean: {{start: {s['tokens_mean']:.1f}, end: {e['tokens_mean']:.1f}}}   # [R] num_tokens
     gen_tokens_per_turn: {gen:.3f}   # [R] num_generated / num_turns
     gen_tokens_sigma: 0.3  # assumption: spread of tokens per turn (rollout.max_new_tokens caps them)

@@ -58,6 +58,9 @@ class TaskType:
     turns_mean: Drift = option(help="Mean turns per task over training.")
     turns_min: int = option(1, ge=1, help="Fewest turns of a task.")
     turns_max: int = option(ge=1, help="Turn limit of a task.")
+    turns_group_icc: float = option(
+        0.0, ge=0, le=1, help="Share of the turns' variance that a group's tasks share (their intraclass "
+        "correlation): a group plays one prompt, so an easy one is short for every task (0: independent).")
     tokens_mean: Drift = option(
         help="Mean text tokens of a whole trajectory (prompt + generated + observations) over training; "
         "images (`image_tokens`) come on top."

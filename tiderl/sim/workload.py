@@ -3,7 +3,10 @@ of turns, tokens generated and observed per turn, and environment latencies.
 
 Turns follow a geometric distribution shifted to `turns_min` and capped at
 `turns_max` (a few tasks wander until the turn limit: the long tail), whose
-parameter is solved so the capped mean equals the workload's mean. The
+parameter is solved so the capped mean equals the workload's mean. A group's
+tasks play one prompt: with `turns_group_icc` their turns share a group draw
+(a Gaussian copula whose latent correlation is solved so that the turns'
+intraclass correlation is the workload's), the same marginal distribution. The
 observation tokens per turn are set so the mean trajectory length matches the
 workload's `tokens_mean`. A task whose context would pass the context limit
 ends there. Every group draws from its own random stream seeded by (seed,
@@ -19,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from tiderl.sim.spec import TaskType, WorkloadSpec
@@ -108,6 +112,49 @@ def geometric_p(mean: float, lo: int, hi: int) -> float:
     return (a + b) / 2
 
 
+_NORMAL = statistics.NormalDist()
+_GRID = [i / 10 for i in range(-80, 81)]  # latent group draws from -8 to 8, for the quadrature below
+
+
+def turn_thresholds(p: float, lo: int, hi: int) -> tuple[float, ...]:
+    """Latent normal cut points of the capped geometric: a task plays lo + (cuts below its latent) turns."""
+    return tuple(_NORMAL.inv_cdf(min(1 - 1e-12, 1 - (1 - p) ** (k - lo + 1))) for k in range(lo, hi))
+
+
+def turns_icc(p: float, lo: int, hi: int, rho: float) -> float:
+    """Intraclass correlation of two tasks' turns whose latents correlate by `rho`: the variance of the
+    group's conditional mean over the variance of a task's turns."""
+    cuts = turn_thresholds(p, lo, hi)
+    pmf = [(1 - p) ** (k - lo) * p for k in range(lo, hi)]
+    pmf.append(1 - sum(pmf))
+    mean = sum((lo + i) * q for i, q in enumerate(pmf))
+    var = sum((lo + i - mean) ** 2 * q for i, q in enumerate(pmf))
+    if var <= 0 or rho <= 0:
+        return 0.0
+    if rho >= 1:
+        return 1.0
+    s, r = math.sqrt(rho), math.sqrt(1 - rho)
+    weights = [_NORMAL.pdf(z) for z in _GRID]
+    means = [lo + sum(1 - _NORMAL.cdf((a - s * z) / r) for a in cuts) for z in _GRID]
+    total = sum(weights)
+    m1 = sum(w * m for w, m in zip(weights, means)) / total
+    m2 = sum(w * m * m for w, m in zip(weights, means)) / total
+    return max(0.0, m2 - m1 * m1) / var
+
+
+@functools.lru_cache(maxsize=4096)
+def latent_correlation(p: float, lo: int, hi: int, icc: float) -> float:
+    """The latent correlation whose turns have intraclass correlation `icc` (bisection; it grows with rho)."""
+    a, b = 0.0, 1.0
+    for _ in range(40):
+        mid = (a + b) / 2
+        if turns_icc(p, lo, hi, mid) < icc:
+            a = mid
+        else:
+            b = mid
+    return (a + b) / 2
+
+
 def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
     if sigma <= 0:
         return mean
@@ -143,22 +190,31 @@ class TaskSampler:
         cum = self._eval_cum if is_eval else self._train_cum[index]
         u = rng.random()
         task_type = next((t for acc, t in cum if u <= acc), cum[-1][1])
+        # Only a correlated type draws the group's share (the others' streams stay as they were).
+        shared = rng.gauss(0.0, 1.0) if task_type.turns_group_icc > 0 else None
         return [
-            self._task(rng, task_type, step, phase.env_latency_scale, phase.env_start_scale, phase.gen_tokens_scale)
+            self._task(rng, task_type, step, phase.env_latency_scale, phase.env_start_scale, phase.gen_tokens_scale,
+                       shared)
             for _ in range(size)
         ]
 
     def _task(
         self, rng: random.Random, tt: TaskType, step: int, latency_scale: float = 1.0, start_scale: float = 1.0,
-        gen_scale: float = 1.0,
+        gen_scale: float = 1.0, shared: float | None = None,
     ) -> TaskPlan:
         w = self.workload
         turns_mean = tt.turns_mean.at(step, w.drift_steps)
         tokens_mean = tt.tokens_mean.at(step, w.drift_steps)
         p = geometric_p(turns_mean, tt.turns_min, tt.turns_max)
-        turns = tt.turns_min
-        while turns < tt.turns_max and rng.random() > p:
-            turns += 1
+        if shared is None:
+            turns = tt.turns_min
+            while turns < tt.turns_max and rng.random() > p:
+                turns += 1
+        else:
+            cuts = turn_thresholds(p, tt.turns_min, tt.turns_max)
+            rho = latent_correlation(p, tt.turns_min, tt.turns_max, tt.turns_group_icc)
+            z = math.sqrt(rho) * shared + math.sqrt(1 - rho) * rng.gauss(0.0, 1.0)
+            turns = tt.turns_min + sum(1 for a in cuts if z > a)
         obs_mean = (tokens_mean - tt.prompt_tokens - turns_mean * tt.gen_tokens_per_turn) / max(turns_mean - 1, 1)
         obs_mean = max(obs_mean, 1.0)
         lat_mu, lat_sigma = tt.env_latency.lognormal_params()
