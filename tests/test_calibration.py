@@ -16,6 +16,7 @@ from tiderl.config import load_job
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.simulator import Simulation
 from tiderl.sim.spec import load_cluster, load_workload
+from tiderl.sim.workload import intraclass_correlation
 from tiderl.sim.systems import parse_system, with_scheduler
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -77,13 +78,13 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
 
 
 def test_the_turns_intraclass_correlation_is_the_share_of_variance_a_group_shares():
-    assert calibrate.intraclass_correlation([[2, 2, 2], [5, 5, 5], [3, 3, 3]]) == pytest.approx(1.0)
-    assert calibrate.intraclass_correlation([[1, 6], [1, 6], [1, 6]]) == 0.0  # all within, clamped
+    assert intraclass_correlation([[2, 2, 2], [5, 5, 5], [3, 3, 3]]) == pytest.approx(1.0)
+    assert intraclass_correlation([[1, 6], [1, 6], [1, 6]]) == 0.0  # all within, clamped
     # Groups of the most common size only (a group still in flight is incomplete); too few: 0.
-    assert calibrate.intraclass_correlation([[2, 2], [5, 5], [9]]) == pytest.approx(1.0)
-    assert calibrate.intraclass_correlation([[2, 4]]) == 0.0 and calibrate.intraclass_correlation([]) == 0.0
+    assert intraclass_correlation([[2, 2], [5, 5], [9]]) == pytest.approx(1.0)
+    assert intraclass_correlation([[2, 4]]) == 0.0 and intraclass_correlation([]) == 0.0
     # One-way ANOVA's ICC(1): MSB = 2 * ((2 - 3.5)^2 + (5 - 3.5)^2) = 9, MSW = (1 + 1 + 1 + 1) / 2 = 2.
-    assert calibrate.intraclass_correlation([[1, 3], [4, 6]]) == pytest.approx((9 - 2) / (9 + 2))
+    assert intraclass_correlation([[1, 3], [4, 6]]) == pytest.approx((9 - 2) / (9 + 2))
 
 
 def test_the_run_stores_groups_give_the_turns_intraclass_correlation_trained_or_not(tmp_path):

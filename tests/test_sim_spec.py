@@ -79,7 +79,7 @@ def test_a_groups_tasks_share_their_turns_as_the_workload_says_and_keep_the_marg
     the whole marginal: a copula) stays the capped geometric's; at 0 the draws are the independent ones."""
     from dataclasses import replace
 
-    from tiderl.sim.workload import latent_correlation, turns_icc
+    from tiderl.sim.workload import intraclass_correlation, latent_correlation, turns_icc
 
     base = load_workload(ROOT / "jobs" / "sim" / "bench-latency.workload.yaml")
     p = geometric_p(4.0, 1, 6)
@@ -91,11 +91,7 @@ def test_a_groups_tasks_share_their_turns_as_the_workload_says_and_keep_the_marg
         sampler = TaskSampler(replace(base, task_types=[tt]), seed=4)
         return [[t.num_turns for t in sampler.group(g, 0, 8, False)] for g in range(2000)]
 
-    def icc_of(groups: list[list[int]]) -> float:  # one-way ANOVA ICC(1), groups of 8
-        grand = statistics.fmean(x for g in groups for x in g)
-        msb = 8 * sum((statistics.fmean(g) - grand) ** 2 for g in groups) / (len(groups) - 1)
-        msw = sum((x - statistics.fmean(g)) ** 2 for g in groups for x in g) / (len(groups) * 7)
-        return (msb - msw) / (msb + 7 * msw)
+    icc_of = intraclass_correlation  # one-way ANOVA ICC(1) (tested in tests/test_calibration.py)
 
     independent, shared = sample(0.0), sample(0.45)
     assert abs(icc_of(independent)) < 0.05 and icc_of(shared) == pytest.approx(0.45, abs=0.06)

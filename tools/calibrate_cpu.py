@@ -378,6 +378,7 @@ def trajectory_stats(run_dir: Path) -> dict:
     """Per training trajectory: turns, tokens, generated and prompt tokens, by half of the run (by version)."""
     from sqlalchemy import select
 
+    from tiderl.sim.workload import intraclass_correlation
     from tiderl.store import RunStore
     from tiderl.store.codec import unpack_mask
     from tiderl.store.schema import trajectories
@@ -515,24 +516,6 @@ def _by_group(rows) -> list[list[float]]:  # type: ignore[no-untyped-def]
     for r in rows:
         groups.setdefault(r.group_id, []).append(float(r.num_turns))
     return list(groups.values())
-
-
-def intraclass_correlation(groups: list[list[float]]) -> float:
-    """ICC(1) of one-way ANOVA over the groups of the most common size (complete groups): the share of the
-    values' variance that a group's members share; 0 where it cannot be told (fewer than two groups, no
-    variance) or comes out negative."""
-    if not groups:
-        return 0.0
-    size = statistics.mode(len(g) for g in groups)
-    full = [g for g in groups if len(g) == size]
-    if len(full) < 2 or size < 2:
-        return 0.0
-    grand = statistics.fmean(x for g in full for x in g)
-    msb = size * sum((statistics.fmean(g) - grand) ** 2 for g in full) / (len(full) - 1)
-    msw = sum((x - statistics.fmean(g)) ** 2 for g in full for x in g) / (len(full) * (size - 1))
-    if msb + (size - 1) * msw <= 0:
-        return 0.0
-    return min(1.0, max(0.0, (msb - msw) / (msb + (size - 1) * msw)))
 
 
 def workload_yaml(ts: dict, env: dict, job, run_dir: Path, when: str) -> str:

@@ -114,8 +114,28 @@ def geometric_p(mean: float, lo: int, hi: int) -> float:
 
 _NORMAL = statistics.NormalDist()
 _GRID = [i / 10 for i in range(-80, 81)]  # latent group draws from -8 to 8, for the quadrature below
+_WEIGHTS = [_NORMAL.pdf(z) for z in _GRID]
 
 
+def intraclass_correlation(groups: list[list[float]]) -> float:
+    """ICC(1) of one-way ANOVA over the groups of the most common size (complete groups): the share of the
+    values' variance that a group's members share; 0 where it cannot be told (fewer than two groups, no
+    variance) or comes out negative. What `turns_group_icc` means, measured on a run or a sample."""
+    if not groups:
+        return 0.0
+    size = statistics.mode(len(g) for g in groups)
+    full = [g for g in groups if len(g) == size]
+    if len(full) < 2 or size < 2:
+        return 0.0
+    grand = statistics.fmean(x for g in full for x in g)
+    msb = size * sum((statistics.fmean(g) - grand) ** 2 for g in full) / (len(full) - 1)
+    msw = sum((x - statistics.fmean(g)) ** 2 for g in full for x in g) / (len(full) * (size - 1))
+    if msb + (size - 1) * msw <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (msb - msw) / (msb + (size - 1) * msw)))
+
+
+@functools.lru_cache(maxsize=4096)
 def turn_thresholds(p: float, lo: int, hi: int) -> tuple[float, ...]:
     """Latent normal cut points of the capped geometric: a task plays lo + (cuts below its latent) turns."""
     return tuple(_NORMAL.inv_cdf(min(1 - 1e-12, 1 - (1 - p) ** (k - lo + 1))) for k in range(lo, hi))
@@ -134,11 +154,10 @@ def turns_icc(p: float, lo: int, hi: int, rho: float) -> float:
     if rho >= 1:
         return 1.0
     s, r = math.sqrt(rho), math.sqrt(1 - rho)
-    weights = [_NORMAL.pdf(z) for z in _GRID]
     means = [lo + sum(1 - _NORMAL.cdf((a - s * z) / r) for a in cuts) for z in _GRID]
-    total = sum(weights)
-    m1 = sum(w * m for w, m in zip(weights, means)) / total
-    m2 = sum(w * m * m for w, m in zip(weights, means)) / total
+    total = sum(_WEIGHTS)
+    m1 = sum(w * m for w, m in zip(_WEIGHTS, means)) / total
+    m2 = sum(w * m * m for w, m in zip(_WEIGHTS, means)) / total
     return max(0.0, m2 - m1 * m1) / var
 
 
