@@ -139,7 +139,7 @@ def for_job(job: Any, model_path: str | Path, weights_version: int = 0) -> FakeE
 
     from tiderl.rollout.from_config import chat_format
 
-    fmt = chat_format(model_path)
+    fmt = chat_format(model_path, job.model)
     rng = random.Random(job.seed * 1000 + weights_version)
     low, high = int(job.env.options.get("low", 1)), int(job.env.options.get("high", 16))
     block = job.rollout.kv_block_size

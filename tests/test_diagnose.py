@@ -263,3 +263,13 @@ def test_restarted_processes_are_reported() -> None:
     [f] = [f for f in d.findings if f.kind is Kind.RESTARTED]
     assert f.severity is Severity.WARNING and f.rank == 2 and "1 restart of processes that died" in f.message
     assert "exited with code -9" in f.message and not d.needs_attention
+
+
+def test_an_engine_that_does_not_serve_the_trained_weights_is_a_warning() -> None:
+    quiet = diagnose(snap(on_policy_mismatch=2e-6))
+    assert Kind.ENGINE_MISMATCH not in kinds(quiet) and not quiet.needs_attention
+    loud = diagnose(snap(on_policy_mismatch=0.03))
+    found = next(f for f in loud.findings if f.kind is Kind.ENGINE_MISMATCH)
+    assert found.severity is Severity.WARNING and "0.03" in found.message
+    assert "monitor.max_on_policy_mismatch" in found.message
+    assert Kind.ENGINE_MISMATCH not in kinds(diagnose(snap()))  # not measured yet: nothing said

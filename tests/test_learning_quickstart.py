@@ -11,6 +11,7 @@ for 0.25 at v15 (4 more games of 16 won), five versions after every measured see
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -35,5 +36,15 @@ def test_the_quickstart_learns(tmp_path: Path) -> None:
     assert all(e["num_tasks"] == 16 for e in evals), evals
     first, last = evals[0]["success_rate"], evals[-1]["success_rate"]
     assert last - first >= MIN_GAIN, f"greedy success {first:.3f} (v0) -> {last:.3f} (v15): {evals}"
+    # The engine served exactly the weights each version published: tokens sampled and trained at the same
+    # version score alike on both sides (fp32 on a CPU); stale tokens are reported apart.
+    db = sqlite3.connect(run_dir / "run.db")
+    try:
+        on_policy = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_on_policy'")]
+        stale = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_stale'")]
+    finally:
+        db.close()
+    assert len(on_policy) >= 10 and max(on_policy) <= 1e-4, on_policy
+    assert stale and max(stale) > max(on_policy), stale
     # The end-of-run summary says whether the change is beyond noise.
     assert "beyond noise" in out.stdout + out.stderr, out.stdout[-2000:]

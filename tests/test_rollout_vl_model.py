@@ -256,12 +256,12 @@ def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
         state, version = db.execute("SELECT state, version FROM runs").fetchone()
         with_images, total = db.execute("SELECT count(images), count(*) FROM trajectories").fetchone()
         split = db.execute("SELECT count(prunes) FROM trajectories WHERE state = 'consumed'").fetchone()[0]
-        mismatch = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch'")]
+        mismatch = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_on_policy'")]
     finally:
         db.close()
     assert (state, version) == ("finished", 2)
     assert total > 0 and with_images == total  # every trajectory kept its pictures
     assert split > 0  # trained trajectories the window split
-    assert mismatch and max(mismatch) < 1e-3, mismatch
+    assert mismatch and max(mismatch) <= 1e-4, mismatch  # the engine serves the published weights
     weights = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
     assert "vision_config" in weights  # the vision-language model was trained and published whole

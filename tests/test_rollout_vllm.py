@@ -71,7 +71,7 @@ def test_generate_returns_ids_and_their_logprobs(engine, fmt: ChatFormat, model_
         logits = model(input_ids=torch.tensor([prompt + list(g.token_ids)])).logits[0]
     ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     ref = ref[torch.arange(len(g.token_ids)), torch.tensor(g.token_ids)]
-    assert torch.allclose(ref, torch.tensor(g.logprobs), atol=2e-3), (ref, g.logprobs)
+    assert torch.allclose(ref, torch.tensor(g.logprobs), atol=1e-4), (ref, g.logprobs)
 
 
 def test_prefix_cache_counters_see_a_repeated_context(engine, fmt: ChatFormat) -> None:
@@ -88,15 +88,30 @@ def test_prefix_cache_counters_see_a_repeated_context(engine, fmt: ChatFormat) -
     assert delta.generation_tokens == len(first.token_ids) + len(second.token_ids)
 
 
-def test_reload_weights_in_place_and_drop_the_cache(engine, fmt: ChatFormat, model_dir: Path, tmp_path: Path) -> None:
+def _transformers_logprobs(weights_dir: Path, prompt: list[int], generated: tuple[int, ...]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + list(generated)])).logits[0]
+    ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return ref[torch.arange(len(generated)), torch.tensor(generated)].tolist()
+
+
+def test_a_reload_serves_exactly_the_published_weights(engine, fmt: ChatFormat, model_dir: Path, tmp_path: Path) -> None:
+    """After a reload the engine samples from the published version, its tied output layer included (vLLM's
+    CPU path kept the base model's packed output layer: 0.35-1.3 nats off), and drops its cache."""
     import torch
     from transformers import AutoModelForCausalLM
 
     prompt = long_prompt(fmt)
-    greedy = SamplingSpec(max_new_tokens=4, temperature=0.0, stop_token_ids=(fmt.end_of_turn_id,))
-    original = run(engine.generate(prompt, greedy))
+    sampled = SamplingSpec(max_new_tokens=12, temperature=1.0, stop_token_ids=(), seed=11)
+    original = run(engine.generate(prompt, sampled))
     # A trainer-style weights dir: model.safetensors + config + tokenizer.
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -107,15 +122,37 @@ def test_reload_weights_in_place_and_drop_the_cache(engine, fmt: ChatFormat, mod
 
     run(engine.reload_weights(v1, version=1))
     assert engine.weights_version == 1
-    changed = run(engine.generate(prompt, greedy))
+    changed = run(engine.generate(prompt, sampled))
     assert changed.weights_version == 1
     assert changed.num_cached_tokens == 0  # the old weights' cache was dropped
-    assert changed.logprobs != original.logprobs
+    assert changed.logprobs == pytest.approx(_transformers_logprobs(v1, prompt, changed.token_ids), abs=1e-4)
 
     run(engine.reload_weights(model_dir, version=2))
-    back = run(engine.generate(prompt, greedy))
+    back = run(engine.generate(prompt, sampled))
     assert back.token_ids == original.token_ids
-    assert back.logprobs == pytest.approx(original.logprobs, abs=1e-4)
+    assert back.logprobs == pytest.approx(_transformers_logprobs(model_dir, prompt, back.token_ids), abs=1e-4)
+
+
+def test_a_version_lacking_tensors_is_refused_and_the_engine_keeps_its_weights(
+        engine, fmt: ChatFormat, model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    prompt = long_prompt(fmt)
+    greedy = SamplingSpec(max_new_tokens=4, temperature=0.0, stop_token_ids=(fmt.end_of_turn_id,))
+    before = run(engine.generate(prompt, greedy))
+    tensors = load_file(model_dir / "model.safetensors")
+    gone = next(n for n in sorted(tensors) if n.endswith("mlp.gate_proj.weight"))  # half of a fused projection
+    del tensors[gone]
+    part = tmp_path / "part"
+    part.mkdir()
+    save_file(tensors, part / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(model_dir / "config.json", part / "config.json")
+    version = engine.weights_version
+    with pytest.raises(EngineError, match=f"lacks 1 of the model's tensors \\({gone}\\)"):
+        run(engine.reload_weights(part, version=version + 1))
+    assert engine.weights_version == version
+    after = run(engine.generate(prompt, greedy))
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
 
 
 def test_reload_from_a_dir_without_weights_is_a_clear_error(engine, tmp_path: Path) -> None:

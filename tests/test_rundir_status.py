@@ -94,7 +94,7 @@ def _story(run_dir: Path) -> None:
                                     step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=1)
     s.report(RankReport(rank=1, metrics=[MetricPoint("clip_frac", 0.125, 0, "actor"),
-                                         MetricPoint("logprob_mismatch", 0.0625, 0, "actor")]))
+                                         MetricPoint("logprob_mismatch_on_policy", 0.0625, 0, "actor")]))
     s.report(RankReport(rank=0, metrics=[MetricPoint(n, v, 1, "rollout") for n, v in (
         ("ctb_admitted", 2), ("ctb_pauses", 1), ("ctb_resumes", 1), ("ctb_prefix_kept", 3), ("ctb_prefix_evicted", 1),
         ("prefix_cache_queries", 100), ("prefix_cache_hits", 40), ("kv_usage", 0.5), ("ctb_budget_tokens", 1500))]))
@@ -115,7 +115,7 @@ def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                     "goodput_tok_s": 2.0, "ras": 1, "tprm_s": 0.5, "ra2p_mode": "colocated", "max_staleness": 0,
                     "eval": False}
     assert doc["buffer"]["tasks_pending"] == 2 and doc["buffer"]["traj_consumed"] == 2
-    assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch": 0.0625}
+    assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch_on_policy": 0.0625}
     assert doc["rollout"] == {"ctb_admitted": 3, "ctb_pauses": 1, "ctb_resumes": 1, "ctb_prefix_kept": 3,
                               "ctb_prefix_evicted": 1, "prefix_cache_queries": 200, "prefix_cache_hits": 40,
                               "kv_usage": 0.5, "ctb_budget_tokens": 1500.0}
@@ -127,7 +127,7 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "run quickstart (tiderl): running" in out
     assert "colocated" in out and "rollout" in out and "tasks pending 2" in out
-    assert "trainer (last step): clip_frac 0.125, logprob_mismatch 0.062" in out
+    assert "trainer (last step): clip_frac 0.125, logprob_mismatch_on_policy 0.062" in out
     assert ("rollout (run so far): admitted 3, paused 1, resumed 1; turns whose context the prefix cache kept 3, "
             "evicted 1; prefix-cache hit rate 0.20; KV usage 0.50; CTB budget 1500 tokens") in out
 

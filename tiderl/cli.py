@@ -14,7 +14,7 @@ from tiderl.config import ConfigError
 
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "config": ("tiderl.config.cli", "Validate a job file (with --set overrides) and print the resolved config."),
+    "config": ("tiderl.config_cli", "Validate a job file (with --set overrides) and print the resolved config."),
     "status": ("tiderl.status_cli", "Show a run's state, version, ranks, buffer and goodput."),
     "report": ("tiderl.report.cli", "Write a run's figures (PNG) and Markdown summary: goodput, rewards, waits, roles."),
     "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),

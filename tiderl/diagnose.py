@@ -76,6 +76,7 @@ class Kind(str, enum.Enum):
     ENV_SERVER_DOWN = "env_server_down"
     STORE_UNREACHABLE = "store_unreachable"  # a process waited out a store outage (a database server restart)
     SLURM_JOB = "slurm_job"  # a Slurm job of the run is not running
+    ENGINE_MISMATCH = "engine_mismatch"  # the engine's log-probs of on-policy tokens are not the trainer's
 
 
 # Which finding most likely blocks progress, most likely first (invariant 6).
@@ -100,6 +101,7 @@ class Limits:
     stall_after_s: float
     slow_task_s: float
     rwt_window_s: float  # the window `RankStatusView.rwt_recent_s` sums over
+    max_on_policy_mismatch: float = 1e-3  # nats a token (monitor.max_on_policy_mismatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,7 @@ class Snapshot:
     env_servers: tuple[EnvServerView, ...] = ()
     slurm_jobs: tuple[SlurmJobView, ...] = ()
     control_age_s: float | None = None  # since the control plane's last tick (None: never ticked)
+    on_policy_mismatch: float | None = None  # the last step's logprob_mismatch_on_policy (None: not measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,7 @@ def diagnose(snap: Snapshot) -> Diagnosis:
     rollout, rollout_findings = _rollout_side(snap)
     findings += trainer_findings + rollout_findings
     findings += _task_findings(snap)
+    findings += _engine_findings(snap)
     is_over = snap.state in TERMINAL_STATES
     if is_over:
         kind, severity = (Kind.RUN_FAILED, Severity.ERROR) if snap.state == "failed" else (Kind.RUN_ENDED,
@@ -569,6 +573,17 @@ def _task_findings(snap: Snapshot) -> list[Finding]:
 
 
 # ---- words -----------------------------------------------------------------------------------------
+def _engine_findings(snap: Snapshot) -> list[Finding]:
+    x, limit = snap.on_policy_mismatch, snap.limits.max_on_policy_mismatch
+    if x is None or not x > limit:
+        return []
+    return [Finding(Kind.ENGINE_MISMATCH, Severity.WARNING,
+                    f"the engine's log-probabilities differ from the trainer's by {x:.2g} nats a token on tokens "
+                    f"sampled with the weights being trained (monitor.max_on_policy_mismatch {limit:g}): the engine "
+                    "does not serve the published weights, or computes them in a lower precision",
+                    data={"logprob_mismatch_on_policy": x, "limit": limit})]
+
+
 def _dur(seconds: float | None) -> str:
     if seconds is None:
         return "an unknown time"

@@ -26,7 +26,8 @@ CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
 
 
-TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch", "is_weight_mean", "is_truncated_frac", "staleness_max")
+TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean",
+                "is_truncated_frac", "staleness_max")
 
 
 def collect(store: Any) -> dict[str, Any]:
@@ -77,7 +78,8 @@ def limits_of(config: Any, stall_after_s: float | None = None) -> dg.Limits:
         max_concurrency=config.rollout.max_concurrency, heartbeat_s=config.launch.heartbeat_s,
         heartbeat_timeout_s=config.launch.heartbeat_timeout_s,
         stall_after_s=stall_after_s if stall_after_s is not None else config.monitor.stall_after_s,
-        slow_task_s=config.monitor.slow_task_s, rwt_window_s=RWT_WINDOW_S)
+        slow_task_s=config.monitor.slow_task_s, rwt_window_s=RWT_WINDOW_S,
+        max_on_policy_mismatch=config.monitor.max_on_policy_mismatch)
 
 
 def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg.EnvServerView, ...] = (),
@@ -110,10 +112,11 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
         up_s=now - r.started_at)
         for r in store.ranks())
     plan = store.plan_at(version)
+    mismatch = store.latest_metrics(["logprob_mismatch_on_policy"]).get("logprob_mismatch_on_policy")
     return dg.Snapshot(
         state=info.state.value, version=version, message=info.message, since_progress_s=max(0.0, now - progress_at),
         control_age_s=now - info.control_seen_at if info.control_seen_at else None,
-        limits=limits, ranks=ranks,
+        limits=limits, ranks=ranks, on_policy_mismatch=None if mismatch is None else float(mismatch),
         groups=tuple(dg.GroupView(
             group_id=g["id"], kind=g["kind"], state=g["state"], size=g["size"], num_done=g["num_done"],
             unfinished=tuple(dg.TaskView(

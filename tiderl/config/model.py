@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tiderl.config.schema import option, section
 
 
@@ -30,4 +32,14 @@ class ModelConfig:
     )
     max_context_tokens: int = option(
         1024, ge=64, help="Longest context (prompt + all turns) a task may reach, in tokens."
+    )
+    system_prompt: str | None = option(
+        None,
+        help="System message of every task's prompt. null: the chat template's default (Qwen2.5's \"You are "
+        "Qwen...\", none for most templates).",
+    )
+    chat_template_kwargs: dict[str, Any] = option(
+        default_factory=dict,
+        help="Extra variables of the model's chat template, passed to `apply_chat_template` at every rendering "
+        "(e.g. `{enable_thinking: false}` for Qwen3).",
     )

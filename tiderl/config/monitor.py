@@ -19,6 +19,14 @@ class MonitorConfig:
         gt=0,
         help="A task running this long on one rank is named in the diagnosis as a slow task.",
     )
+    max_on_policy_mismatch: float = option(
+        1e-3,
+        gt=0,
+        help="`tiderl status` warns when the last step's on-policy log-prob mismatch (the mean |trainer - engine| "
+        "log-probability of the tokens sampled with the weights being trained) passes this many nats: the engine "
+        "then does not serve the published weights. fp32 on CPU measures ~1e-6 (docs/RESULTS.md); bf16 engines "
+        "differ more (raise it there).",
+    )
     metrics_port: int | None = option(
         None,
         ge=0,

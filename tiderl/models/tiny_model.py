@@ -26,8 +26,8 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from tiderl.models import demos
-from tiderl.rollout import chat
+from tiderl.models import chatml, demos
+from tiderl.rollout.chat import ChatFormat
 
 MANIFEST = "tiderl-model.json"
 
@@ -73,7 +73,7 @@ def spec_hash(spec: TinyModelSpec) -> str:
     from tiderl.envs.registry import env_class
 
     h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
-    for module in (chat, demos, inspect.getmodule(spec_hash), inspect.getmodule(env_class(spec.env))):
+    for module in (chatml, demos, inspect.getmodule(spec_hash), inspect.getmodule(env_class(spec.env))):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
 
@@ -113,15 +113,15 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(chat.SPECIAL_TOKENS),
+        special_tokens=list(chatml.SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=chat.IM_END, pad_token=chat.PAD, model_max_length=1 << 16
+        tokenizer_object=tok, eos_token=chatml.IM_END, pad_token=chatml.PAD, model_max_length=1 << 16
     )
-    fast.chat_template = chat.CHAT_TEMPLATE
+    fast.chat_template = chatml.CHAT_TEMPLATE
     return fast
 
 
@@ -149,7 +149,7 @@ def build_model(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int) 
     return Qwen2ForCausalLM(config)
 
 
-def demo_sequences(fmt: chat.ChatFormat, conversations: list[list[dict[str, str]]]) -> list[tuple[list[int], list[int]]]:
+def demo_sequences(fmt: ChatFormat, conversations: list[list[dict[str, str]]]) -> list[tuple[list[int], list[int]]]:
     """(ids, loss mask) per conversation, built from the same id pieces the agent loop uses;
     the observation after the last action is left out (nothing is generated after it)."""
     out = []
@@ -236,7 +236,7 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
             rewards.append(reward)
         progress.step("training the tokenizer")
         tokenizer = train_tokenizer([m["content"] for c in conversations for m in c], spec.vocab_size)
-        fmt = chat.ChatFormat(tokenizer)
+        fmt = ChatFormat(tokenizer)
         model = build_model(spec, len(tokenizer), fmt.pad_id, fmt.end_of_turn_id)
         progress.step("warm start")
         losses = warm_start(model, demo_sequences(fmt, conversations), spec, fmt.pad_id,
@@ -306,10 +306,10 @@ def greedy_success_rate(model_dir: str | Path, env_name: str, seeds: range, max_
     def turn(ids: list[int], pngs: list[bytes]) -> Callable[[list[int]], Any]:
         return lambda generated: model(input_ids=torch.tensor([ids + generated])).logits[0, -1]
 
-    return greedy_play(chat.ChatFormat(tokenizer), turn, env_name, seeds, max_new_tokens, options)
+    return greedy_play(ChatFormat(tokenizer), turn, env_name, seeds, max_new_tokens, options)
 
 
-def greedy_play(fmt: chat.ChatFormat, turn: Callable[[list[int], list[bytes]], Callable[[list[int]], Any]],
+def greedy_play(fmt: ChatFormat, turn: Callable[[list[int], list[bytes]], Callable[[list[int]], Any]],
                 env_name: str, seeds: Iterable[int], max_new_tokens: int = 8,
                 options: dict[str, Any] | None = None) -> float:
     """Mean final reward of greedy play of `env_name`'s games `seeds`, the context built as the agent
@@ -333,13 +333,13 @@ def greedy_play(fmt: chat.ChatFormat, turn: Callable[[list[int], list[bytes]], C
             logits_after = turn(ids, pngs)
             generated: list[int] = []
             with torch.no_grad():
-                while len(generated) < max_new_tokens and (not generated or generated[-1] != fmt.end_of_turn_id):
+                while len(generated) < max_new_tokens and not fmt.closes_turn(generated):
                     logits = logits_after(generated)
                     logits[banned] = -torch.inf
                     generated.append(int(logits.argmax()))
             ids += generated
             observation, _, done, _ = env.step(fmt.action_text(generated))
-            if generated[-1] != fmt.end_of_turn_id:
+            if not fmt.closes_turn(generated):
                 ids.append(fmt.end_of_turn_id)
             new = list(pictures())
             ids += fmt.env_turn_ids(observation, images=len(new))

@@ -38,8 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.models import demos
-from tiderl.rollout import chat
+from tiderl.models import chatml, demos
 from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ChatFormat, ImageTokens
 from tiderl.models.tiny_model import (MANIFEST, build_dir, build_threads, cached_hash, greedy_play, swap_in,
                                       train_tokenizer, warm_start)
@@ -131,11 +130,12 @@ class TinyVisionSpec:
 
 
 def vl_spec_hash(spec: TinyVisionSpec) -> str:
-    """Hash of the spec and of the code that turns it into a model directory."""
+    """Hash of the spec and of the code that turns it into a model directory (the chat template is
+    ChatML's tokens and this module's `VL_CHAT_TEMPLATE`; the vision tokens' order sets their ids)."""
     from tiderl.envs.registry import env_class
 
-    h = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode())
-    for module in (chat, demos, inspect.getmodule(warm_start), inspect.getmodule(vl_spec_hash),
+    h = hashlib.sha256(json.dumps([dataclasses.asdict(spec), VISION_SPECIAL_TOKENS], sort_keys=True).encode())
+    for module in (chatml, demos, inspect.getmodule(warm_start), inspect.getmodule(vl_spec_hash),
                    inspect.getmodule(env_class(spec.env))):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
@@ -177,8 +177,8 @@ def build_vl_model(spec: TinyVisionSpec, tokenizer: Any) -> Any:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in VISION_SPECIAL_TOKENS}
-    eos_id = int(tokenizer.convert_tokens_to_ids(chat.IM_END))
-    pad_id = int(tokenizer.convert_tokens_to_ids(chat.PAD))
+    eos_id = int(tokenizer.convert_tokens_to_ids(chatml.IM_END))
+    pad_id = int(tokenizer.convert_tokens_to_ids(chatml.PAD))
     text_config = {
         "vocab_size": len(tokenizer),
         "hidden_size": spec.hidden_size,

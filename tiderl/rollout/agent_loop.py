@@ -124,7 +124,7 @@ async def run_task(
             sampling = SamplingSpec(
                 max_new_tokens=room,
                 temperature=temperature,
-                stop_token_ids=(fmt.end_of_turn_id,),
+                stop_token_ids=fmt.stop_ids,
                 banned_token_ids=fmt.banned_ids,
                 seed=zlib.crc32(f"{spec.task_id}#{run.num_turns}".encode()) & 0x7FFFFFFF,
             )
@@ -135,9 +135,9 @@ async def run_task(
             trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
             left_in_cache = trajectory.engine_tokens  # prompt and generated tokens stay cached (full blocks)
             left_version = generation.weights_version
-            if not generation.token_ids or generation.token_ids[-1] != fmt.end_of_turn_id:
-                # Cut by the length limit: close the turn so the context stays well-formed;
-                # the closing id was not sampled, so it is not trained on.
+            if not fmt.closes_turn(generation.token_ids):
+                # Cut by the length limit: close the turn with the end-of-turn id so the context stays
+                # well-formed; the closing id was not sampled, so it is not trained on.
                 trajectory.append([fmt.end_of_turn_id], sampled=False)
             run.phase = Phase.WAITING_ENV
             run.context_tokens = trajectory.engine_tokens

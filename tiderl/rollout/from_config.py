@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tiderl.config.job import JobConfig
+from tiderl.config.model import ModelConfig
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.rollout.agent_loop import LoopLimits
@@ -17,10 +18,14 @@ from tiderl.rollout.schedulers import make_scheduler
 from tiderl.rollout.worker import RolloutWorker, Sink
 
 
-def chat_format(model_path: str | Path) -> ChatFormat:
+def chat_format(model_path: str | Path, model: ModelConfig | None = None) -> ChatFormat:
+    """The chat format of the model directory's tokenizer, with the `model:` section's `system_prompt` and
+    `chat_template_kwargs` (None: neither)."""
     from transformers import AutoTokenizer
 
-    return ChatFormat(AutoTokenizer.from_pretrained(model_path), ImageTokens.of_model(model_path))
+    return ChatFormat(AutoTokenizer.from_pretrained(model_path), ImageTokens.of_model(model_path),
+                      system_prompt=model.system_prompt if model is not None else None,
+                      template_kwargs=model.chat_template_kwargs if model is not None else None)
 
 
 def loop_limits(job: JobConfig) -> LoopLimits:

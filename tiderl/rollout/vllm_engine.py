@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import queue
 import threading
@@ -102,11 +103,14 @@ class VllmEngine(Engine):
                 # step holds at least one whole context.
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(max_model_len, CPU_BATCHED_TOKENS),
+                # The exact reload (tiderl.rollout.vllm_worker), called by name through collective_rpc.
+                worker_extension_cls="tiderl.rollout.vllm_worker.TideWorkerExtension",
                 **kwargs,
             )
         except Exception as e:  # vLLM raises many types at start-up; name the model either way
             raise EngineError(f"vLLM could not start on model {model_dir}: {e}") from e
         self._engine = self._llm.llm_engine
+        self._tensor_names = checkpoint_tensors(model_dir)  # what every reload must hold again
         num_blocks = self._engine.vllm_config.cache_config.num_gpu_blocks
         # vLLM keeps one block back (its null block): requests can use the rest.
         self._kv_capacity_tokens = (int(num_blocks) - 1) * block_size
@@ -194,6 +198,10 @@ class VllmEngine(Engine):
         weights_dir = Path(weights_dir)
         if not any(weights_dir.glob("*.safetensors")):
             raise EngineError(f"reload_weights: no *.safetensors in {weights_dir}")
+        lacking = sorted(self._tensor_names - checkpoint_tensors(weights_dir))
+        if lacking:  # refused before anything is loaded: the engine keeps serving its weights
+            raise EngineError(f"reload_weights: {weights_dir} lacks {len(lacking)} of the model's tensors "
+                              f"({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})")
         cond = self._condition()
         async with cond:
             await cond.wait_for(lambda: not self._reloading)
@@ -202,7 +210,12 @@ class VllmEngine(Engine):
         try:
 
             def reload() -> bool:
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                results = self._llm.collective_rpc("tiderl_reload_weights", kwargs={"weights_path": str(weights_dir)})
+                missing = sorted({name for r in results for name in r["missing"]})
+                if missing:
+                    raise EngineError(f"reload_weights: {weights_dir} holds no values for {len(missing)} of the "
+                                      f"model's parameters ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): "
+                                      "the engine would serve a mix of versions")
                 if self._max_images:
                     # The vision tower changed too: its cached outputs are stale, and the front end's record of
                     # which images the engine holds is dropped with them (it would send hashes only).
@@ -210,7 +223,12 @@ class VllmEngine(Engine):
                     self._llm.reset_mm_cache()
                 return self._llm.reset_prefix_cache()
 
-            if not await self._call(reload):
+            try:
+                reset = await self._call(reload)
+            except EngineError as e:
+                self._failure = e  # part old, part new: nothing more is generated on these weights
+                raise
+            if not reset:
                 raise EngineError(f"reload_weights: vLLM refused to reset its prefix cache after loading {weights_dir}")
             self._version = version
         finally:
@@ -238,7 +256,7 @@ class VllmEngine(Engine):
 
     def _send(self, kind: str, payload: Any) -> None:
         if self._failure is not None:
-            raise EngineError(f"the vLLM engine thread failed: {self._failure}") from self._failure
+            raise EngineError(f"the vLLM engine is unusable: {self._failure}") from self._failure
         if self._stopped:
             raise EngineError("the vLLM engine is closed")
         self._commands.put((kind, payload))
@@ -301,6 +319,26 @@ class VllmEngine(Engine):
             num_cached_tokens=int(output.num_cached_tokens or 0),
         )
         loop.call_soon_threadsafe(_set_result, future, generation)
+
+
+def checkpoint_tensors(model_dir: str | Path) -> set[str]:
+    """The tensor names of a model directory's safetensors files (their headers only), less those a
+    version may leave out: an output layer tied to the input embedding, rotary frequency buffers."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    names: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    config = model_dir / "config.json"
+    tied = config.is_file() and _ties_embeddings(json.loads(config.read_text()))
+    return {n for n in names if not n.endswith("rotary_emb.inv_freq") and not (tied and "lm_head" in n.split("."))}
+
+
+def _ties_embeddings(config: dict[str, Any]) -> bool:
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
 def _set_result(future: asyncio.Future[Generation], value: Generation) -> None:

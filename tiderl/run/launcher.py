@@ -1,7 +1,8 @@
 """`tiderl run`: the whole run as local processes (env servers, control plane, ranks) under one launcher.
 
-The launcher validates the config (a bad config creates nothing), creates or
-reopens the run dir, finds or builds the model, starts the env servers
+The launcher validates the config and checks the model and trainer backend
+(`tiderl.models.preflight`: a bad one creates nothing), creates or reopens
+the run dir, finds or builds the model, starts the env servers
 (unless `env.servers` points at external ones), the control plane and
 `launch.num_ranks` rank processes, shows a progress line until the control
 plane declares the run finished, and stops every child on Ctrl-C, on a
@@ -63,8 +64,15 @@ class Launch:
 
 
 def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None) -> Launch:
-    """Validate and create (or reopen) the run. Raises ConfigError before touching the disk."""
+    """Validate and create (or reopen) the run. Raises ConfigError before touching the disk: a bad config,
+    or a model or trainer backend that cannot serve the run (`tiderl.models.preflight`; checked again on
+    resume, before the store is opened, since the model may have moved)."""
+    from tiderl.models.preflight import check_job
+
     if resume is not None:
+        saved = RunPaths(Path(resume)).config
+        if saved.is_file():  # else open_run says what the directory lacks
+            check_job(load_job(saved, overrides))
         paths, _ = open_run(resume)
         config = load_job(paths.config, overrides)
         store = RunStore.for_run_dir(paths.root, config.store)
@@ -72,6 +80,7 @@ def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume
     if job is None:
         raise LaunchError("give a job file, or --resume RUN_DIR")
     config = load_job(job, overrides)
+    check_job(config)
     paths, store = create_run(config, run_dir)
     return Launch(config, paths, store, resumed=False)
 

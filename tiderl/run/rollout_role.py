@@ -200,7 +200,7 @@ def _chat(ctx: RankContext) -> ChatFormat:
     from tiderl.rollout.from_config import chat_format
 
     if ctx.chat is None:
-        ctx.chat = chat_format(str(ctx.model_dir))
+        ctx.chat = chat_format(str(ctx.model_dir), ctx.config.model)
     return ctx.chat
 
 

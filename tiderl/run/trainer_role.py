@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -164,9 +165,11 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                            ra2p_mode=mode, loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
     ctx.bell("published").ring()  # the control plane plans the next version now, not at its next tick
+    from tiderl.trainer.step import MISMATCH_KEYS
+
     v = plan.version
     metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
-               MetricPoint("logprob_mismatch", stats.logprob_mismatch, v, "actor"),
+               *(MetricPoint(n, getattr(stats, n), v, "actor") for n in MISMATCH_KEYS if not math.isnan(getattr(stats, n))),
                MetricPoint("is_weight_mean", stats.is_weight_mean, v, "actor"),
                MetricPoint("is_truncated_frac", stats.is_truncated_frac, v, "actor"),
                MetricPoint("staleness_max", stats.staleness_max, v, "actor"),

@@ -1,6 +1,7 @@
 """`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run | --parsable | --json] [--wait]`.
 
-A run as one Slurm job. The config is validated and laid out on the `slurm:`
+A run as one Slurm job. The config is validated, its model and trainer backend
+checked (`tiderl.models.preflight`), and it is laid out on the `slurm:`
 resources before anything is written (exit 2 on a bad one); resources that
 look CPU-sized for a GPU job are warned about on stderr
 (`sbatch.resource_warnings`). `--dry-run` prints the sbatch script and the
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tiderl.config import load_job
+    from tiderl.models.preflight import check_job
     from tiderl.rundir import RunDirError, create_run, default_run_dir
     from tiderl.slurm.cluster import SlurmCluster, SlurmError
     from tiderl.slurm.runjobs import slurm_dir
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.store.types import RunState
 
     config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
+    check_job(config)  # the model and trainer backend, likewise: before a dry run's script, before any queue
     run_dir = (args.run_dir if args.run_dir is not None else default_run_dir(config)).absolute()
     try:
         params = run_parameters(config, run_dir)

@@ -10,6 +10,7 @@ and reduces them across data-parallel ranks for reporting.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ class LossConfig:
     is_cap: float = 2.0
 
 
+MISMATCH_KEYS = ("logprob_mismatch_on_policy", "logprob_mismatch_stale")  # StepStats' fields, metrics by these names
+
+
 @dataclass(slots=True)
 class StepAccumulator:
     """Sums over the micro-batches a rank trained in one step, plus its timings."""
@@ -41,6 +45,8 @@ class StepAccumulator:
     ratio_sum: float = 0.0
     clipped_sum: float = 0.0
     mismatch_sum: float = 0.0
+    on_policy_mismatch_sum: float = 0.0  # tokens sampled with the weights being trained (version == self.version)
+    on_policy_tokens: int = 0
     is_weight_sum: float = 0.0
     is_truncated_sum: float = 0.0
     loss_sum: float = 0.0
@@ -59,7 +65,14 @@ class StepAccumulator:
     actor_backward_s: float = 0.0  # loss + backward
     trajectory_ids: list[int | str] = field(default_factory=list)
 
-    def add(self, mb: MicroBatch, parts: LossParts) -> None:
+    def add(self, mb: MicroBatch, parts: LossParts, logprobs: torch.Tensor | None = None) -> None:
+        """Add a trained micro-batch; `logprobs` (the trainer's, [B, T-1]) splits the engine mismatch by
+        whether a token was sampled with the weights being trained."""
+        if logprobs is not None:
+            on_policy = (mb.loss_mask > 0) & (mb.token_versions == self.version)
+            gap = (logprobs.detach().cpu() - mb.old_logprobs).abs()
+            self.on_policy_mismatch_sum += float(torch.where(on_policy, gap, torch.zeros_like(gap)).sum())
+            self.on_policy_tokens += int(on_policy.sum())
         self.pg_sum += parts.pg_sum
         self.kl_sum += parts.kl_sum
         self.ratio_sum += parts.ratio_sum
@@ -110,7 +123,11 @@ class StepStats:
     t_swap_s: float  # mean seconds of one ref<->actor swap (0: none)
     optimizer_s: float  # gradient reduction + clipping + AdamW step
     duration_s: float
-    logprob_mismatch: float = 0.0  # mean |trainer - engine| log-prob of the trained tokens
+    logprob_mismatch_on_policy: float = math.nan
+    """Mean |trainer - engine| log-prob of the tokens sampled with the weights being trained: the engine's own
+    error, ~1e-6 in fp32 (NaN: no such token this step)."""
+    logprob_mismatch_stale: float = math.nan
+    """The same of the older versions' tokens: mostly the policy's change since (NaN: none)."""
     is_weight_mean: float = 1.0  # mean importance weight applied (trainer.off_policy)
     is_truncated_frac: float = 0.0  # share of tokens whose weight was truncated at trainer.is_cap
 
@@ -158,7 +175,7 @@ def finish(
     )
     actor.backward(parts.loss)
     acc.actor_backward_s += time.perf_counter() - t0
-    acc.add(mb, parts)
+    acc.add(mb, parts, logprobs)
 
 
 def reduce_stats(
@@ -168,7 +185,7 @@ def reduce_stats(
     sums = torch.tensor(
         [acc.loss_sum, acc.pg_sum, acc.kl_sum, acc.ratio_sum, acc.clipped_sum, acc.num_tokens,
          acc.num_sequences, acc.num_micro_batches, acc.staleness_sum, acc.num_swaps, acc.mismatch_sum,
-         acc.is_weight_sum, acc.is_truncated_sum],
+         acc.is_weight_sum, acc.is_truncated_sum, acc.on_policy_mismatch_sum, acc.on_policy_tokens],
         dtype=torch.float64,
     )
     per = max(acc.num_micro_batches, 1)
@@ -179,7 +196,8 @@ def reduce_stats(
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-    loss, pg, kl, ratio, clipped, tokens, seqs, mbs, stale, swaps, mismatch, weight, truncated = sums.tolist()
+    (loss, pg, kl, ratio, clipped, tokens, seqs, mbs, stale, swaps, mismatch, weight, truncated, fresh_mismatch,
+     fresh) = sums.tolist()
     n = max(tokens, 1.0)
     return StepStats(
         version=acc.version,
@@ -204,7 +222,8 @@ def reduce_stats(
         t_swap_s=float(maxes[7]),
         optimizer_s=float(maxes[8]),
         duration_s=float(maxes[9]),
-        logprob_mismatch=mismatch / n,
+        logprob_mismatch_on_policy=fresh_mismatch / fresh if fresh else math.nan,
+        logprob_mismatch_stale=(mismatch - fresh_mismatch) / (tokens - fresh) if tokens > fresh else math.nan,
         is_weight_mean=weight / n if tokens else 1.0,
         is_truncated_frac=truncated / n,
     )
