@@ -8,7 +8,7 @@ pictures too, for an image environment) at the run's temperature, and the traine
 version: `max_abs_logprob_diff` over the sampled tokens, with the token count and the reload time.
 Exit status 1 where a version differs by more than `--tolerance` (1e-4 nats: fp32 on a CPU).
 
-    python tools/check_reload.py --versions RUN_DIR [--model DIR] [--games 4] [--tokens 16]
+    python tools/check_reload.py --versions RUN_DIR [--model DIR] [--games 16] [--tokens 16]
 
 `--model`: the base model directory (default: the run's own, version 0).
 """
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", type=Path, required=True, metavar="RUN_DIR", help="A run directory.")
     parser.add_argument("--model", type=Path, default=None, help="Base model directory (default: the run's).")
-    parser.add_argument("--games", type=int, default=4, help="Opening contexts sampled after, per version.")
+    parser.add_argument("--games", type=int, default=16, help="Opening contexts sampled after, per version.")
     parser.add_argument("--tokens", type=int, default=16, help="Tokens sampled per context.")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="Largest accepted difference (nats).")
     args = parser.parse_args(argv)

