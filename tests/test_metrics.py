@@ -56,7 +56,8 @@ def story(tmp_path: Path):
     s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                     step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
-    s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[MetricPoint("twt_s", 0.75, 0, "actor")]))
+    s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[
+        MetricPoint("twt_s", 0.75, 0, "actor"), MetricPoint("logprob_mismatch_on_policy", 3e-7, 0, "actor")]))
     server = MetricsServer.start(tmp_path / "r", s, config)
     assert server is not None
     yield tmp_path / "r", s, server
@@ -77,6 +78,7 @@ def test_scrape_the_control_plane_endpoint(story) -> None:
     assert value(m, "tiderl_trainer_wait_seconds_total", rank="0", role="actor") == 0.75
     assert value(m, "tiderl_prefix_cache_hit_ratio", rank="1", role="rollout") == 0.25
     assert value(m, "tiderl_kv_cache_usage_ratio", rank="1", role="rollout") == 0.25
+    assert value(m, "tiderl_logprob_mismatch_on_policy", rank="0", role="actor") == 3e-7
     assert value(m, "tiderl_rank_up", rank="1", role="rollout", state="running") == 1
     assert value(m, "tiderl_trajectory_staleness_versions_count") == 2
     assert value(m, "tiderl_train_success_rate") == 0.5

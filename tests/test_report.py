@@ -55,7 +55,9 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
     s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                     step_started_at=0.0, duration_s=2.0, ras=0, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
-    s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[MetricPoint("twt_s", 1.25, 0, "actor")]))
+    s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[
+        MetricPoint("twt_s", 1.25, 0, "actor"), MetricPoint("logprob_mismatch_on_policy", 2e-7, 0, "actor"),
+        MetricPoint("logprob_mismatch_stale", 0.02, 0, "actor")]))
     # A second group, created after version 1: the steady window of the group's time in flight.
     s.add_groups([NewGroup(TaskKind.TRAIN, 2, 2)])
     s.report(RankReport(rank=1, role=Role.ROLLOUT, version=1, finished=[
@@ -81,6 +83,10 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert data.ctb[0]["ctb_admitted"] == 3 and data.ctb[0]["kv_usage"] == pytest.approx(0.4)
     assert "| 0 | 3 | 1 | 1 | 2 | 0 | 0.400 | 40.0% | 512 |" in summary, summary
     assert not any(note in summary for note in EMPTY_NOTES)
+    # The engine's log-prob mismatch, the tokens of the weights trained apart from the stale ones.
+    assert "| engine log-prob mismatch, tokens of the weights trained (nats a token: mean, max over 1 step) | " \
+           "2e-07, 2e-07 |" in summary, summary
+    assert "| engine log-prob mismatch, stale tokens (nats a token: mean, max over 1 step) | 0.02, 0.02 |" in summary
     held = data.holding
     assert (f"| {held['release_to_seen_s']:.2f} | {held['seen_to_claim_s']:.2f} | "
             f"{held['claim_to_publish_s']:.2f} |") in summary

@@ -61,6 +61,11 @@ LEVELS = {
     "tasks_paused": ("tiderl_rank_paused_tasks", "Tasks CTB holds paused on a rollout rank.", 1.0),
     "ctb_budget_tokens": ("tiderl_ctb_budget_tokens", "CTB's KV token budget on a rollout rank (adaptive: as it "
                           "moves).", 1.0),
+    "logprob_mismatch_on_policy": ("tiderl_logprob_mismatch_on_policy", "Mean |trainer - engine| log-prob (nats) of "
+                                   "the last step's tokens sampled with the weights it trained: the engine's own "
+                                   "error (~1e-6 in fp32).", 1.0),
+    "logprob_mismatch_stale": ("tiderl_logprob_mismatch_stale", "Mean |trainer - engine| log-prob (nats) of the last "
+                               "step's tokens sampled with older weights: mostly the policy's change since.", 1.0),
 }
 
 

@@ -35,7 +35,7 @@ G (1 + k) in the window's time; at the floor, N_F of them, at most G (1 + k) N_F
 gains iff N_b / N_F > 1 + k, so only if k < g(b), as N_b / N_F <= b / F. The forgone generation is
 shared by every resident task, those only the overcommit admits included: weighing k against
 (b - F) / b, the overcommitted tasks' share of G, would count it twice (at b = 2F it would refuse the
-overcommit from k = 0.5 where it can pay up to k = 1; docs/RESULTS.md, ninth session).
+overcommit from k = 0.5 where it can pay up to k = 1; docs/RESULTS.md, "The adaptive budget's cost rule").
 
 With costs (every judged turn of the window came with a ``reprefill_cost``): the window's cost
 share k_w = (sum over evicted turns of lost tokens x reprefill_cost) / (tokens the window's turns

@@ -12,6 +12,7 @@ from tiderl.store.types import RunRecord
 # Metrics the figures read (names as the ranks record them).
 WAIT_METRICS = ("rwt_s", "twt_s")
 CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
+MISMATCH_METRICS = ("logprob_mismatch_on_policy", "logprob_mismatch_stale")  # tiderl.trainer.step.MISMATCH_KEYS
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ReportData:
     ctb: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per weights version the rollout ranks held: the sum of each CTB_SUMS metric over the ranks and the
     mean of each CTB_LEVELS metric over its points (a name absent: never recorded at that version)."""
+    mismatch: dict[str, list[float]] = field(default_factory=dict)
+    """Each step's engine log-prob mismatch, on-policy and stale tokens apart (MISMATCH_METRICS)."""
     holding: dict[str, Any] = field(default_factory=dict)
     """Where the trained groups created from version `from_version`'s publication on spent their time in
     flight (RunStore.group_holding): from version 1 (the start-up left out), or from version 0 where no
@@ -53,7 +56,8 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
     versions = [v | {"t_s": v["created_at"] - t0} for v in store.version_rows() if v["version"] > 0]
     publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
     points = [p | {"t_s": p["ts"] - t0}
-              for p in store.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS)))]
+              for p in store.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS
+                                                             + MISMATCH_METRICS)))]
     dead = [e | {"t_s": e["ts"] - t0} for e in store.recent_events(10_000, kinds=["rank_dead"])]
     evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.eval_rows()]
     return ReportData(
@@ -61,6 +65,7 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
         waits=[p for p in points if p["name"] in WAIT_METRICS],
         cache=[p for p in points if p["name"] in CACHE_METRICS],
         staleness=store.staleness_counts(), ctb=ctb_by_version(points), holding=group_holding(store),
+        mismatch={n: [float(p["value"]) for p in points if p["name"] == n] for n in MISMATCH_METRICS},
         roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
                          restarted_s={r.rank: r.started_at - t0 for r in store.ranks()}))
 

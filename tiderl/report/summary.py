@@ -32,6 +32,12 @@ def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: di
         f"| TWT (trainer wait, all ranks) | {waits['twt_s']:.1f} s |",
         f"| RA2P modes | {', '.join(f'{m}: {n} step' + ('' if n == 1 else 's') for m, n in sorted(modes.items())) or '-'} |",
     ]
+    for name, words in (("logprob_mismatch_on_policy", "engine log-prob mismatch, tokens of the weights trained"),
+                        ("logprob_mismatch_stale", "engine log-prob mismatch, stale tokens")):
+        values = data.mismatch.get(name) or []
+        if values:
+            lines.append(f"| {words} (nats a token: mean, max over {len(values)} step{'' if len(values) == 1 else 's'}) | "
+                         f"{sum(values) / len(values):.2g}, {max(values):.2g} |")
     evals = [e for e in data.evals if e["success_rate"] is not None]
     if evals:
         lines += ["", "## Evaluations", "", "| weights version | tasks | success rate | mean reward |",
