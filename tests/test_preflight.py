@@ -147,9 +147,12 @@ def test_a_vision_config_registers_tiderls_vision_models_first(good_model: Path,
 
 def test_the_trainer_backend_is_checked_with_or_without_a_model(good_model: Path) -> None:
     for model in (None, good_model):
-        with pytest.raises(ConfigError, match=r"trainer.backend: unknown trainer backend 'megatron' \(known: torch\)"):
+        with pytest.raises(ConfigError, match=r"trainer.backend: unknown trainer backend 'megatron' \(known: fsdp, torch\)"):
             preflight.check_job(job_with(model, "trainer.backend=megatron"))
     preflight.check_job(job_with(None))  # the tiny model: nothing of it checked
+    preflight.check_job(job_with(good_model, "trainer.backend=fsdp"))
+    with pytest.raises(ConfigError, match="trainer.backend: fsdp: .* set trainer.actor_ranks: 1"):
+        preflight.check_job(job_with(None, "trainer.backend=fsdp", "trainer.actor_ranks=2", "launch.num_ranks=4"))
 
 
 def test_tiderl_config_names_the_problem_and_prints_no_config(good_model: Path, tmp_path: Path,

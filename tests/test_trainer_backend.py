@@ -81,9 +81,32 @@ def test_actor_offload_keeps_accumulated_gradients(model_dir):
 
 
 def test_factory_names_unknown_backend(model_dir):
-    with pytest.raises(UnknownBackendError, match="'megatron'.*known: torch"):
+    with pytest.raises(UnknownBackendError, match="'megatron'.*known: fsdp, torch"):
         make_backend("megatron", "actor", model_dir)
     with pytest.raises(ValueError, match="role"):
         make_backend("torch", "critic", model_dir)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         make_backend("torch", "ref", model_dir / "nowhere")
+
+
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_the_compute_dtype_keeps_fp32_weights_and_moments(model_dir, backend):
+    """`trainer.dtype`: auto is fp32 on a CPU; bf16 computes in bf16 (log-probabilities within bf16's
+    precision of fp32's) while the weights, gradients and AdamW moments stay fp32; the reference model is
+    stored in the compute dtype. One actor: nothing sharded, the fsdp backend autocasts alike."""
+    from tiderl.trainer.torch_backend import compute_dtype
+
+    assert compute_dtype("auto", torch.device("cpu")) == torch.float32
+    with pytest.raises(ValueError, match="'float16' is not one of auto, float32, bfloat16"):
+        compute_dtype("float16", torch.device("cpu"))
+    mb = collate(random_samples(1, 2, seed=3))
+    fp32 = make_backend(backend, "actor", model_dir, dtype="auto")
+    bf16 = make_backend(backend, "actor", model_dir, dtype="bfloat16", activation_checkpointing=True)
+    full, half = fp32.forward(mb), bf16.forward(mb)
+    assert half.dtype == torch.float32 and 0 < float((half - full).detach().abs().max()) < 0.1
+    grpo_step.finish(bf16, mb, half, None, grpo_step.LossConfig(kl_coef=0.0), 10.0, grpo_step.StepAccumulator(0))
+    bf16.step()
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(v.dtype == torch.float32 for st in bf16.optimizer.state.values() for v in st.values() if v.dim())
+    ref = make_backend(backend, "ref", model_dir, dtype="bfloat16")
+    assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}

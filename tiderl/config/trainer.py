@@ -78,7 +78,19 @@ class TrainerConfig:
     keep_versions: int = option(3, ge=1, help="Weight versions kept in weights/ (older ones are deleted).")
     checkpoint_every: int = option(5, ge=1, help="Checkpoint optimizer state every M steps.")
     keep_checkpoints: int = option(2, ge=1, help="Optimizer checkpoints kept in ckpt/ (older ones are deleted).")
-    backend: str = option("torch", help="Trainer backend (`torch`: PyTorch + transformers, gloo/NCCL data parallel).")
+    backend: str = option(
+        "torch",
+        help="Trainer backend: `torch` (PyTorch + transformers, the actor replicated on every data-parallel rank) or "
+        "`fsdp` (FSDP2: the actor's weights, gradients and AdamW state sharded over the data-parallel ranks).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        help="The trainer's compute precision: `auto` is bf16 on a GPU that supports it, fp32 on a CPU. Weights, "
+        "gradient reduction and AdamW state stay fp32.",
+    )
+    activation_checkpointing: bool = option(
+        False, help="Recompute each decoder layer in the backward instead of keeping its activations (memory for time)."
+    )
     weight_decay: float = option(0.0, ge=0, help="AdamW weight decay.")
     max_aggregate: int = option(
         64, ge=1, help="Colocated RA2P: most ready micro-batches one ref/actor burst aggregates (memory cap)."

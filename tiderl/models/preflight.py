@@ -13,8 +13,8 @@ directory and what is missing or wrong:
    registrations first);
 5. the tokenizer loads and the chat format builds from its chat template (`chat_format`, with the
    `model:` section's system prompt and template variables);
-6. `trainer.backend` is a registered backend whose module imports, and the torch backend's auto
-   class has a model for the config.
+6. `trainer.backend` is a registered backend whose module imports; the torch and fsdp backends' auto
+   class has a model for the config, and for fsdp one that names its decoder layers.
 
 With `model.path: null` the model is the tiny one built on demand: only the trainer backend is
 checked. Each check reads files or registries; no weights are loaded and no engine is started.
@@ -63,8 +63,8 @@ def check_model_dir(path: Path, job: JobConfig) -> Any:
 
 
 def check_trainer(job: JobConfig, model_config: Any = None) -> None:
-    """`trainer.backend` names a registered backend whose factory imports; for the torch backend and a
-    given model (`model_config`, the transformers config), the auto class it loads the model with
+    """`trainer.backend` names a registered backend whose factory imports; for the torch and fsdp backends
+    and a given model (`model_config`, the transformers config), the auto class they load the model with
     (tiderl.trainer.torch_backend) has a class for that config."""
     from tiderl.trainer.backend import BACKENDS  # torch: seconds
 
@@ -78,7 +78,12 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
         getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(source, BACKEND_KEY, f"{name}: {target} cannot be loaded: {type(e).__name__}: {e}") from None
-    if name != "torch" or model_config is None:
+    if name == "fsdp" and (job.trainer.actor_ranks > 1 or job.ers.elastic_actors):
+        # The run builds each actor before its trainer group forms; sharding it over the group is to come.
+        raise ConfigError(source, BACKEND_KEY, "fsdp: a run shards the actor over its data-parallel group only "
+                                               "from a single actor rank so far: set trainer.actor_ranks: 1 and "
+                                               "ers.elastic_actors: false, or trainer.backend: torch")
+    if name not in ("torch", "fsdp") or model_config is None:
         return
     from transformers.models.auto import modeling_auto
 
@@ -87,8 +92,11 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
     auto, mapping = (("AutoModelForImageTextToText", modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING) if vision
                      else ("AutoModelForCausalLM", modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING))
     if type(model_config) not in mapping:
-        raise ConfigError(source, MODEL_KEY, f"{job.model.path}: trainer.backend torch loads the model with {auto}, "
+        raise ConfigError(source, MODEL_KEY, f"{job.model.path}: trainer.backend {name} loads the model with {auto}, "
                                              f"which has no class for model_type {model_config.model_type}")
+    if name == "fsdp" and not getattr(mapping[type(model_config)], "_no_split_modules", None):
+        raise ConfigError(source, MODEL_KEY, f"{job.model.path}: trainer.backend fsdp shards each decoder layer, and "
+                                             f"{mapping[type(model_config)].__name__} names none (_no_split_modules)")
 
 
 def vllm_architectures(vision: bool) -> frozenset[str]:

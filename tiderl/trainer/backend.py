@@ -9,7 +9,8 @@ Two roles, each behind a small abstract class:
 Both can be swapped out of the accelerator and back (``offload``/``onload``),
 which is what colocated RA2P and the vanilla-streaming baselines pay for.
 
-The PyTorch/transformers backend (``torch``) implements both. A Megatron-Core
+The PyTorch/transformers backends implement both: ``torch`` replicates the actor on every
+data-parallel rank, ``fsdp`` shards it (FSDP2). A Megatron-Core
 backend for GPU clusters implements the same two classes and registers a
 name in :data:`BACKENDS`; nothing above this interface changes.
 """
@@ -72,6 +73,13 @@ class RefBackend(SwappableModel):
 
 
 class ActorBackend(SwappableModel):
+    lockstep: bool = False
+    """Whether every rank of the data-parallel group must run the same number of forward and backward
+    passes in a step (a sharded backend's collectives run inside them; tiderl.trainer.modes pads)."""
+    collective_io: bool = False
+    """Whether :meth:`save_weights` and :meth:`checkpoint_state` are collectives over the group: every
+    rank calls them, the group's first rank writes (a sharded backend gathers the full state)."""
+
     @abstractmethod
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """``[B, T-1]`` logprobs with the autograd graph kept for a later :meth:`backward`."""
@@ -94,6 +102,11 @@ class ActorBackend(SwappableModel):
         """Write the model config and safetensors weights into ``directory`` (HF layout)."""
 
     @abstractmethod
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights by parameter name (for a :attr:`collective_io` backend a collective: the group's
+        first rank gets them, the others an empty dict)."""
+
+    @abstractmethod
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything needed to resume training: weights and optimizer state."""
 
@@ -105,6 +118,7 @@ class ActorBackend(SwappableModel):
 # name -> "module:factory"; the factory takes (role, model_path, **options).
 BACKENDS: dict[str, str] = {
     "torch": "tiderl.trainer.torch_backend:make",
+    "fsdp": "tiderl.trainer.fsdp_backend:make",
 }
 
 

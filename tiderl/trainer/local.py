@@ -104,7 +104,9 @@ def _rank_main(rank: int, job: LocalGroupJob) -> None:
                     result = node.train_step(source.next_step(node.version))
                     stats = result if isinstance(result, StepStats) else result.stats
                     out.append(dataclasses.asdict(stats))
-                torch.save(node.actor.model.state_dict(), job.out_dir / f"rank{rank}-{mode.value}.pt")
+                weights = node.actor.full_weights()
+                if weights:  # a sharded actor's full weights are gathered on the group's first rank only
+                    torch.save(weights, job.out_dir / f"rank{rank}-{mode.value}.pt")
                 del node
             # A mode may appear several times (benchmark rounds): its measured steps accumulate.
             records.setdefault(mode.value, []).extend(out[job.warmup_steps:])

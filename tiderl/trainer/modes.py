@@ -135,6 +135,19 @@ def run_actor_share(
         else:
             _actor_vanilla(plan, actor, ref, loss, mine, ready, acc, plan.mode is Ra2pMode.VANILLA_STREAM_OFFLOAD,
                            normalizer)
+    if actor.lockstep and comm.dp_group is not None:
+        _pad_lockstep(plan, actor, len(mine))
+
+
+def _pad_lockstep(plan: StepPlan, actor: ActorBackend, done: int) -> None:
+    """A lockstep (sharded) actor runs as many forward and backward passes as the rank with the most
+    micro-batches of ``plan``: the missing ones on the plan's first micro-batch, with a zero loss (FSDP's
+    collectives run inside the passes; the gradients they add are zeros)."""
+    most = max((len(a) for a in plan.assignment), default=0)
+    for _ in range(most - done):
+        if not actor.is_resident:
+            actor.onload()
+        actor.backward(actor.forward(plan.micro_batches[0]).sum() * 0.0)
 
 
 def _actor_decoupled(

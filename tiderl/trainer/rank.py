@@ -193,7 +193,7 @@ class ActorRank:
         optim = OptimConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self.actor: ActorBackend = make_backend(
             config.backend, "actor", point.weights_path, device=device, optim=optim, dp_group=comm.dp_group,
-            temperature=temperature,
+            temperature=temperature, dtype=config.dtype, activation_checkpointing=config.activation_checkpointing,
         )
         self.ref: RefBackend | None = None
         if with_ref:
@@ -318,6 +318,10 @@ class ActorRank:
         self.exact = True
         self.steps_done += 1
         if not self.is_leader:
+            if self.actor.collective_io:  # a sharded actor: this rank's shards take part in what the leader writes
+                self.actor.save_weights(None)
+                if self.checkpointer.is_due(self.version):
+                    self.actor.checkpoint_state()
             return stats
         published = self.publisher.publish(self.actor, self.version)
         ckpt = None

@@ -9,6 +9,7 @@ which is what RA2P's dispatchers produce.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from transformers import AutoModelForCausalLM
 from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats, RefBackend
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer.grpo import token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class HostSwap:
@@ -86,16 +89,33 @@ def _banned(model_path: Path) -> tuple[int, ...]:
     return ChatFormat(AutoTokenizer.from_pretrained(model_path), image_tokens).banned_ids
 
 
-def _load(model_path: Path, device: torch.device) -> torch.nn.Module:
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`trainer.dtype` on `device`: ``auto`` is bf16 on a GPU that supports it, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"trainer dtype: {name!r} is not one of auto, {', '.join(DTYPES)}") from None
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """Compute in `dtype` with fp32 weights (nothing to do for fp32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _load(model_path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"trainer backend: {model_path} is not a Hugging Face model directory (no config.json)")
     if "vision_config" in json.loads((model_path / "config.json").read_text()):
         from transformers import AutoModelForImageTextToText
 
         # A vision-language model: both towers train, and both are published (save_pretrained).
-        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device)
 
 
@@ -109,11 +129,13 @@ def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temp
 
 
 class TorchRef(RefBackend):
-    def __init__(self, model_path: Path, device: torch.device, temperature: float = 1.0) -> None:
+    def __init__(self, model_path: Path, device: torch.device, temperature: float = 1.0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Frozen: its weights are stored in the compute `dtype` (no fp32 master copy to keep)."""
         self.device = device
         self.temperature = temperature
         self.banned = _banned(model_path)
-        self.model = _load(model_path, device).eval()
+        self.model = _load(model_path, device, dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._swap = HostSwap(self.model, device)
@@ -143,13 +165,19 @@ class TorchActor(ActorBackend):
         optim: OptimConfig,
         dp_group: dist.ProcessGroup | None = None,
         temperature: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+        activation_checkpointing: bool = False,
     ) -> None:
+        """fp32 weights, gradients and AdamW state; forwards and backwards compute in `dtype` (autocast)."""
         self.device = device
         self.temperature = temperature
         self.optim_config = optim
         self.dp_group = dp_group
+        self.compute_dtype = dtype
         self.banned = _banned(model_path)
         self.model = _load(model_path, device).train()
+        if activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, eps=optim.eps
@@ -169,7 +197,8 @@ class TorchActor(ActorBackend):
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
-        return _logprobs(self.model, mb, self.device, self.temperature, self.banned)
+        with autocast(self.device, self.compute_dtype):
+            return _logprobs(self.model, mb, self.device, self.temperature, self.banned)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -209,6 +238,9 @@ class TorchActor(ActorBackend):
             raise RuntimeError("actor model is offloaded; onload() it before saving weights")
         self.model.save_pretrained(directory)
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
@@ -227,10 +259,14 @@ def make(
     optim: OptimConfig | None = None,
     dp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
+    dtype: str = "auto",
+    activation_checkpointing: bool = False,
 ) -> TorchRef | TorchActor:
     """`temperature`: the sampling temperature of the trajectories trained on (rollout.temperature):
-    log-probabilities are those of softmax(logits / T), as the engine's, for the actor and the ref alike."""
+    log-probabilities are those of softmax(logits / T), as the engine's, for the actor and the ref alike.
+    `dtype`: trainer.dtype (compute_dtype)."""
     dev = torch.device(device)
+    compute = compute_dtype(dtype, dev)
     if role == "ref":
-        return TorchRef(model_path, dev, temperature)
-    return TorchActor(model_path, dev, optim or OptimConfig(), dp_group, temperature)
+        return TorchRef(model_path, dev, temperature, compute)
+    return TorchActor(model_path, dev, optim or OptimConfig(), dp_group, temperature, compute, activation_checkpointing)
