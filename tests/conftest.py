@@ -36,6 +36,16 @@ def store_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return base
 
 
+@pytest.fixture(scope="session")
+def quickstart_model() -> Path:
+    """The quickstart job's tiny model (built once per machine, then found in the cache): every test that
+    needs a warm-started text model uses this one, so a fresh machine builds one."""
+    from tiderl.config.job import load_job
+    from tiderl.models import for_job
+
+    return for_job.model_dir(load_job(ROOT / "jobs" / "quickstart.yaml"))
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster():
     """The running dev cluster, with SLURM_CONF exported for every client (submitit included). The

@@ -227,12 +227,26 @@ def test_tiderl_submit_dry_run_with_a_bad_model_prints_no_script_and_creates_not
     assert not run_dir.exists()
 
 
+def test_vllms_architectures_are_read_from_the_cache_of_its_version(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filled cache answers without importing vLLM; the text and the vision lists are kept apart."""
+    monkeypatch.setenv("TIDERL_CACHE", str(tmp_path))
+    text, vision = preflight.registry_cache_file(False), preflight.registry_cache_file(True)
+    assert text != vision and text.parent == tmp_path / "vllm-registry" and text.name.startswith("vllm")
+    text.parent.mkdir(parents=True)
+    text.write_text(json.dumps(["OnlyThisForCausalLM"]))
+    assert REAL_VLLM_ARCHITECTURES(False) == {"OnlyThisForCausalLM"}
+
+
 @pytest.mark.slow
 def test_vllms_own_registry_runs_the_model_and_not_an_architecture_it_lacks(
         good_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM imported for real (tens of seconds on a busy 2-core machine); no engine started."""
+    """vLLM imported for real (tens of seconds on a busy 2-core machine); no engine started. The list it
+    gave is kept for the next check."""
+    monkeypatch.setenv("TIDERL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(preflight, "vllm_architectures", REAL_VLLM_ARCHITECTURES)
     preflight.check_job(job_with(good_model))
+    assert "Qwen2ForCausalLM" in json.loads(preflight.registry_cache_file(False).read_text())
     model = copy_of(good_model, tmp_path)
     edit_config(model, architectures=["Qwen2ForQuestionAnswering"])  # a class of transformers, not of vLLM
     with pytest.raises(ConfigError, match="is not one that vLLM's model registry runs"):

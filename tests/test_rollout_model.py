@@ -13,15 +13,17 @@ import pytest
 from tiderl.cli import main
 from tiderl.envs import make_env
 from tiderl.models.demos import NoDemonstrationsError, play_demonstration
-from tiderl.models.tiny_model import MANIFEST, TinyModelSpec, default_model_dir, greedy_success_rate, init_model
+from tiderl.models.tiny_model import MANIFEST, TinyModelSpec, greedy_success_rate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEEDS = range(10**7, 10**7 + 48)
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    # The default tiny model (`tiderl init-model --env hilo`): built once (minutes on 2 cores), then found at once.
-    return init_model(default_model_dir("hilo"))
+def model_dir(quickstart_model: Path) -> Path:
+    # The quickstart's tiny model: built once (minutes on 2 cores), then found at once.
+    return quickstart_model
 
 
 def random_success_rate(seeds: range) -> float:
@@ -61,13 +63,15 @@ def test_greedy_play_beats_random_but_is_not_perfect(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_call_returns_the_cached_model(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_second_call_returns_the_cached_model(model_dir: Path) -> None:
+    from tiderl.config.job import load_job
+    from tiderl.models import for_job
+
+    built = json.loads((model_dir / MANIFEST).read_text())
     started = time.monotonic()
-    assert main(["init-model", "--env", "hilo", "--out", str(model_dir)]) == 0
+    assert for_job.model_dir(load_job(ROOT / "jobs" / "quickstart.yaml")) == model_dir
     assert time.monotonic() - started < 5
-    out = json.loads(capsys.readouterr().out)
-    assert out["cached"] is True and out["path"] == str(model_dir)
-    assert out["hash"] == json.loads((model_dir / MANIFEST).read_text())["hash"]
+    assert json.loads((model_dir / MANIFEST).read_text()) == built
 
 
 def test_spec_checks_name_the_field() -> None:

@@ -12,14 +12,13 @@ import pytest
 
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import EngineError, SamplingSpec
-from tiderl.models.tiny_model import default_model_dir, init_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return init_model(default_model_dir("hilo"))
+def model_dir(quickstart_model: Path) -> Path:
+    return quickstart_model
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,15 @@ def test_short_run_per_system(tmp_path: Path, system: str) -> None:
     bound = 0 if system == "sync" else 1
     facts = check_run(run_dir, max_staleness=bound)
     assert facts["versions"] == 3
+    # The engine served exactly the weights each version published: tokens sampled and trained at the same
+    # version score alike on both sides (fp32 on a CPU; the first step's tokens always are); stale tokens
+    # are reported apart.
+    db = sqlite3.connect(run_dir / "run.db")
+    try:
+        on_policy = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_on_policy'")]
+    finally:
+        db.close()
+    assert on_policy and max(on_policy) <= 1e-4, on_policy
 
 
 @pytest.mark.slow

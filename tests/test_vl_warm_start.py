@@ -112,16 +112,3 @@ def test_the_job_and_the_cli_set_the_vision_warm_start(tmp_path: Path, monkeypat
     capsys.readouterr()
     assert main(["init-model", "--env", "gridimage", "--out", str(out), "--demo-noise", "2"]) == 2
     assert "demo_noise" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_the_warm_start_teaches_the_model_to_read_the_picture(tmp_path: Path) -> None:
-    """The default warm start (expert demonstrations, 10% random moves): greedy play finds almost every
-    goal, which it can only do by reading where the agent and the goal are in the picture (the texts
-    never say; the warm start's own measure, in its manifest, is its loss)."""
-    from tiderl.models.tiny_vl_model import TinyVisionSpec, greedy_vl_success_rate, init_vl_model
-
-    model = init_vl_model(tmp_path / "tiny-gridimage", TinyVisionSpec())
-    warm = json.loads((model / MANIFEST).read_text())["warm_start"]
-    assert warm["losses"][-1] < 0.4, warm  # the four moves' marginal is ln 4 / 2 = 0.69 a token
-    assert greedy_vl_success_rate(model, "gridimage", range(1000, 1064)) >= 0.8

@@ -4,7 +4,7 @@
 #   Debian's slurm-wlm, munge and MariaDB when missing) and always stops it again if it started it.
 #   Without root the cluster cannot start: the slurm tests then skip, unless TIDERL_REQUIRE_SLURM=1.
 # - JuiceFS mounts are made and removed by the tests themselves (tests/conftest.py).
-# pytest's exit code 5 (no tests collected) is a failure here, not a pass.
+# pytest's exit code 5 (no tests collected) is a failure here, not a pass (when neither tier collects any).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -26,10 +26,28 @@ else
   if [ "${TIDERL_REQUIRE_SLURM:-}" = 1 ]; then exit 1; fi
 fi
 
-status=0
-"$PY" -m pytest -q -p no:cacheprovider --durations=20 "$@" || status=$?
-if [ "$status" -eq 5 ]; then
+# Two tiers, every test in one of them: the fast tier first, stopping at its first failure (minutes), then the
+# tests that start engines, runs, clusters or train (marked slow, vllm or slurm). Arguments go to both (a
+# `-k` or a path narrows both; a tier that then selects nothing is skipped, not failed).
+FAST="not slow and not vllm and not slurm"
+tier() {
+  local name=$1; shift
+  local started=$SECONDS rc=0
+  "$PY" -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  echo "run_tests: $name tier: exit $rc in $((SECONDS - started)) s" >&2
+  return "$rc"
+}
+fast=0
+tier fast -x -m "$FAST" "$@" || fast=$?
+slow=0
+if [ "$fast" -eq 0 ] || [ "$fast" -eq 5 ]; then
+  tier slow -m "not ($FAST)" --durations=25 "$@" || slow=$?
+fi
+if [ "$fast" -eq 5 ] && [ "$slow" -eq 5 ]; then
   echo "run_tests: pytest collected no tests: failing" >&2
   exit 1
 fi
-exit "$status"
+for rc in "$fast" "$slow"; do
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+done
+exit 0

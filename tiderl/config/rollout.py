@@ -86,6 +86,22 @@ class RolloutConfig:
     kv_block_size: int = option(
         32, ge=16, help="KV block size in tokens (vLLM's CPU attention needs a multiple of 32)."
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", help="The rollout engine's weights and compute precision: `auto` is bf16 on a GPU, fp32 on a CPU."
+    )
+    tensor_parallel_size: int = option(
+        1, ge=1, help="GPUs one rollout engine spans (vLLM tensor parallelism); a rollout rank owns that many."
+    )
+    gpu_memory_utilization: float = option(
+        0.9, gt=0, le=1, help="Share of its GPUs' memory a rollout engine takes for weights and KV cache (vLLM's). "
+        "Unused on a CPU (`kv_cache_gib`)."
+    )
+    enforce_eager: bool | None = option(
+        None,
+        help="Run the engine's model eagerly: no torch.compile and no CUDA graphs. null: eager on a CPU (a compile "
+        "there costs 20-50 s an engine start for no faster decoding of small models, docs/RESULTS.md), compiled on "
+        "a GPU.",
+    )
     eval_temperature: float = option(0.0, ge=0.0, help="Sampling temperature of evaluation tasks (0: greedy).")
     ctb_weight_eval: float = option(1000.0, ge=0.0, help="CTB priority weight of evaluation tasks (Table 1, tier 1).")
     ctb_weight_group: float = option(

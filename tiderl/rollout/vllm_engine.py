@@ -53,14 +53,19 @@ class VllmEngine(Engine):
         max_model_len: int = 2048,
         max_num_seqs: int = 256,
         seed: int = 0,
-        dtype: str = "float32",
+        dtype: str = "auto",
         weights_version: int = 0,
         enable_prefix_caching: bool = True,
         max_images: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool | None = None,
     ) -> None:
         """``num_kv_blocks`` overrides the KV cache size (blocks of ``block_size`` tokens;
-        CPU attention needs multiples of 32); otherwise the CPU cache is ``kv_cache_gib``.
-        ``max_images``: the images one context may carry (a vision-language model; 0: text only)."""
+        CPU attention needs multiples of 32); otherwise the CPU cache is ``kv_cache_gib``, a GPU's
+        ``gpu_memory_utilization`` of its memory. ``max_images``: the images one context may carry (a
+        vision-language model; 0: text only). ``dtype`` ``auto``: bf16 on a GPU, fp32 on a CPU.
+        ``enforce_eager`` None: eager on a CPU, compiled (and CUDA graphs) on a GPU."""
         if block_size % 32:
             raise ValueError(f"block_size: vLLM's CPU attention needs a multiple of 32, got {block_size}")
         if num_kv_blocks is not None and max_model_len > (num_kv_blocks - 1) * block_size:
@@ -84,10 +89,18 @@ class VllmEngine(Engine):
             register_vl_models_with_vllm()  # and the processors without torchvision, where it is missing
             kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
         self._max_images = max_images
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+        if dtype == "auto":
+            dtype = "float32" if cpu else "bfloat16"
         try:
             self._llm = LLM(
                 model=str(model_dir),
                 dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=cpu if enforce_eager is None else enforce_eager,
                 seed=seed,
                 block_size=block_size,
                 max_model_len=max_model_len,
@@ -368,4 +381,8 @@ def for_job(job: JobConfig, model_path: str | Path, weights_version: int = 0) ->
         seed=job.seed,
         weights_version=weights_version,
         max_images=r.max_images if ImageTokens.of_model(model_path) is not None else 0,
+        dtype=r.dtype,
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
     )
