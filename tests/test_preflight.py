@@ -166,7 +166,22 @@ def test_tiderl_config_names_the_problem_and_prints_no_config(good_model: Path, 
     assert out.out == ""
     assert f"tiderl config: config error: job 'quickstart': model.path: {model}/config.json: empty" in out.err
     assert main(["config", str(JOB), "--set", f"model.path={good_model}"]) == 0
-    assert f"path: {good_model}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"path: {good_model}" in out
+    # Each rank's memory plan after the config, as comments (fp32 on a CPU-only job): the output stays YAML.
+    assert "\n# memory per GPU (" in out and "\n#   actor: " in out and "\n#   rollout: " in out
+
+
+def test_a_job_whose_ranks_do_not_fit_its_gpus_is_refused_with_the_numbers(
+        good_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiderl.cli import main
+
+    gpus = ["--set", "slurm.gpus_per_node=2", "--set", f"model.path={good_model}"]
+    assert main(["config", str(JOB), *gpus, "--set", "slurm.gpu_memory_gib=0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "slurm.gpu_memory_gib: the ranks do not fit GPUs of 0.001 GiB: actor: " in err and "optimizer" in err
+    assert main(["config", str(JOB), *gpus, "--set", "slurm.gpu_memory_gib=80"]) == 0
+    assert "KV cache holds" in capsys.readouterr().out
 
 
 def test_tiderl_config_without_model_path_imports_neither_torch_nor_vllm() -> None:

@@ -25,6 +25,10 @@ class SlurmConfig:
         help="sbatch --gpus-per-node, and --ntasks-per-node: one rank per GPU (0: CPU-only ranks, "
         "`launch.num_ranks` spread evenly over the nodes).",
     )
+    gpu_memory_gib: float | None = option(
+        None, gt=0, help="Memory of one GPU of the nodes, in GiB (an H100: 80): `tiderl config` and `tiderl submit` "
+        "check every rank's memory plan against it and refuse a job that does not fit. null: printed, not checked."
+    )
     cpus_per_task: int = option(1, ge=1, help="sbatch --cpus-per-task (CPUs of each rank).")
     mem_gb: int = option(8, ge=1, help="sbatch --mem, in GB per node.")
     constraint: str | None = option(None, help="sbatch --constraint.")

@@ -14,7 +14,10 @@ directory and what is missing or wrong:
 5. the tokenizer loads and the chat format builds from its chat template (`chat_format`, with the
    `model:` section's system prompt and template variables);
 6. `trainer.backend` is a registered backend whose module imports; the torch and fsdp backends' auto
-   class has a model for the config, and for fsdp one that names its decoder layers.
+   class has a model for the config, and for fsdp one that names its decoder layers;
+7. every rank's memory plan (tiderl.trainer.memory_plan, from the config on the meta device) fits the
+   job's GPUs (`slurm.gpu_memory_gib`); the plan is returned for `tiderl config` and `tiderl submit
+   --dry-run` to print.
 
 With `model.path: null` the model is the tiny one built on demand: only the trainer backend is
 checked. Each check reads files or registries; no weights are loaded and no engine is started.
@@ -36,6 +39,7 @@ from tiderl.config import ConfigError, JobConfig
 
 MODEL_KEY = "model.path"
 BACKEND_KEY = "trainer.backend"
+GPU_MEMORY_KEY = "slurm.gpu_memory_gib"
 CONFIG_FILE = "config.json"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -45,8 +49,10 @@ class ModelDirError(ValueError):
     """A model directory that cannot serve a run; the message names the directory and what is wrong."""
 
 
-def check_job(job: JobConfig) -> None:
-    """Check `model.path` (nothing when null), then `trainer.backend`; ConfigError at the first problem."""
+def check_job(job: JobConfig) -> str | None:
+    """Check `model.path` (nothing when null), then `trainer.backend`, then that every rank's memory plan fits
+    the job's GPUs; ConfigError at the first problem. Returns the memory plan as `#` comment lines (None
+    without a `model.path`: the tiny model)."""
     source = f"job {job.name!r}"
     model_config = None
     if job.model.path is not None:
@@ -55,6 +61,23 @@ def check_job(job: JobConfig) -> None:
         except ModelDirError as e:
             raise ConfigError(source, MODEL_KEY, str(e)) from None
     check_trainer(job, model_config)
+    if model_config is None:
+        return None
+    return check_memory(job, model_config)
+
+
+def check_memory(job: JobConfig, model_config: Any) -> str:
+    """Each rank's memory plan (tiderl.trainer.memory_plan) for the model's config; ConfigError naming the
+    numbers when a rank does not fit `slurm.gpu_memory_gib`."""
+    from tiderl.trainer import memory_plan
+
+    shape = memory_plan.ModelShape.from_config(model_config)
+    plans = memory_plan.plan_job(job, shape)
+    found = memory_plan.job_problems(job, shape, plans)
+    if found:
+        raise ConfigError(f"job {job.name!r}", GPU_MEMORY_KEY,
+                          f"the ranks do not fit GPUs of {job.slurm.gpu_memory_gib:g} GiB: " + "; ".join(found))
+    return memory_plan.render(plans, shape)
 
 
 def check_model_dir(path: Path, job: JobConfig) -> Any:

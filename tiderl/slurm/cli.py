@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.store.types import RunState
 
     config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
-    check_job(config)  # the model and trainer backend, likewise: before a dry run's script, before any queue
+    plan = check_job(config)  # the model, trainer backend and memory, likewise: before a dry run, before any queue
     run_dir = (args.run_dir if args.run_dir is not None else default_run_dir(config)).absolute()
     try:
         params = run_parameters(config, run_dir)
@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl submit: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         print(dry_run_text(config, run_dir, slurm_dir(run_dir)), end="")
+        if plan:
+            print(plan, end="")
         return 0
     cluster = SlurmCluster()
     try:
