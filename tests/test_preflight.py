@@ -151,8 +151,9 @@ def test_the_trainer_backend_is_checked_with_or_without_a_model(good_model: Path
             preflight.check_job(job_with(model, "trainer.backend=megatron"))
     preflight.check_job(job_with(None))  # the tiny model: nothing of it checked
     preflight.check_job(job_with(good_model, "trainer.backend=fsdp"))
-    with pytest.raises(ConfigError, match="trainer.backend: fsdp: .* set trainer.actor_ranks: 1"):
-        preflight.check_job(job_with(None, "trainer.backend=fsdp", "trainer.actor_ranks=2", "launch.num_ranks=4"))
+    preflight.check_job(job_with(None, "trainer.backend=fsdp", "trainer.actor_ranks=2", "launch.num_ranks=4"))
+    with pytest.raises(ConfigError, match="trainer.backend: fsdp: .* set ers.elastic_actors: false"):
+        preflight.check_job(job_with(None, "trainer.backend=fsdp", "ers.elastic_actors=true"))
 
 
 def test_tiderl_config_names_the_problem_and_prints_no_config(good_model: Path, tmp_path: Path,

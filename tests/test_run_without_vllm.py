@@ -122,3 +122,38 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_run_resumes(tmp_path: Path, cac
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert json.loads(tiderl("status", str(run_dir), "--json").stdout)["version"] == steps
     assert check_run(run_dir, max_staleness=1)["versions"] == steps
+
+
+@pytest.mark.slow
+def test_a_run_shards_its_data_parallel_actor_with_fsdp(tmp_path: Path, cache: Path) -> None:
+    """`trainer.backend: fsdp` with two actor ranks and a decoupled ref rank: the actor is built inside the
+    trainer group, sharded over both actors, which train every step; the leader publishes the gathered weights
+    (a model directory transformers loads) and the checkpoint of step 2 holds the gathered optimizer state."""
+    import sqlite3
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    sets = SCRIPTED + ["system=async", "trainer.backend=fsdp", "trainer.ra2p_mode=decoupled", "launch.num_ranks=4",
+                       "trainer.actor_ranks=2", "launch.rollout_fraction=0.25"]
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir),
+                 cache=cache)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert check_run(run_dir, max_staleness=1)["versions"] == 3
+    db = sqlite3.connect(run_dir / "run.db")
+    try:
+        trained = dict(db.execute("select rank, count(*) from metrics where name = 'train_s' group by rank").fetchall())
+    finally:
+        db.close()
+    assert trained == {0: 3, 1: 3}, "both actors train every step"
+    # Each actor holds half of the parameters (the tied output layer is the embedding), built once: the group held.
+    import re
+
+    held = {rank: [int(n) for n in re.findall(r"fsdp actor built in the group, (\d+) parameters held here",
+                                              (run_dir / "logs" / f"rank{rank}.log").read_text())] for rank in (0, 1)}
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(run_dir / "weights" / "v3").parameters())
+    assert len(held[0]) == len(held[1]) == 1 and held[0][0] + held[1][0] == total, (held, total)
+    published = AutoModelForCausalLM.from_pretrained(run_dir / "weights" / "v3").state_dict()
+    optimizer = torch.load(run_dir / "ckpt" / "step2" / "optimizer.pt", weights_only=True)
+    assert set(optimizer["state"]) <= set(published) and optimizer["state"], "moments keyed by parameter name"

@@ -69,7 +69,19 @@ def _discard_uncommitted(ctx: RankContext, version: int) -> None:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> ActorRank:
+def _sharded(ctx: RankContext, actors: list[int]) -> bool:
+    """Whether this step's actor is sharded over its data-parallel group (built inside the group)."""
+    from tiderl.trainer.backend import SHARDED
+
+    return ctx.config.trainer.backend in SHARDED and len(actors) > 1
+
+
+def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: TrainerComm | None = None) -> ActorRank:
+    """This rank's actor. With `comm` (a sharded backend's step), the actor whose state is sharded over
+    `comm`'s data-parallel group: one built in another group is dropped (its shards went with that group)
+    and every member builds anew from the newest published version and optimizer checkpoint."""
+    if comm is not None and ctx.actor is not None and ctx.actor.comm is not comm:
+        _drop_actor(ctx)
     if ctx.actor is None:
         import torch
 
@@ -80,16 +92,31 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True) -> ActorRank:
         torch.manual_seed(ctx.config.seed)
         if leader:  # the only rank that writes weights and checkpoints
             _discard_uncommitted(ctx, version)
-        actor = ActorRank(ctx.config.trainer, TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
+        actor = ActorRank(ctx.config.trainer, comm or TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True,
                           disk_full_wait_s=ctx.config.store.disk_full_wait_s,
                           temperature=ctx.config.rollout.temperature)
+        if comm is not None:
+            log.info("actor group rank %d: %s actor built in the group, %d parameters held here (version %d)",
+                     comm.rank, ctx.config.trainer.backend, getattr(actor.actor, "local_params", -1), actor.version)
         # A data-parallel follower that holds another version takes it from the group (catch_up).
         if leader and actor.version != version:
             raise RuntimeError(f"actor rank {ctx.rank}: resumed weights are version {actor.version}, "
                                f"the run store is at version {version}")
         ctx.actor = actor
     return ctx.actor
+
+
+def _drop_actor(ctx: RankContext) -> None:
+    """Free this rank's actor (and its accelerator memory) before another is built."""
+    import gc
+
+    import torch
+
+    ctx.actor = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _fetch(ctx: RankContext, plan: PlanRecord) -> int:
@@ -125,7 +152,8 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     if ctx.rank != actors[0]:
         await _follow_actor_step(ctx, plan, actors)
         return
-    actor = _actor(ctx, plan.version)
+    sharded = _sharded(ctx, actors)
+    actor = None if sharded else _actor(ctx, plan.version)
     started = time.time()
     mode = plan.ra2p_mode
     refs = plan.ranks_with(Role.REF)
@@ -149,9 +177,11 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
 
         announce(0)
         result = await _in_group(ctx, plan, generation, actors, members,
-                                 lambda comm: _lead(ctx, actor, comm, plan, gather, first, chunk_tokens, announce))
+                                 lambda comm: _lead(ctx, actor or _actor(ctx, plan.version, comm=comm), comm, plan,
+                                                    gather, first, chunk_tokens, announce))
     else:
         release_trainer_group(ctx)
+        assert actor is not None  # one actor: never sharded
         result = await _lead(ctx, actor, None, plan, gather, first, chunk_tokens, None)
     if not isinstance(result, PublishedStep):
         raise RuntimeError(f"actor rank {ctx.rank}: led version {plan.version} but published nothing")
@@ -255,10 +285,12 @@ async def _next_chunk(ctx: RankContext, version: int, generation: int, k: int, r
 async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[int]) -> None:
     """A data-parallel actor that does not lead: take the leader's chunks of the step, train its share of
     each chunk's micro-batches (gradients all-reduced at the optimizer step), publish nothing."""
-    actor = _actor(ctx, plan.version, leader=False)
+    sharded = _sharded(ctx, actors)
+    held = None if sharded else _actor(ctx, plan.version, leader=False)
     members, generation = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
     async def follow(comm: TrainerComm) -> PublishedStep | StepStats:
+        actor = held or _actor(ctx, plan.version, leader=False, comm=comm)
         with _joined(actor, comm):
             k = 0
             while True:
@@ -307,6 +339,8 @@ def release_trainer_group(ctx: RankContext) -> None:
         from tiderl.trainer.group import leave_trainer_group
 
         ctx.trainer_group = None
+        if ctx.actor is not None and ctx.actor.actor.collective_io and ctx.actor.comm.dp_group is not None:
+            _drop_actor(ctx)  # its shards are of this group's state: useless without the group
         leave_trainer_group()
 
 

@@ -115,6 +115,10 @@ class ActorBackend(SwappableModel):
         """Restore what :meth:`checkpoint_state` returned; a missing key is left as it is."""
 
 
+SHARDED: frozenset[str] = frozenset({"fsdp"})
+"""Backends whose actor shards its state over the data-parallel group: it is built inside the group, and
+built again in the next one when the group changes (tiderl.run.trainer_role)."""
+
 # name -> "module:factory"; the factory takes (role, model_path, **options).
 BACKENDS: dict[str, str] = {
     "torch": "tiderl.trainer.torch_backend:make",

@@ -80,6 +80,9 @@ class FsdpActor(ActorBackend):
                         module.set_force_sum_reduction_for_comms(True)
         self.model = model.to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        self.local_params = sum(t.numel() for t in local)
+        """The parameters whose weights, gradients and moments this rank holds."""
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay, eps=optim.eps)
         # Unsharded, the host copy's swap (tiderl.trainer.torch_backend); sharded, FSDP moves its own shards.
