@@ -10,7 +10,9 @@ tokens (the actor only: no reference model, no KL term). Per rank it reports
   held), the bytes a backend must keep whatever the batch;
 - ``peak_rss_bytes``: the process's peak resident memory (the device is the host here), and
   ``peak_over_import_bytes``: the same less the process's size once torch and transformers are imported;
-- ``step_s``: the median measured step of the group's slowest rank.
+- ``step_s``: the median measured step of the group's slowest rank;
+- ``plan_bytes``: what the memory plan (tiderl.trainer.memory_plan, `tiderl config`) gives an actor rank at
+  these settings, and ``measured_over_plan``: the largest rank's peak over import against it.
 
 The backends run one after the other, each in fresh processes; ``ratios`` compares the first to the
 others. Prints one JSON line.
@@ -186,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             out = work / "out"
             out.mkdir(parents=True, exist_ok=True)
             results[backend] = run_backend(backend, args, model_dir, out)
+        plans = _plans(args, model_dir)
+    for backend in args.backends:
+        results[backend]["plan_bytes"] = plans[backend]
+        results[backend]["measured_over_plan"] = max(results[backend]["peak_over_import_bytes"]) / plans[backend]
     first = args.backends[0]
     ratios = {f"{first}/{b}": {
         "state_bytes": max(results[first]["state_bytes"]) / max(results[b]["state_bytes"]),
@@ -196,6 +202,20 @@ def main(argv: list[str] | None = None) -> int:
                       "activation_checkpointing": args.activation_checkpointing, "backends": results,
                       "ratios": ratios, "load_avg_1m": os.getloadavg()[0]}))
     return 0
+
+
+def _plans(args: argparse.Namespace, model_dir: Path) -> dict[str, int]:
+    """The memory plan's actor bytes (tiderl.trainer.memory_plan) for each backend at these settings: fp32 on a
+    CPU, no reference model, one micro-batch's activations."""
+    from transformers import AutoConfig
+
+    from tiderl.trainer import memory_plan
+
+    shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
+    return {b: memory_plan.actor_memory(shape, backend=b, actors=args.ranks, compute_bytes=4,
+                                        micro_batch_tokens=args.seqs * args.seq_tokens,
+                                        activation_checkpointing=args.activation_checkpointing,
+                                        colocated_ref=False).total for b in args.backends}
 
 
 def _prod(shape: list[int]) -> int:

@@ -5,8 +5,7 @@ AReaL's rule keeps at most (staleness + 1) x B groups released and not yet train
 (:func:`tiderl.systems.feed_allowance`). The trainer's bound is strict (step v trains nothing started
 before v - staleness, :func:`tiderl.systems.oldest_trainable_version`) and it takes the B groups that
 finish first: the groups of a feed that finish after the last step that may train them are dropped,
-generation that is never trained (about a fifth of it on the text workloads of `jobs/sim/`,
-docs/RESULTS.md). Fewer groups in flight leave fewer stragglers to drop, and more trainer waits.
+generation that is never trained (`tiderl sim` counts the dropped groups of a workload). Fewer groups in flight leave fewer stragglers to drop, and more trainer waits.
 
 The rule, at each sync boundary, over the newest ``WINDOW_STEPS`` finished steps that ran no
 evaluation (:class:`StepObservation`; an evaluation step's waits are the evaluation's):

@@ -213,7 +213,10 @@ class TorchActor(ActorBackend):
         offset = 0
         for p, g in zip(self.params, grads):
             n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            if p.grad is None:
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+            else:  # in place: the step's peak is the gradients and one flat buffer (4 bytes a parameter)
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
     def set_lr(self, lr: float) -> None:
