@@ -150,6 +150,13 @@ def test_the_trainer_backend_is_checked_with_or_without_a_model(good_model: Path
         with pytest.raises(ConfigError, match=r"trainer.backend: unknown trainer backend 'megatron' \(known: fsdp, torch\)"):
             preflight.check_job(job_with(model, "trainer.backend=megatron"))
     preflight.check_job(job_with(None))  # the tiny model: nothing of it checked
+    from tiderl.trainer import registry
+
+    with pytest.MonkeyPatch.context() as mp:  # a plugin's module must import
+        mp.setitem(registry.BACKENDS, "plugin", "no_such_module:make")
+        with pytest.raises(ConfigError, match="trainer.backend: plugin: no_such_module:make cannot be loaded: "
+                                              "ModuleNotFoundError"):
+            preflight.check_job(job_with(None, "trainer.backend=plugin"))
     preflight.check_job(job_with(good_model, "trainer.backend=fsdp"))
     preflight.check_job(job_with(None, "trainer.backend=fsdp", "trainer.actor_ranks=2", "launch.num_ranks=4"))
     with pytest.raises(ConfigError, match="trainer.backend: fsdp: .* set ers.elastic_actors: false"):
@@ -186,7 +193,10 @@ def test_a_job_whose_ranks_do_not_fit_its_gpus_is_refused_with_the_numbers(
 
 
 def test_tiderl_config_without_model_path_imports_neither_torch_nor_vllm() -> None:
+    # Nor do the pre-flight checks of a job without a model (tiderl submit's, tiderl run's).
     code = ("import sys; from tiderl.cli import main; assert main(['config', 'jobs/quickstart.yaml']) == 0; "
+            "from tiderl.config import load_job; from tiderl.models.preflight import check_job; "
+            "assert check_job(load_job('jobs/quickstart.yaml', ['trainer.backend=fsdp'])) is None; "
             "print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)), file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,7 @@ directory and what is missing or wrong:
    registrations first);
 5. the tokenizer loads and the chat format builds from its chat template (`chat_format`, with the
    `model:` section's system prompt and template variables);
-6. `trainer.backend` is a registered backend whose module imports; the torch and fsdp backends' auto
+6. `trainer.backend` is a registered backend whose module imports (a plugin's; TideRL's own always do); the torch and fsdp backends' auto
    class has a model for the config, and for fsdp one that names its decoder layers;
 7. every rank's memory plan (tiderl.trainer.memory_plan, from the config on the meta device) fits the
    job's GPUs (`slurm.gpu_memory_gib`); the plan is returned for `tiderl config` and `tiderl submit
@@ -93,7 +93,7 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
     """`trainer.backend` names a registered backend whose factory imports; for the torch and fsdp backends
     and a given model (`model_config`, the transformers config), the auto class they load the model with
     (tiderl.trainer.torch_backend) has a class for that config."""
-    from tiderl.trainer.backend import BACKENDS  # torch: seconds
+    from tiderl.trainer.registry import BACKENDS, BUILTIN
 
     source, name = f"job {job.name!r}", job.trainer.backend
     target = BACKENDS.get(name)
@@ -101,10 +101,11 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
         known = ", ".join(sorted(BACKENDS))
         raise ConfigError(source, BACKEND_KEY, f"unknown trainer backend {name!r} (known: {known})")
     module, _, attr = target.partition(":")
-    try:
-        getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(source, BACKEND_KEY, f"{name}: {target} cannot be loaded: {type(e).__name__}: {e}") from None
+    if name not in BUILTIN:  # a plugin's module must import (TideRL's own need torch: seconds, and always import)
+        try:
+            getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(source, BACKEND_KEY, f"{name}: {target} cannot be loaded: {type(e).__name__}: {e}") from None
     if name == "fsdp" and job.ers.elastic_actors:
         # A group that ERS changes would rebuild the sharded actor from the last optimizer checkpoint: its
         # moments would not be the step's. Re-sharding the state onto the new group is to come.

@@ -71,7 +71,7 @@ def _discard_uncommitted(ctx: RankContext, version: int) -> None:
 
 def _sharded(ctx: RankContext, actors: list[int]) -> bool:
     """Whether this step's actor is sharded over its data-parallel group (built inside the group)."""
-    from tiderl.trainer.backend import SHARDED
+    from tiderl.trainer.registry import SHARDED
 
     return ctx.config.trainer.backend in SHARDED and len(actors) > 1
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tiderl.trainer.batch import MicroBatch
+from tiderl.trainer.registry import BACKENDS, BUILTIN, SHARDED  # noqa: F401  (the registry, without torch)
 
 
 class UnknownBackendError(ValueError):
@@ -113,17 +114,6 @@ class ActorBackend(SwappableModel):
     @abstractmethod
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`checkpoint_state` returned; a missing key is left as it is."""
-
-
-SHARDED: frozenset[str] = frozenset({"fsdp"})
-"""Backends whose actor shards its state over the data-parallel group: it is built inside the group, and
-built again in the next one when the group changes (tiderl.run.trainer_role)."""
-
-# name -> "module:factory"; the factory takes (role, model_path, **options).
-BACKENDS: dict[str, str] = {
-    "torch": "tiderl.trainer.torch_backend:make",
-    "fsdp": "tiderl.trainer.fsdp_backend:make",
-}
 
 
 def make_backend(name: str, role: str, model_path: str | Path, **options: Any) -> RefBackend | ActorBackend:
