@@ -164,7 +164,8 @@ def problems(plans: list[RankMemory], gpu_bytes: int, *, max_context_tokens: int
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """Bytes as GiB, or MiB below one GiB (a tiny model's plan)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def describe(plan: RankMemory) -> str:
@@ -212,7 +213,8 @@ def job_problems(job: Any, shape: ModelShape, plans: list[RankMemory]) -> list[s
 
 def render(plans: list[RankMemory], shape: ModelShape) -> str:
     """The plan as `tiderl config` and `tiderl submit --dry-run` print it."""
-    lines = [f"# memory per GPU ({shape.params / 1e9:.2f}B parameters, {shape.layers} layers)"]
+    count = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.2f}M"
+    lines = [f"# memory per GPU ({count} parameters, {shape.layers} layers)"]
     for plan in plans:
         span = f" (each of {plan.gpus} GPUs)" if plan.gpus > 1 else ""
         lines.append(f"#   {plan.role}{span}: {gib(plan.total)} = {describe(plan)}")
