@@ -133,10 +133,9 @@ def vllm_architectures(vision: bool) -> frozenset[str]:
     $TIDERL_CACHE (`registry_cache_file`), one file per vLLM version and registrations, and vLLM is imported
     only to fill it."""
     cache = registry_cache_file(vision)
-    try:
-        return frozenset(json.loads(cache.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
+    cached = _read_archs(cache)
+    if cached is not None:
+        return cached
     from vllm import ModelRegistry
 
     if vision:
@@ -150,6 +149,14 @@ def vllm_architectures(vision: bool) -> frozenset[str]:
         tmp.write_text(json.dumps(sorted(archs)))
         tmp.replace(cache)
     return archs
+
+
+def _read_archs(cache: Path) -> frozenset[str] | None:
+    """The cached list, or None where there is none (or it cannot be read: it is filled anew)."""
+    try:
+        return frozenset(json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def registry_cache_file(vision: bool) -> Path:

@@ -39,7 +39,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats
 from tiderl.trainer.batch import MicroBatch
-from tiderl.trainer.torch_backend import HostSwap, TorchRef, _banned, _load, _logprobs, autocast, compute_dtype
+from tiderl.trainer.torch_backend import (HostSwap, TorchRef, _banned, _load, _logprobs, autocast, compute_dtype,
+                                         optimizer_step, set_lr)
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks, each sharded on its own: the modules that transformers itself keeps
@@ -138,23 +139,15 @@ class FsdpActor(ActorBackend):
         loss.backward()
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def step(self, grad_scale: float = 1.0) -> OptimStats:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before the optimizer step")
         # FSDP reduced (summed) each gradient into its shard in the backward passes.
-        for p in self.params:
-            if p.grad is not None and grad_scale != 1.0:
-                p.grad.mul_(grad_scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every rank's shards
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = optimizer_step(self.params, self.optimizer, self.optim_config.grad_clip, grad_scale)
         self._steps += 1
-        return OptimStats(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+        return stats
 
     # ---- publishing and checkpoints: collectives over the group -----------------------------------
     def _writes(self) -> bool:

@@ -128,6 +128,27 @@ def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temp
     return token_logprobs(out.logits, mb.input_ids.to(device), temperature=temperature, banned=banned)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, grad_clip: float,
+                   grad_scale: float = 1.0) -> OptimStats:
+    """Scale the reduced gradients, clip them (the norm over every rank's shards for sharded ones), step,
+    zero them: the update both actor backends make once their gradients are summed."""
+    if grad_scale != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return OptimStats(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"])
+
+
 class TorchRef(RefBackend):
     def __init__(self, model_path: Path, device: torch.device, temperature: float = 1.0,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -220,21 +241,13 @@ class TorchActor(ActorBackend):
             offset += n
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def step(self, grad_scale: float = 1.0) -> OptimStats:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before the optimizer step")
         self._reduce_gradients()
-        if grad_scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_config.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return OptimStats(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+        return optimizer_step(self.params, self.optimizer, self.optim_config.grad_clip, grad_scale)
 
     def save_weights(self, directory: Path) -> None:
         if not self.is_resident:
