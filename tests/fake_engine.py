@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.envs.images import PngImage
-from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
+from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec, WeightsUpdate
 
 
 class FakeEngine(Engine):
+    receives_weights = True
+
     def __init__(
         self,
         respond: Callable[[Sequence[int]], Sequence[int]],
@@ -41,6 +43,9 @@ class FakeEngine(Engine):
         self._counts = dict(prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0)
         self._in_flight_tokens = 0
         self.reloads: list[tuple[str, int]] = []
+        self.transfers: list[tuple[str, int, str]] = []  # (server, version, digest) of each version received
+        self._client: Any = None
+        self.last_update: WeightsUpdate | None = None
         self.prompts: list[tuple[int, ...]] = []
         self.images: list[tuple[PngImage, ...]] = []  # the images each prompt came with
         self.samplings: list[SamplingSpec] = []
@@ -125,6 +130,29 @@ class FakeEngine(Engine):
         self.reloads.append((str(weights_dir), version))
         self._blocks.clear()
         self._version = version
+
+    async def receive_weights(self, address: str, min_version: int) -> int:
+        """Receive the version from the weight server as a real engine does (every bucket checked), loading
+        nothing: the scripted answers do not depend on weights."""
+        from tiderl.weightsync.client import WeightClient
+        from tiderl.weightsync.wire import TransferError
+
+        def pull() -> Any:
+            if self._client is None or self._client.address != address:
+                self._client = WeightClient(address, timeout_s=60)
+            return self._client.receive(min_version)
+
+        try:
+            received = await asyncio.to_thread(pull)
+        except TransferError as e:
+            self._client = None
+            raise EngineError(str(e)) from e
+        self.transfers.append((address, received.version, received.digest))
+        self.last_update = WeightsUpdate(received.version, "transfer", nbytes=received.nbytes, digest=received.digest,
+                                         receive_s=received.seconds, stall_s=received.seconds)
+        self._blocks.clear()
+        self._version = received.version
+        return received.version
 
     def close(self) -> None:
         self._blocks.clear()

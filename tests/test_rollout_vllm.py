@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,110 @@ def test_long_seeded_prompts_over_the_step_budget_run_whole(model_dir: Path, fmt
         assert len(gens) == 8 and all(g.num_prompt_tokens == 900 and g.token_ids for g in gens)
     finally:
         eng.close()
+
+
+def _perturbed(model_dir: Path, seed: int | None):
+    """The model of `model_dir`, every weight moved by noise of `seed` (None: as it is)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if seed is None:
+        return model
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _scored(model, ids: list[int], start: int, end: int, banned: tuple[int, ...] = ()) -> list[float]:
+    """The model's logprobs of ids[start:end] given what comes before each (`banned` ids biased by -100, as
+    the engine does)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:end]])).logits[0]
+    logits[:, list(banned)] -= 100.0
+    lp = torch.log_softmax(logits[start - 1:end - 1], dim=-1)
+    return lp[torch.arange(end - start), torch.tensor(ids[start:end])].tolist()
+
+
+def test_a_transfer_serves_exactly_the_trainers_weights_and_a_failed_one_loads_nothing(
+        engine, fmt: ChatFormat, model_dir: Path) -> None:
+    """Weights without files: the trainer's server stages and commits a version, the engine pulls it through
+    vLLM's weight-transfer API and samples from it (tied output layer included), its cache dropped. A
+    version the server cannot give raises WeightsNotReceived and leaves the engine's weights as they were."""
+    from tiderl.rollout.vllm_engine import WeightsNotReceived
+    from tiderl.weightsync.server import WeightServer
+
+    prompt = long_prompt(fmt)
+    sampled = SamplingSpec(max_new_tokens=12, temperature=1.0, stop_token_ids=(), seed=11)
+    model = _perturbed(model_dir, 1)
+    server = WeightServer(commit_wait_s=0.5)
+    try:
+        server.stage(7, model.state_dict().items())
+        server.commit(7)
+        assert run(engine.receive_weights(server.address, 7)) == 7
+        assert engine.weights_version == 7 and engine.last_update.path == "transfer"
+        # Every tensor once, in fp32: the tied output layer is the embedding's storage and is not sent again.
+        assert engine.last_update.nbytes == sum(t.numel() * 4 for n, t in model.state_dict().items() if n != "lm_head.weight")
+        g = run(engine.generate(prompt, sampled))
+        assert g.weights_version == 7 and g.num_cached_tokens == 0
+        ids = prompt + list(g.token_ids)
+        assert g.logprobs == pytest.approx(_scored(model, ids, len(prompt), len(ids)), abs=1e-4)
+        with pytest.raises(WeightsNotReceived, match="no committed version >= 8"):
+            run(engine.receive_weights(server.address, 8))
+        again = run(engine.generate(prompt, sampled))
+        assert engine.weights_version == 7 and again.token_ids == g.token_ids
+        assert again.logprobs == pytest.approx(g.logprobs, abs=1e-6)
+    finally:
+        server.close()
+    with pytest.raises(WeightsNotReceived, match="cannot reach the weight server"):
+        run(engine.receive_weights(server.address, 8))
+    run(engine.reload_weights(model_dir, version=8))  # the base model again, for the tests after
+
+
+def test_requests_in_flight_go_on_through_an_update_on_the_new_weights(engine, fmt: ChatFormat, model_dir: Path) -> None:
+    """An update does not wait for the requests in flight, nor drop or restart them: they stop between two
+    steps, and the tokens sampled after it come from the new weights over the whole context (their KV
+    recomputed), each token stamped with the version that sampled it."""
+    from tiderl.weightsync.server import WeightServer
+
+    base = engine.weights_version
+    prompt = long_prompt(fmt)
+    spec = SamplingSpec(max_new_tokens=600, temperature=1.0, stop_token_ids=(), seed=3,
+                        banned_token_ids=tuple({fmt.end_of_turn_id, *fmt.stop_ids}))
+    model = _perturbed(model_dir, 2)
+    server = WeightServer()
+    try:
+        server.stage(base + 1, model.state_dict().items())
+        server.commit(base + 1)
+
+        async def update_midway():
+            task = asyncio.ensure_future(engine.generate(prompt, spec))
+            deadline = time.monotonic() + 300
+            # The tokens the engine has taken so far for the request (vLLM's Prometheus counters are the
+            # process's: another engine of this module replaced them).
+            while sum(len(w.token_ids) for w in engine._waiters.values()) < 20 and not task.done():
+                assert time.monotonic() < deadline, "the request sampled nothing"
+                await asyncio.sleep(0.01)
+            await engine.receive_weights(server.address, base + 1)
+            return await task
+
+        g = run(update_midway())
+    finally:
+        server.close()
+    assert engine.last_update.in_flight == 1 and engine.last_update.stall_s > 0
+    versions = g.versions
+    switch = versions.index(base + 1)
+    assert len(g.token_ids) == 600 and 20 <= switch < 600
+    assert set(versions[:switch]) == {base} and set(versions[switch:]) == {base + 1}
+    ids = prompt + list(g.token_ids)
+    start = len(prompt)
+    old = _scored(_perturbed(model_dir, None), ids, start, start + switch, spec.banned_token_ids)
+    new = _scored(model, ids, start + switch, len(ids), spec.banned_token_ids)
+    assert list(g.logprobs[:switch]) == pytest.approx(old, abs=1e-4)
+    assert list(g.logprobs[switch:]) == pytest.approx(new, abs=1e-4)
+    run(engine.reload_weights(model_dir, version=base + 2))
+

@@ -61,8 +61,13 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
     store = RunStore.for_run_dir(run_dir, read_only=True)
     try:
         asked = store.ranks_with_event("engine_wanted", since_start=False)
+        # Weights without files (trainer.weight_sync: transfer, the default): the rollout ranks pulled the versions
+        # from the trainer leader's server, every bucket checked.
+        received = {r["version"] for r in store.metric_rows(["weights_transfer_stall_s"])}
+        failed = store.recent_events(kinds=["weights_transfer_failed"])
     finally:
         store.close()
+    assert received and max(received) >= 2 and not failed, (received, failed)
     idle = [name for name, text in logs.items() if "role idle from" in text]
     assert bool(idle) == (system == "sync" or bool(extra))  # without a shared host ERS parks no rank
     for name in idle:

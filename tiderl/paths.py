@@ -100,6 +100,11 @@ class RunPaths:
         """The env servers' URLs of the launch (JSON list), which every rank and `tiderl status` read."""
         return self.root / "env_urls.json"
 
+    @property
+    def weight_server(self) -> Path:
+        """Where the trainer leader's weight server listens (`host:port`, JSON), for the rollout ranks."""
+        return self.rendezvous / "weight-server.json"
+
     def weights_version(self, version: int) -> Path:
         return version_dir(self.weights, version)
 

@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -58,6 +59,7 @@ STOP_HOLD_S = 15.0  # SIGSTOP lasts this long: past the 10 s heartbeat timeout o
 LOCK_HOLD_S = 20.0
 DISK_FULL_S = 10.0
 GARBAGE_S = 5.0
+HOLE_S = 20.0
 TMPFS_SIZE = "96m"
 
 
@@ -577,6 +579,50 @@ def _garbage(trial: Trial) -> str:
     return f"env server answered malformed JSON for {GARBAGE_S:.0f} s ({proxy.num_garbled} answers garbled)"
 
 
+class BlackHole:
+    """A TCP listener that accepts every connection and never answers: a weight server that hangs."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="black-hole", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def _hang_weight_server(trial: Trial) -> str:
+    """Point the rollout ranks at a weight server that accepts and never answers, then give the real one back."""
+    named = trial.run_dir / "rendezvous" / "weight-server.json"
+    while not named.exists():
+        if trial.left_s() <= 0 or (trial.launcher is not None and trial.launcher.poll() is not None):
+            raise ChaosError(f"{named} never appeared (is trainer.weight_sync transfer?)")
+        time.sleep(POLL_S)
+    original = named.read_text()
+    hole = BlackHole()
+    trial.stack.callback(hole.close)
+    tmp = named.with_suffix(".chaos")
+    tmp.write_text(json.dumps({"address": f"127.0.0.1:{hole.port}", "rank": -1, "pid": os.getpid()}))
+    os.replace(tmp, named)
+    trial.extra["fault_at"] = time.time()
+    trial.sleep(HOLE_S)
+    tmp.write_text(original)
+    os.replace(tmp, named)
+    return f"the weight server's address pointed at a listener that never answers for {HOLE_S:.0f} s " \
+           f"({len(hole.held)} connections held)"
+
+
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("rollout_kill", _kill_rank("rollout"), what="SIGKILL of a rollout rank"),
     Fault("actor_kill", _kill_rank("actor"), what="SIGKILL of the actor rank"),
@@ -586,7 +632,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("launcher_kill", _kill_launcher, what="SIGKILL of the launcher, then one --resume"),
     Fault("rollout_stop", _stop_rollout, sets=("launch.heartbeat_timeout_s=10",), min_steps=30,
           what=f"SIGSTOP of a rollout rank for {STOP_HOLD_S:.0f} s (heartbeat timeout 10 s), then SIGCONT"),
-    Fault("weights_truncate", _truncate_weights, what="the newest weights file truncated as it appears"),
+    Fault("weights_truncate", _truncate_weights, sets=("trainer.weight_sync=files",),
+          what="the newest weights file truncated as it appears (engines reading files)"),
+    Fault("weights_server_hang", _hang_weight_server, min_steps=15,
+          what=f"the weight server unreachable (a listener that never answers) for {HOLE_S:.0f} s"),
     Fault("store_lock", _lock_store, what=f"store write lock held {LOCK_HOLD_S:.0f} s by an outside connection"),
     Fault("disk_full", _fill_disk, setup=_mount_tmpfs, what=f"run directory's tmpfs full for {DISK_FULL_S:.0f} s"),
     Fault("env_garbage", _garbage, setup=_garbage_setup, what=f"env server answering malformed JSON for {GARBAGE_S:.0f} s"),

@@ -78,6 +78,13 @@ class TrainerConfig:
     keep_versions: int = option(3, ge=1, help="Weight versions kept in weights/ (older ones are deleted).")
     checkpoint_every: int = option(5, ge=1, help="Checkpoint optimizer state every M steps.")
     keep_checkpoints: int = option(2, ge=1, help="Optimizer checkpoints kept in ckpt/ (older ones are deleted).")
+    weight_sync: Literal["transfer", "files"] = option(
+        "transfer",
+        help="How the rollout engines get each version: `transfer` (pulled from the trainer leader's memory through "
+        "vLLM's weight-transfer API, in buckets checked as they arrive; an engine that cannot reach it loads the "
+        "files) or `files` (each engine verifies and reads weights/vN). The trainer writes weights/vN either way: "
+        "checkpoints, resumed runs and ranks that join late read it.",
+    )
     backend: str = option(
         "torch",
         help="Trainer backend: `torch` (PyTorch + transformers, the actor replicated on every data-parallel rank) or "

@@ -132,7 +132,7 @@ async def run_task(
             generation = await engine.generate(context, sampling, shown)
             same_weights = generation.weights_version == left_version
             run.prefix_tokens, run.cached_tokens = left_in_cache if same_weights else 0, generation.num_cached_tokens
-            trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, version=generation.weights_version)
+            trajectory.append(generation.token_ids, sampled=True, logprobs=generation.logprobs, versions=generation.versions)
             left_in_cache = trajectory.engine_tokens  # prompt and generated tokens stay cached (full blocks)
             left_version = generation.weights_version
             if not fmt.closes_turn(generation.token_ids):

@@ -49,13 +49,23 @@ class Generation:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str  # "stop" (a stop token ended it) or "length"
-    weights_version: int  # the weights that produced every token of this generation
+    weights_version: int  # the weights it ended on (those of every token unless `token_versions` says otherwise)
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    token_versions: tuple[int, ...] = ()
+    """The weights version of each token where a weights update came during the generation (empty: all
+    `weights_version`)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"logprobs: {len(self.logprobs)} values for {len(self.token_ids)} tokens")
+        if self.token_versions and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"token_versions: {len(self.token_versions)} values for {len(self.token_ids)} tokens")
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The weights version of each token."""
+        return self.token_versions or (self.weights_version,) * len(self.token_ids)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,6 +98,9 @@ class EngineStats:
 class Engine(ABC):
     """One rollout rank's inference engine. Async: many tasks of one rank share it."""
 
+    receives_weights: bool = False
+    """Whether :meth:`receive_weights` can load a version from the trainer's weight server."""
+
     @property
     @abstractmethod
     def kv_capacity_tokens(self) -> int:
@@ -117,9 +130,36 @@ class Engine(ABC):
     @abstractmethod
     async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
         """Load the weights in ``weights_dir`` (safetensors) in place and drop the prefix
-        cache (its entries were computed by the old weights). In-flight generations finish
-        on the old weights first; generations submitted meanwhile wait for the new ones."""
+        cache (its entries were computed by the old weights). Generations in flight go on
+        on the new weights; each token's version says which weights sampled it."""
+
+    async def receive_weights(self, address: str, min_version: int) -> int:
+        """Receive the newest committed version (at least ``min_version``) from the trainer's weight
+        server at ``address`` (``host:port``: :mod:`tiderl.weightsync`) and load it in place as
+        :meth:`reload_weights` does; returns the version loaded. An engine that cannot raises
+        :class:`EngineError` and keeps its weights (the rank then loads the version's files)."""
+        raise EngineError(f"{type(self).__name__} cannot receive weights by transfer")
 
     @abstractmethod
     def close(self) -> None:
         """Stop the engine and free its processes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightsUpdate:
+    """One weights update of the engine: how the version came (``files`` or ``transfer``), its bytes, the
+    seconds the engine's requests stood still (``stall_s``: the load, and for a transfer the receive) and
+    how many were in flight (kept, resumed on the new weights)."""
+
+    version: int
+    path: str
+    nbytes: int = 0
+    digest: str = ""
+    receive_s: float = 0.0
+    stall_s: float = 0.0
+    in_flight: int = 0
+
+
+class WeightsNotReceived(EngineError):
+    """A weights transfer that loaded nothing (no server, no such version, a broken connection): the
+    engine keeps its weights; the rank loads the version's files instead."""

@@ -287,9 +287,14 @@ class Trajectory:
         window_segments(len(self.token_ids) + 1, self.prunes)
         return changed_at
 
-    def append(self, ids: list[int] | tuple[int, ...], *, sampled: bool, logprobs: tuple[float, ...] = (), version: int = NO_VERSION) -> None:
+    def append(self, ids: list[int] | tuple[int, ...], *, sampled: bool, logprobs: tuple[float, ...] = (),
+               version: int = NO_VERSION, versions: Sequence[int] = ()) -> None:
+        """Append `ids`; sampled ones with their logprobs and weights version (`version`, or each token's in
+        `versions`)."""
+        if versions and len(versions) != len(ids):
+            raise ValueError(f"trajectory {self.task.task_id}: {len(versions)} versions for {len(ids)} tokens")
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if sampled else 0] * len(ids))
         self.logprobs.extend(logprobs if sampled else [0.0] * len(ids))
-        self.versions.extend([version if sampled else NO_VERSION] * len(ids))
+        self.versions.extend((list(versions) or [version] * len(ids)) if sampled else [NO_VERSION] * len(ids))
         self.check()

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.images import PngImage
 from tiderl.rollout.chat import ImageTokens
-from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec
+from tiderl.rollout.engine import (Engine, EngineError, EngineStats, Generation, SamplingSpec, WeightsNotReceived,
+                                   WeightsUpdate)
+from tiderl.rollout.vllm_worker import checkpoint_tensors
 
 if TYPE_CHECKING:
     from tiderl.config.job import JobConfig
@@ -38,11 +41,13 @@ _COUNTERS = {
     "vllm:generation_tokens": "generation_tokens",
     "vllm:num_preemptions": "num_preemptions",
 }
-
-
 CPU_BATCHED_TOKENS = 4096  # vLLM's default step token budget on CPU
+TRANSFER_TIMEOUT_S = 300.0  # a weights transfer's connection and data timeout
+
 
 class VllmEngine(Engine):
+    receives_weights = True
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -118,6 +123,9 @@ class VllmEngine(Engine):
                 max_num_batched_tokens=max(max_model_len, CPU_BATCHED_TOKENS),
                 # The exact reload (tiderl.rollout.vllm_worker), called by name through collective_rpc.
                 worker_extension_cls="tiderl.rollout.vllm_worker.TideWorkerExtension",
+                # Weights without files: the project's backend of vLLM's weight-transfer API
+                # (tiderl.rollout.vllm_transfer, registered by the `tiderl_weights` vLLM plugin).
+                weight_transfer_config={"backend": "tiderl"},
                 **kwargs,
             )
         except Exception as e:  # vLLM raises many types at start-up; name the model either way
@@ -131,12 +139,12 @@ class VllmEngine(Engine):
         self._version = weights_version
         self._ids = itertools.count()
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Generation], int]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self._stopped = False
         self._failure: BaseException | None = None
-        self._in_flight = 0
-        self._reloading = False
-        self._state_changed: asyncio.Condition | None = None
+        self._transfer_address: str | None = None
+        self._updating: asyncio.Lock | None = None
+        self.last_update: WeightsUpdate | None = None
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -157,6 +165,7 @@ class VllmEngine(Engine):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSpec,
                        images: Sequence[PngImage] = ()) -> Generation:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         if not prompt_ids:
             raise EngineError("generate: empty prompt")
@@ -167,34 +176,27 @@ class VllmEngine(Engine):
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
         if images:
             prompt["multi_modal_data"] = {"image": [i.to_pil() for i in images]}
-        cond = self._condition()
-        async with cond:
-            await cond.wait_for(lambda: not self._reloading)
-            self._in_flight += 1
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.seed,
+            # vLLM's strongest bias (its floor, -100): a banned id's probability is e^-100 of its share.
+            logit_bias={i: -100.0 for i in sampling.banned_token_ids} or None,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            # Each step's new tokens: the engine thread stamps them with the weights they were sampled on.
+            output_kind=RequestOutputKind.DELTA,
+        )
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Generation] = loop.create_future()
+        request_id = f"r{next(self._ids)}"
+        self._send("add", (request_id, prompt, params, _Waiter(loop, future)))
         try:
-            params = SamplingParams(
-                max_tokens=sampling.max_new_tokens,
-                temperature=sampling.temperature,
-                stop_token_ids=list(sampling.stop_token_ids),
-                seed=sampling.seed,
-                # vLLM's strongest bias (its floor, -100): a banned id's probability is e^-100 of its share.
-                logit_bias={i: -100.0 for i in sampling.banned_token_ids} or None,
-                logprobs=0,  # the sampled token's logprob only
-                detokenize=False,
-            )
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[Generation] = loop.create_future()
-            request_id = f"r{next(self._ids)}"
-            self._send("add", (request_id, prompt, params, loop, future, self._version))
-            try:
-                return await future
-            except asyncio.CancelledError:
-                self._send("abort", request_id)  # free its KV blocks now
-                raise
-        finally:
-            async with cond:
-                self._in_flight -= 1
-                cond.notify_all()
+            return await future
+        except asyncio.CancelledError:
+            self._send("abort", request_id)  # free its KV blocks now
+            raise
 
     async def stats(self) -> EngineStats:
         metrics = await self._call(self._llm.get_metrics)
@@ -215,39 +217,94 @@ class VllmEngine(Engine):
         if lacking:  # refused before anything is loaded: the engine keeps serving its weights
             raise EngineError(f"reload_weights: {weights_dir} lacks {len(lacking)} of the model's tensors "
                               f"({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})")
-        cond = self._condition()
-        async with cond:
-            await cond.wait_for(lambda: not self._reloading)
-            self._reloading = True
-            await cond.wait_for(lambda: self._in_flight == 0)
-        try:
 
-            def reload() -> bool:
-                results = self._llm.collective_rpc("tiderl_reload_weights", kwargs={"weights_path": str(weights_dir)})
-                missing = sorted({name for r in results for name in r["missing"]})
-                if missing:
-                    raise EngineError(f"reload_weights: {weights_dir} holds no values for {len(missing)} of the "
-                                      f"model's parameters ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): "
-                                      "the engine would serve a mix of versions")
-                if self._max_images:
-                    # The vision tower changed too: its cached outputs are stale, and the front end's record of
-                    # which images the engine holds is dropped with them (it would send hashes only).
-                    self._engine.reset_encoder_cache()
-                    self._llm.reset_mm_cache()
-                return self._llm.reset_prefix_cache()
+        def load() -> WeightsUpdate:
+            results = self._llm.collective_rpc("tiderl_reload_weights", kwargs={"weights_path": str(weights_dir)})
+            self._check_loaded(results, str(weights_dir))
+            return WeightsUpdate(version, "files", nbytes=sum(p.stat().st_size for p in weights_dir.glob("*.safetensors")))
+
+        await self._update(load)
+
+    async def receive_weights(self, address: str, min_version: int) -> int:
+        """Receive the newest committed version (at least `min_version`) from the trainer's weight server at
+        `address` (``host:port``) through vLLM's weight-transfer API (:mod:`tiderl.rollout.vllm_transfer`)
+        and load it in place, in-flight requests kept (as :meth:`reload_weights`). Returns the version
+        loaded. Raises :class:`WeightsNotReceived` where nothing was loaded (the engine keeps its weights)."""
+
+        def transfer() -> WeightsUpdate:
+            llm = self._llm
+            if self._transfer_address != address:
+                init = {"address": address, "timeout_s": TRANSFER_TIMEOUT_S}
+                llm.collective_rpc("init_weight_transfer_engine", args=(init,))
+                self._transfer_address = address
+            llm.collective_rpc("start_weight_update")
+            try:
+                llm.collective_rpc("update_weights", args=({"min_version": min_version,
+                                                            "expected": sorted(self._tensor_names)},))
+            finally:
+                llm.collective_rpc("finish_weight_update")
+            results = llm.collective_rpc("tiderl_transfer_result")
+            errors = [r["error"] for r in results if "error" in r]
+            if errors:
+                self._transfer_address = None  # connect afresh next time
+                if len(errors) < len(results):  # some workers loaded, some did not: a mix of versions
+                    raise EngineError(f"weights transfer: {len(errors)} of {len(results)} workers did not "
+                                      f"receive the version ({errors[0]}): the engine would serve a mix")
+                raise WeightsNotReceived(errors[0])
+            versions = {int(r["version"]) for r in results}
+            if len(versions) != 1:
+                raise EngineError(f"weights transfer: the workers received different versions {sorted(versions)}")
+            self._check_loaded(results, f"weights transfer from {address}")
+            r = results[0]
+            return WeightsUpdate(versions.pop(), "transfer", nbytes=int(r["nbytes"]), digest=str(r["digest"]),
+                                 receive_s=float(r["receive_s"]))
+
+        return (await self._update(transfer)).version
+
+    def _check_loaded(self, results: list[dict[str, list[str]]], source: str) -> None:
+        if missing := sorted({name for r in results for name in r["missing"]}):
+            raise EngineError(f"reload_weights: {source} holds no values for {len(missing)} of the model's parameters "
+                              f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): a mix of versions")
+
+    async def _update(self, load: Callable[[], WeightsUpdate]) -> WeightsUpdate:
+        """Run `load` on the engine thread between two steps, with the requests in flight kept: they are
+        preempted (their KV cache freed, the tokens they sampled kept) and resume on the new weights, which
+        recompute their contexts; every token sampled from then on carries the new version. The prefix
+        cache (the old weights' KV) is dropped."""
+        if self._updating is None:
+            self._updating = asyncio.Lock()
+        async with self._updating:
+
+            def update() -> WeightsUpdate:
+                t0 = time.monotonic()
+                in_flight = len(self._waiters)
+                # vLLM's engine core steps on its own, ahead of this thread: stop its scheduler (requests kept),
+                # then take the tokens it sampled before the stop, so each carries the weights that sampled it.
+                self._llm.sleep(level=0, mode="keep")
+                try:
+                    self._take_queued()
+                    done = load()  # raises before anything is loaded, or leaves the engine unusable (below)
+                    if self._max_images:
+                        # The vision tower changed too: its cached outputs are stale, and the front end's record
+                        # of which images the engine holds is dropped with them (it would send hashes only).
+                        self._engine.reset_encoder_cache()
+                        self._llm.reset_mm_cache()
+                    if not self._llm.reset_prefix_cache(reset_running_requests=True):
+                        raise EngineError("reload_weights: vLLM refused to reset its prefix cache after loading")
+                    self._version = done.version
+                finally:
+                    self._llm.wake_up(tags=["scheduling"])
+                return replace(done, stall_s=time.monotonic() - t0, in_flight=in_flight)
 
             try:
-                reset = await self._call(reload)
+                done = await self._call(update)
+            except WeightsNotReceived:
+                raise
             except EngineError as e:
                 self._failure = e  # part old, part new: nothing more is generated on these weights
                 raise
-            if not reset:
-                raise EngineError(f"reload_weights: vLLM refused to reset its prefix cache after loading {weights_dir}")
-            self._version = version
-        finally:
-            async with cond:
-                self._reloading = False
-                cond.notify_all()
+            self.last_update = done
+            return done
 
     def close(self) -> None:
         if self._stopped:
@@ -260,12 +317,6 @@ class VllmEngine(Engine):
             shutdown()
 
     # ---- engine thread ------------------------------------------------------------------
-
-    def _condition(self) -> asyncio.Condition:
-        # Created on first use, inside the caller's running loop.
-        if self._state_changed is None:
-            self._state_changed = asyncio.Condition()
-        return self._state_changed
 
     def _send(self, kind: str, payload: Any) -> None:
         if self._failure is not None:
@@ -290,8 +341,8 @@ class VllmEngine(Engine):
                 if kind == "stop":
                     return
                 if kind == "add":
-                    request_id, prompt, params, loop, future, version = payload
-                    self._waiters[request_id] = (loop, future, version)
+                    request_id, prompt, params, waiter = payload
+                    self._waiters[request_id] = waiter
                     self._engine.add_request(request_id, prompt, params)
                 elif kind == "abort":
                     if self._waiters.pop(payload, None) is not None:
@@ -306,52 +357,63 @@ class VllmEngine(Engine):
                     continue  # take every queued command before the next step
                 if self._engine.has_unfinished_requests():
                     for output in self._engine.step():
-                        if output.finished:
-                            self._finish(output)
+                        self._take(output)
         except BaseException as e:
             self._failure = e
-            for loop, future, _ in self._waiters.values():
-                loop.call_soon_threadsafe(_set_exception, future, EngineError(f"vLLM engine thread failed: {e}"))
+            for w in self._waiters.values():
+                w.loop.call_soon_threadsafe(_set_exception, w.future, EngineError(f"vLLM engine thread failed: {e}"))
             self._waiters.clear()
             raise
 
-    def _finish(self, output: Any) -> None:
-        waiter = self._waiters.pop(output.request_id, None)
-        if waiter is None:  # aborted by its caller
+    def _take_queued(self) -> None:
+        """Take every output the engine core has already sent (its multiprocessing client queues them)."""
+        queued = getattr(self._engine.engine_core, "outputs_queue", None)
+        while queued is not None and not queued.empty():
+            for output in self._engine.step():
+                self._take(output)
+
+    def _take(self, output: Any) -> None:
+        """One step's new tokens of a request (vLLM's DELTA outputs), stamped with the weights they were
+        sampled on; the generation is handed back when the request finished."""
+        w = self._waiters.get(output.request_id)
+        if w is None:  # aborted by its caller
             return
-        loop, future, version = waiter
         completion = output.outputs[0]
-        token_ids = tuple(int(t) for t in completion.token_ids)
-        logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs or (), token_ids))
+        new = [int(t) for t in completion.token_ids]
+        w.token_ids += new
+        w.logprobs += [float(step[t].logprob) for step, t in zip(completion.logprobs or (), new)]
+        w.versions += [self._version] * len(new)
+        if output.prompt_token_ids:
+            w.num_prompt_tokens = len(output.prompt_token_ids)
+        if output.num_cached_tokens and not w.num_cached_tokens:
+            w.num_cached_tokens = int(output.num_cached_tokens)
+        if not output.finished:
+            return
+        del self._waiters[output.request_id]
+        versions = tuple(w.versions)
         generation = Generation(
-            token_ids=token_ids,
-            logprobs=logprobs,
+            token_ids=tuple(w.token_ids),
+            logprobs=tuple(w.logprobs),
             finish_reason="stop" if completion.finish_reason == "stop" else "length",
-            weights_version=version,
-            num_prompt_tokens=len(output.prompt_token_ids or ()),
-            num_cached_tokens=int(output.num_cached_tokens or 0),
+            weights_version=versions[-1] if versions else self._version,
+            token_versions=versions if len(set(versions)) > 1 else (),
+            num_prompt_tokens=w.num_prompt_tokens,
+            num_cached_tokens=w.num_cached_tokens,
         )
-        loop.call_soon_threadsafe(_set_result, future, generation)
+        w.loop.call_soon_threadsafe(_set_result, w.future, generation)
 
 
-def checkpoint_tensors(model_dir: str | Path) -> set[str]:
-    """The tensor names of a model directory's safetensors files (their headers only), less those a
-    version may leave out: an output layer tied to the input embedding, rotary frequency buffers."""
-    from safetensors import safe_open
+@dataclass(slots=True)
+class _Waiter:
+    """A request in flight: its caller, and what it sampled so far (token, logprob, weights version)."""
 
-    model_dir = Path(model_dir)
-    names: set[str] = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    config = model_dir / "config.json"
-    tied = config.is_file() and _ties_embeddings(json.loads(config.read_text()))
-    return {n for n in names if not n.endswith("rotary_emb.inv_freq") and not (tied and "lm_head" in n.split("."))}
-
-
-def _ties_embeddings(config: dict[str, Any]) -> bool:
-    text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Generation]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 def _set_result(future: asyncio.Future[Generation], value: Generation) -> None:

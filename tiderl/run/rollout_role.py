@@ -32,7 +32,7 @@ from tiderl.config import JobConfig
 from tiderl.rollout.agent_loop import Phase, TaskRun
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import Engine, EngineStats
-from tiderl.run.weights import WeightsRejected, WeightsSource
+from tiderl.run.weights import WeightsRejected, WeightsSource, close_weight_server, receive
 from tiderl.rollout.local_env import EnvLink
 from tiderl.rollout.trajectory import GroupSpec, TaskProgress, TaskSpec, Trajectory
 from tiderl.rollout.worker import RolloutWorker, WorkerReport
@@ -182,7 +182,16 @@ def rank_engine(ctx: RankContext) -> Engine:
 
 async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankReport) -> int | None:
     """Reload the engine with the weights of `version` (or newer, where it was pruned); returns the
-    version it holds then, or None where `version` was rejected (the engine keeps its weights)."""
+    version it holds then, or None where `version` was rejected (the engine keeps its weights). With
+    `trainer.weight_sync: transfer` the engine first asks the trainer leader's server, and reads the
+    files only where that fails."""
+    if ctx.config.trainer.weight_sync == "transfer" and version > 0 and engine.receives_weights:
+        got = await receive(ctx, engine, version)
+        if isinstance(got, int):
+            return got
+        report.events.append(EventRecord("weights_transfer_failed", f"rank {ctx.rank}: weights v{version} not "
+                                          f"received ({got[:300]}); loading the files", {"version": version}))
+        log.warning("rank %d: weights v%d not received (%s); loading the files", ctx.rank, version, got)
     try:
         weights = await _weights(ctx).aload(version, lambda w: engine.reload_weights(w.path, w.version))
     except WeightsRejected as e:
@@ -216,6 +225,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     """Roll out from `plan.version` on; returns the plan of the first version that moves this rank
     to another role (None: the run stopped)."""
     cfg = ctx.config
+    close_weight_server(ctx)  # a rank that led the trainer before: the next leader serves the weights
     engine = rank_engine(ctx)
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=plan.version)
     if engine.weights_version < plan.version:
@@ -262,6 +272,10 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                 v = v.reloaded(loaded)
                 if loaded is not None:
                     report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, loaded, "rollout"))
+                    update = getattr(engine, "last_update", None)
+                    if update is not None and update.version == loaded:  # how long its requests stood still
+                        report.metrics.append(MetricPoint(f"weights_{update.path}_stall_s", update.stall_s, loaded,
+                                                          "rollout"))
                     evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
                     await role.release(report, evals)  # they may only run on the weights they evaluate
                     role.worker.poke()  # new weights, fewer tasks: the scheduler decides again

@@ -85,6 +85,7 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: Trainer
     if ctx.actor is None:
         import torch
 
+        from tiderl.run import weights
         from tiderl.trainer.modes import TrainerComm
         from tiderl.trainer.rank import ActorRank
 
@@ -95,7 +96,7 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: Trainer
         actor = ActorRank(ctx.config.trainer, comm or TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True,
                           disk_full_wait_s=ctx.config.store.disk_full_wait_s,
-                          temperature=ctx.config.rollout.temperature)
+                          temperature=ctx.config.rollout.temperature, stage=weights.stager(ctx))
         if comm is not None:
             log.info("actor group rank %d: %s actor built in the group, %d parameters held here (version %d)",
                      comm.rank, ctx.config.trainer.backend, getattr(actor.actor, "local_params", -1), actor.version)
@@ -146,10 +147,12 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
     aggregation); the optimizer step follows the chunk that completes the fetch. The others train the
     whole fetch as one chunk once it is claimed."""
     from tiderl.policy.ra2p import Ra2pMode
+    from tiderl.run import weights
     from tiderl.trainer.rank import PublishedStep
 
     actors = plan.ranks_with(Role.ACTOR)
     if ctx.rank != actors[0]:
+        weights.close_weight_server(ctx)  # another rank leads now
         await _follow_actor_step(ctx, plan, actors)
         return
     sharded = _sharded(ctx, actors)
@@ -194,6 +197,7 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                            step_started_at=started, duration_s=time.time() - started, ras=ras, tprm_s=tprm,
                            ra2p_mode=mode, loss=stats.loss)
     ctx.store.publish_version(record, owner=ctx.rank)
+    weights.commit_served(ctx, plan.version + 1)  # engines may take it without files from now on
     ctx.bell("published").ring()  # the control plane plans the next version now, not at its next tick
     from tiderl.trainer.step import MISMATCH_KEYS
 

@@ -1,4 +1,4 @@
-"""Which weights a rollout rank loads, checked before it loads them.
+"""Which weights a rollout rank loads, checked before it loads them; the trainer leader's weight server.
 
 The trainer publishes `weights/vN/` with a `SHA256SUMS` and records the digest of that file in the
 store (`versions.checksum`). Before a rank loads a version it checks both: every file against the
@@ -6,19 +6,32 @@ sums, and the sums against the store. A version that was pruned before the rank 
 that was busy elsewhere while the trainer published and pruned) is not an error: the rank loads the
 newest published version instead, which is never older than the one it asked for. An engine starts on
 the base model (version 0, never pruned) and reloads (tiderl.run.rollout_role.rank_engine).
+
+With `trainer.weight_sync: transfer` the engines get each version without files: the trainer leader
+stages it in its :class:`~tiderl.weightsync.server.WeightServer` while it publishes, makes it servable once
+the version row is committed, and names the server in `rendezvous/weight-server.json`; a rollout rank
+asks it at its boundary (`receive`) and loads the files only where that fails.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tiderl.paths import version_dir
-from tiderl.rollout.engine import EngineError
+from tiderl.paths import atomic_write_text, version_dir
+from tiderl.rollout.engine import Engine, EngineError
 from tiderl.store.runstore import RunStore
 from tiderl.trainer.publish import ChecksumError, verify
+
+if TYPE_CHECKING:
+    import torch
+
+    from tiderl.run.context import RankContext
 
 log = logging.getLogger("tiderl.weights")
 LOAD_ATTEMPTS = 3  # a version pruned during its load is followed to the newest this often
@@ -90,3 +103,75 @@ class WeightsSource:
                     raise
                 version = weights.version  # gone while loading: resolve again finds the newer one
         raise AssertionError("unreachable")
+
+
+# ---- weights without files (trainer.weight_sync: transfer) -----------------------------------------
+
+
+def wire_dtype(ctx: RankContext) -> torch.dtype:
+    """The dtype the engines hold (`rollout.dtype`; `auto`: bf16 with CUDA, fp32 on a CPU, as the engine)."""
+    import torch
+
+    name = ctx.config.rollout.dtype
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
+def stager(ctx: RankContext) -> Callable[[int, Mapping[str, torch.Tensor]], None] | None:
+    """What an actor leader hands each version it publishes to (`ActorRank(stage=...)`), or None with
+    `trainer.weight_sync: files`. The server starts on first use and names itself in the rendezvous file."""
+    if ctx.config.trainer.weight_sync != "transfer":
+        return None
+
+    def stage(version: int, state: Mapping[str, torch.Tensor]) -> None:
+        if ctx.weight_server is None:
+            from tiderl.weightsync.server import WeightServer
+
+            ctx.weight_server = WeightServer()
+            atomic_write_text(ctx.paths.weight_server, json.dumps({"address": ctx.weight_server.address,
+                                                                   "rank": ctx.rank, "pid": os.getpid()}))
+            log.info("rank %d: weight server at %s", ctx.rank, ctx.weight_server.address)
+        ctx.weight_server.stage(version, state.items(), wire_dtype(ctx))
+
+    return stage
+
+
+def commit_served(ctx: RankContext, version: int) -> None:
+    """The version row of `version` is committed: the leader's server gives it from now on."""
+    if ctx.weight_server is not None:
+        try:
+            ctx.weight_server.commit(version)
+        except KeyError:  # not staged here (published before this rank's server started)
+            pass
+
+
+def close_weight_server(ctx: RankContext) -> None:
+    """This rank no longer leads the trainer: stop its server (the next leader starts its own)."""
+    if ctx.weight_server is None:
+        return
+    address = ctx.weight_server.address
+    ctx.weight_server.close()
+    ctx.weight_server = None
+    if server_address(ctx) == address:
+        ctx.paths.weight_server.unlink(missing_ok=True)
+
+
+def server_address(ctx: RankContext) -> str | None:
+    """The current leader's weight server (`host:port`), None where none runs."""
+    try:
+        return str(json.loads(ctx.paths.weight_server.read_text())["address"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+async def receive(ctx: RankContext, engine: Engine, version: int) -> int | str:
+    """Have `engine` pull `version` (or newer) from the leader's server; the version loaded, or why not
+    (the rank then reads the files)."""
+    address = server_address(ctx)
+    if address is None:
+        return "no weight server is running"
+    try:
+        return await engine.receive_weights(address, version)
+    except EngineError as e:
+        return str(e)

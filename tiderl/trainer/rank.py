@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tiderl.config.trainer import TrainerConfig
 from tiderl.paths import version_dir, weight_versions_in
@@ -35,6 +36,9 @@ from tiderl.trainer.modes import RefStats, TrainerComm, finish_actor_step, run_a
 from tiderl.trainer.plan import ChunkPlanner, StepPlan, drop_flat_groups, drop_truncated, plan_step
 from tiderl.trainer.publish import Checkpoint, Checkpointer, ChecksumError, PublishedVersion, WeightPublisher, verify
 from tiderl.trainer.step import LossConfig, StepAccumulator, StepStats
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +179,15 @@ class ActorRank:
         resume: bool = True,
         disk_full_wait_s: float = 0.0,
         temperature: float = 1.0,
+        stage: Callable[[int, Mapping[str, torch.Tensor]], None] | None = None,
     ) -> None:
         """`temperature`: the sampling temperature of the trajectories (rollout.temperature); the actor and
-        the reference score tokens under softmax(logits / temperature), as the engine sampled them."""
+        the reference score tokens under softmax(logits / temperature), as the engine sampled them.
+        `stage`: the leader hands it each version it publishes, with the full weights (the weight server's
+        :meth:`~tiderl.weightsync.server.WeightServer.stage`, for engines that receive weights without files)."""
         self.config = config
         self.comm = comm
+        self.stage = stage
         point = (
             find_resume_point(base_model, weights_root, ckpt_root, config.keep_checkpoints)
             if resume
@@ -324,6 +332,8 @@ class ActorRank:
                     self.actor.checkpoint_state()
             return stats
         published = self.publisher.publish(self.actor, self.version)
+        if self.stage is not None:  # the weights just written (a sharded actor's gather is held for the step)
+            self.stage(self.version, self.actor.full_weights())
         ckpt = None
         if self.checkpointer.is_due(self.version):
             ckpt = self.checkpointer.save(self.actor, step=self.version, version=self.version)

@@ -1,0 +1,104 @@
+"""Weights without files: the wire format, the trainer's server and an engine's client, for real (TCPStore and
+gloo over localhost), without vLLM. The engine side through vLLM's API is in tests/test_rollout_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from tiderl.weightsync.client import WeightClient
+from tiderl.weightsync.server import WeightServer
+from tiderl.weightsync.wire import TransferError, pack, unpack, version_digest
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model.embed_tokens.weight": torch.randn(64, 16, generator=g),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g),
+            "model.layers.0.input_layernorm.weight": torch.randn(16, generator=g),
+            "model.norm.weight": torch.randn(16, generator=g),
+            "step": torch.tensor(3, dtype=torch.int64)}
+
+
+def test_packed_buckets_hold_every_tensor_in_the_wire_dtype_and_a_damaged_one_is_refused() -> None:
+    st = state(0)
+    buckets = list(pack(st.items(), torch.bfloat16, bucket_bytes=3000))
+    assert len(buckets) > 1  # several buckets; a tensor larger than one is a bucket of its own
+    assert max(b.layout.nbytes for b in buckets) == 64 * 16 * 2
+    got = dict(kv for b in buckets for kv in unpack(b.data, b.layout))
+    assert list(got) == list(st)
+    for name, t in st.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    damaged = buckets[0].data.clone()
+    damaged[5] ^= 1
+    with pytest.raises(TransferError, match="does not match its CRC32"):
+        unpack(damaged, buckets[0].layout)
+    assert version_digest(b.layout for b in buckets) != version_digest(b.layout for b in buckets[1:])
+
+
+def test_an_engine_gets_the_newest_committed_version_and_never_an_uncommitted_one() -> None:
+    server = WeightServer(commit_wait_s=0.3)
+    try:
+        client = WeightClient(server.address, timeout_s=30)
+        server.stage(1, state(1).items())
+        with pytest.raises(TransferError, match="no committed version >= 1"):
+            client.receive(1)  # staged, not committed: an engine never samples on weights the store lacks
+        server.commit(1)
+        r = client.receive(1, expected=list(state(1)))
+        assert r.version == 1 and r.nbytes == sum(t.numel() * t.element_size() for t in state(1).values())
+        assert all(torch.equal(t, state(1)[n]) for n, t in r.tensors)
+        server.stage(2, state(2).items())
+        server.commit(2)
+        assert client.receive(1).version == 2  # the newest, never older than asked (as a pruned file version)
+        with pytest.raises(TransferError, match="lack 1 of the model's tensors \\(lm_head.weight\\)"):
+            client.receive(2, expected=[*state(2), "lm_head.weight"])
+        assert server.stats.versions_served == 3 and not server.stats.failed
+    finally:
+        server.close()
+
+
+def test_a_request_waits_for_the_commit_of_the_version_it_saw_announced() -> None:
+    server = WeightServer(commit_wait_s=30)
+    try:
+        client = WeightClient(server.address, timeout_s=30)
+        server.stage(4, state(4).items())
+        threading.Timer(0.3, server.commit, args=(4,)).start()
+        t0 = time.monotonic()
+        assert client.receive(4).version == 4
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        server.close()
+
+
+def test_an_engine_that_stops_mid_transfer_costs_only_its_own_connection() -> None:
+    server = WeightServer(timeout_s=30)
+    try:
+        server.stage(1, state(1).items())
+        server.commit(1)
+        stalled = WeightClient(server.address, timeout_s=30)
+        # It asks and never takes the buckets (a rank killed between the layout and the data).
+        stalled._store.set(f"{stalled._prefix}req/1", json.dumps({"min_version": 1}))
+        other = WeightClient(server.address, timeout_s=30)
+        assert other.receive(1).version == 1
+    finally:
+        server.close()
+
+
+def test_a_closed_server_is_a_clear_error_not_a_hang() -> None:
+    server = WeightServer()
+    address = server.address
+    client = WeightClient(address, timeout_s=30)
+    server.close()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="weight server"):
+        client.receive(1)
+    with pytest.raises(TransferError, match="cannot reach the weight server"):
+        WeightClient(address, timeout_s=30, connect_timeout_s=1)
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(TransferError, match="not host:port"):
+        WeightClient("nowhere")

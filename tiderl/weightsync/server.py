@@ -1,0 +1,209 @@
+"""The trainer's side of the weight transfer: the newest committed version, served to every engine that asks.
+
+The trainer group's leader stages each version it publishes (:meth:`WeightServer.stage`: the tensors
+packed in buckets in the engines' dtype, each bucket's CRC32 computed while packing) and makes it
+servable once its version row is committed (:meth:`WeightServer.commit`), so an engine never samples
+on weights the store does not know. Engines pull: a rollout rank asks at its own sync boundary, as it
+reads files, and gets the newest committed version (never older than the one it asked for; the
+server waits a while for a version it has staged but not committed yet).
+
+Transport: a ``torch.distributed`` TCPStore on the leader for the rendezvous and the small messages
+(requests, layouts), and one two-rank gloo process group per engine worker for the buckets. Each
+engine worker is served by its own thread; one that dies mid-transfer costs only its thread (its peer
+sees a closed connection and falls back to files).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tiderl.weightsync.wire import BUCKET_BYTES, Bucket, pack, version_digest
+
+log = logging.getLogger("tiderl.weightsync")
+POLL_S = 1.0  # how often a server waiting for a commit looks whether it closed
+IDLE = timedelta(days=7)  # a thread's wait for the next request (woken by close)
+CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class Staged:
+    version: int
+    buckets: list[Bucket]
+    digest: str
+    header: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.layout.nbytes for b in self.buckets)
+
+    def __post_init__(self) -> None:
+        self.header = json.dumps({"version": self.version, "digest": self.digest,
+                                  "buckets": [b.layout.to_json() for b in self.buckets]})
+
+
+@dataclass(slots=True)
+class ServerStats:
+    versions_served: int = 0
+    bytes_sent: int = 0
+    send_s: float = 0.0
+    clients: int = 0
+    failed: list[str] = field(default_factory=list)
+
+
+class WeightServer:
+    """Stage versions, commit them, serve the newest committed one until :meth:`close`."""
+
+    def __init__(self, host: str | None = None, *, timeout_s: float = 300.0, commit_wait_s: float = 30.0,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self.commit_wait_s = commit_wait_s
+        self.bucket_bytes = bucket_bytes
+        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self.address = f"{host or socket.gethostname()}:{self._store.port}"
+        self._cond = threading.Condition()
+        self._pending: dict[int, Staged] = {}
+        self._committed: Staged | None = None
+        self._closed = False
+        self._awaited: dict[int, str] = {}  # thread -> the key it blocks on
+        self.stats = ServerStats()
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
+        self._accept.start()
+
+    # ---- the trainer's side ----------------------------------------------------------------------
+
+    def stage(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+              ) -> Staged:
+        """Pack `version` (servable after :meth:`commit`); returns what was staged. A tensor that shares its
+        storage with one before it (a tied output layer: the engine loads the embedding) is sent once."""
+        buckets = list(pack(_distinct(tensors), dtype, self.bucket_bytes))
+        staged = Staged(version, buckets, version_digest(b.layout for b in buckets))
+        with self._cond:
+            self._pending = {v: s for v, s in self._pending.items() if v > version} | {version: staged}
+        return staged
+
+    def commit(self, version: int) -> None:
+        """Serve `version` (staged before) from now on; older versions are dropped."""
+        with self._cond:
+            staged = self._pending.pop(version, None)
+            if staged is None:
+                raise KeyError(f"weights v{version} were not staged")
+            if self._committed is None or self._committed.version < version:
+                self._committed = staged
+            self._cond.notify_all()
+
+    @property
+    def committed_version(self) -> int | None:
+        with self._cond:
+            return None if self._committed is None else self._committed.version
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._committed = None
+            self._pending.clear()
+            self._cond.notify_all()
+            awaited = list(self._awaited.values())
+        for key in awaited:  # wake the threads blocked on their next key
+            self._store.set(key, CLOSED)
+        for t in [self._accept, *self._threads]:
+            t.join(timeout=POLL_S * 5)
+        self._store = None  # type: ignore[assignment]  # the listening socket closes: clients see it gone
+
+    # ---- serving ---------------------------------------------------------------------------------
+
+    def _get(self, store: dist.TCPStore, key: str) -> str | None:
+        """Block for `key` (each thread has its own connection: a blocking get holds it); None once closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._awaited[threading.get_ident()] = key
+        try:
+            value = store.get(key).decode()
+        finally:
+            with self._cond:
+                self._awaited.pop(threading.get_ident(), None)
+        return None if self._closed or value == CLOSED else value
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", self._store.port, is_master=False, timeout=IDLE)
+
+    def _accept_loop(self) -> None:
+        store = self._connect()
+        k = 1
+        while self._get(store, f"hello/{k}") is not None:
+            t = threading.Thread(target=self._serve, args=(k,), name=f"weights-client{k}", daemon=True)
+            t.start()
+            self._threads.append(t)
+            self.stats.clients += 1
+            k += 1
+
+    def _servable(self, min_version: int) -> Staged | None:
+        """The committed version if it is at least `min_version`, waiting up to `commit_wait_s` for the
+        commit (a rank may see the boundary a moment before the leader marks the version servable)."""
+        deadline = time.monotonic() + self.commit_wait_s
+        with self._cond:
+            while not self._closed:
+                c = self._committed
+                if c is not None and c.version >= min_version:
+                    return c
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, POLL_S))
+        return None
+
+    def _serve(self, k: int) -> None:
+        prefix = f"c{k}/"
+        store = self._connect()
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", store), 0, 2, self.timeout)
+        except Exception as e:  # the engine went away before the group formed
+            self.stats.failed.append(f"client {k}: {e}")
+            log.warning("weights client %d could not join: %s", k, e)
+            return
+        seq = 0
+        while True:
+            seq += 1
+            request = self._get(store, f"{prefix}req/{seq}")
+            if request is None:
+                return
+            try:
+                staged = self._servable(int(json.loads(request)["min_version"]))
+                if staged is None:
+                    have = self.committed_version
+                    store.set(f"{prefix}hdr/{seq}", json.dumps({
+                        "error": f"no committed version >= {json.loads(request)['min_version']} to serve "
+                                 f"(newest: {have})"}))
+                    continue
+                store.set(f"{prefix}hdr/{seq}", staged.header)
+                t0 = time.monotonic()
+                for i, b in enumerate(staged.buckets):
+                    pg.send([b.data], 1, i).wait()
+                self.stats.send_s += time.monotonic() - t0
+                self.stats.versions_served += 1
+                self.stats.bytes_sent += staged.nbytes
+            except Exception as e:  # the engine died or left mid-transfer: only this client is lost
+                self.stats.failed.append(f"client {k}: {e}")
+                log.warning("weights client %d dropped: %s", k, e)
+                return
+
+
+def _distinct(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, t in tensors:
+        key = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, t

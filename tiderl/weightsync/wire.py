@@ -1,0 +1,122 @@
+"""How a weights version travels: tensors packed into byte buckets, each with a CRC32 of its bytes.
+
+The sender packs a version's tensors (in the engine's dtype) into buckets of about
+:data:`BUCKET_BYTES` (a tensor larger than that is a bucket of its own) and computes each bucket's
+digest while packing; the receiver checks each bucket against it as it arrives, so nothing reads the
+whole version again. The layout (names, dtypes, shapes, offsets) travels ahead of the data as JSON;
+:func:`version_digest` names a whole version by its layout and bucket digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+BUCKET_BYTES = 256 << 20
+
+
+class TransferError(RuntimeError):
+    """A version could not be moved: no server, no such version, a dead peer, a damaged bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+    offset: int  # bytes into its bucket
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLayout:
+    nbytes: int
+    crc32: int
+    slots: tuple[Slot, ...]
+
+    def to_json(self) -> dict:
+        return {"nbytes": self.nbytes, "crc32": self.crc32,
+                "slots": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]}
+
+    @staticmethod
+    def from_json(d: dict) -> BucketLayout:
+        return BucketLayout(int(d["nbytes"]), int(d["crc32"]),
+                            tuple(Slot(n, dt, tuple(int(x) for x in sh), int(o), int(nb)) for n, dt, sh, o, nb in d["slots"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    data: torch.Tensor  # uint8, contiguous, on the host
+    layout: BucketLayout
+
+
+def crc32(data: torch.Tensor) -> int:
+    """CRC32 of a host uint8 tensor's bytes (zlib releases the GIL over large buffers)."""
+    return zlib.crc32(memoryview(data.numpy()))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"unknown dtype {name!r} in a weights layout")
+    return dtype
+
+
+def pack(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+         bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
+    """The tensors in buckets of about `bucket_bytes`, floating-point ones cast to `dtype` (None: as
+    they are), in the order given. Each bucket is a fresh host buffer with its CRC32."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> Bucket:
+        data = torch.empty(size, dtype=torch.uint8)
+        slots, offset = [], 0
+        for name, t in pending:
+            n = t.numel() * t.element_size()
+            if n:
+                data[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+            slots.append(Slot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+            offset += n
+        return Bucket(data, BucketLayout(size, crc32(data), tuple(slots)))
+
+    for name, tensor in tensors:
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        t = t.to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        if pending and size + n > bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+        pending.append((name, t))
+        size += n
+    if pending:
+        yield flush()
+
+
+def unpack(data: torch.Tensor, layout: BucketLayout, *, check: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a received bucket (views into `data`); with `check`, its CRC32 first."""
+    if data.numel() != layout.nbytes:
+        raise TransferError(f"a bucket of {data.numel()} bytes, its layout says {layout.nbytes}")
+    if check:
+        got = crc32(data)
+        if got != layout.crc32:
+            raise TransferError(f"a bucket of {layout.nbytes} bytes ({layout.slots[0].name}...) does not match "
+                                f"its CRC32 ({got:08x}, sent {layout.crc32:08x})")
+    out = []
+    for s in layout.slots:
+        chunk = data[s.offset:s.offset + s.nbytes]
+        out.append((s.name, chunk.view(_dtype(s.dtype)).reshape(s.shape)))
+    return out
+
+
+def version_digest(layouts: Iterable[BucketLayout]) -> str:
+    """One name for a whole version: SHA256 of its layout and its buckets' CRC32s."""
+    text = json.dumps([b.to_json() for b in layouts], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
