@@ -128,6 +128,7 @@ class FakeEngine(Engine):
 
     async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
         self.reloads.append((str(weights_dir), version))
+        self.last_update = WeightsUpdate(version, "files")
         self._blocks.clear()
         self._version = version
 

@@ -101,3 +101,24 @@ def test_damaged_or_replaced_weights_are_rejected(source: WeightsSource) -> None
     shutil.rmtree(v1)
     with pytest.raises(WeightsRejected, match="does not exist"):  # nothing newer to fall back on
         source.resolve(1)
+
+
+def test_the_transfer_stages_a_version_by_the_names_its_files_use(tmp_path: Path) -> None:
+    """The engines get what a file reload would give them: the trainer's tensors where its names are the files'
+    (a tied output layer left out as the files leave it out), the files' own tensors where the model renames
+    its weights when it saves them."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tiderl.run.weights import _as_published
+
+    embed = torch.ones(4, 2)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.zeros(2)}
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    staged = dict(_as_published(tmp_path, state))
+    assert list(staged) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert staged["model.embed_tokens.weight"] is embed  # no copy: the server packs it
+    renamed = {"model.language_model.embed_tokens.weight": embed, "model.language_model.norm.weight": torch.zeros(2)}
+    staged = dict(_as_published(tmp_path, renamed))
+    assert sorted(staged) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert torch.equal(staged["model.embed_tokens.weight"], embed)

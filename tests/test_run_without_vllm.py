@@ -37,7 +37,10 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SHARED_HOST = ["ers.host_slots=2", "ers.rollout_host_weight=1.5"]
 
 
-@pytest.mark.parametrize("system,extra", [("tiderl", []), ("sync", []), ("tiderl", SHARED_HOST),
+TRANSFER = ["trainer.weight_sync=transfer"]
+
+
+@pytest.mark.parametrize("system,extra", [("tiderl", TRANSFER), ("sync", TRANSFER), ("tiderl", SHARED_HOST),
                                           ("tiderl", SHARED_HOST + ["ers.idle_engines=parked"])],
                          ids=["tiderl", "sync", "tiderl-shared-host", "tiderl-shared-host-parked"])
 def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, extra: list[str], cache: Path) -> None:
@@ -61,15 +64,19 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
     store = RunStore.for_run_dir(run_dir, read_only=True)
     try:
         asked = store.ranks_with_event("engine_wanted", since_start=False)
-        # Weights without files (trainer.weight_sync: transfer, the default): the rollout ranks pulled the versions
-        # from the trainer leader's server, every bucket checked.
+        # Weights without files (trainer.weight_sync: transfer): the rollout ranks pulled the versions from the
+        # trainer leader's server, every bucket checked; with files, they read weights/vN.
         received = {r["version"] for r in store.metric_rows(["weights_transfer_stall_s"])}
+        read = {r["version"] for r in store.metric_rows(["weights_files_stall_s"])}
         failed = store.recent_events(kinds=["weights_transfer_failed"])
     finally:
         store.close()
-    assert received and max(received) >= 2 and not failed, (received, failed)
+    if extra == TRANSFER:
+        assert received and max(received) >= 2 and not read and not failed, (received, read, failed)
+    else:
+        assert read and max(read) >= 2 and not received, (received, read)
     idle = [name for name, text in logs.items() if "role idle from" in text]
-    assert bool(idle) == (system == "sync" or bool(extra))  # without a shared host ERS parks no rank
+    assert bool(idle) == (system == "sync" or "ers.host_slots=2" in extra)  # without a shared host ERS parks no rank
     for name in idle:
         wanted = system == "tiderl" and ("ers.idle_engines=parked" in extra or int(name[4:].split(".")[0]) in asked)
         assert (f"{SCRIPTED_ENGINE} engine up" in logs[name]) == wanted, name

@@ -26,7 +26,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 
 def test_packed_buckets_hold_every_tensor_in_the_wire_dtype_and_a_damaged_one_is_refused() -> None:
     st = state(0)
-    buckets = list(pack(st.items(), torch.bfloat16, bucket_bytes=3000))
+    buckets = pack(st.items(), torch.bfloat16, bucket_bytes=3000)
     assert len(buckets) > 1  # several buckets; a tensor larger than one is a bucket of its own
     assert max(b.layout.nbytes for b in buckets) == 64 * 16 * 2
     got = dict(kv for b in buckets for kv in unpack(b.data, b.layout))

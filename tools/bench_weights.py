@@ -5,20 +5,26 @@ one vLLM engine starts on it (eager), and this process plays the trainer: a tran
 move by noise before each version, the :class:`~tiderl.trainer.publish.WeightPublisher` that writes
 ``weights/vN`` with its SHA256SUMS (both paths: the trainer writes the files for checkpoints and late
 joiners either way) and, for the transfer, the :class:`~tiderl.weightsync.server.WeightServer`. Each round
-publishes one version per path, files first. Per path it reports (medians over ``--rounds``):
+publishes two versions per path (``files``: read from this host's page cache, as a rank on the trainer leader's
+node; ``files_cold``: the files evicted from it first, as a rank on another node reads them from the shared
+filesystem; ``transfer``): one with nothing in flight, one while ``--in-flight`` requests run. Per path it
+reports (medians over ``--rounds``):
 
 - ``publish_s``: the trainer's side until the version is published (files: write and hash; transfer: the
   same, then staging the buckets in the server);
-- ``to_first_token_s``: from the publication to the first token sampled on the version (files: the rank
-  checks every file against SHA256SUMS as :class:`~tiderl.run.weights.WeightsSource` does, then the engine
-  reloads them; transfer: the engine receives the version, every bucket checked, and loads it);
+- ``to_first_token_s``: from the publication to the first token sampled on the version, nothing else in
+  flight (files: the rank checks every file against SHA256SUMS as :class:`~tiderl.run.weights.WeightsSource`
+  does, then the engine reloads them; transfer: the engine receives the version, every bucket checked, and
+  loads it); ``update_s``: the engine's own part of it (the reload, or receive and load), ``receive_s``: the
+  transfer's receive;
 - ``bytes``: what reached the engine (the safetensors files, or the buckets);
-- ``stall_s``: how long the ``--in-flight`` requests running during the update stood still, and
-  ``kept``: whether every one of them finished with all its tokens (none dropped or restarted);
+- ``stall_s``: how long the ``--in-flight`` requests running during the other update stood still, ``kept``:
+  whether every one of them finished with all its tokens (none dropped or restarted), ``versions_split``:
+  how many carry tokens of both versions;
 - ``max_logprob_diff``: engine against transformers on the new weights, over ``--tokens`` tokens sampled
   after the update.
 
-``ratios`` gives files over transfer per size. Prints one JSON line per size, then a summary line.
+``ratios`` gives each files path over the transfer per size. Prints one JSON line per size, then a summary line.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,6 +43,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trainer import model_size, parse_params  # noqa: E402
+
+# `files`: the version's files in this host's page cache (a rank on the trainer leader's node); `files_cold`:
+# evicted first (a rank on another node, reading the shared filesystem); `transfer`: trainer.weight_sync: transfer.
+PATHS = ("files", "files_cold", "transfer")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,10 +102,26 @@ def scored(model: Any, ids: list[int], start: int, banned: tuple[int, ...]) -> l
     return lp[torch.arange(len(ids) - start), torch.tensor(ids[start:])].tolist()
 
 
-async def one_version(engine: Any, load: Any, prompt: list[int], args: argparse.Namespace,
+async def first_token(engine: Any, update: Any, published_at: float, prompt: list[int], args: argparse.Namespace,
                       banned: tuple[int, ...]) -> dict[str, Any]:
-    """Land a version while `--in-flight` requests run; `load()` publishes it and returns (publish_s, t_published,
-    update coroutine). Then the first token and `--tokens` more on the new weights."""
+    """Nothing in flight: the update, then the first token and `--tokens` more on the new weights."""
+    from tiderl.rollout.engine import SamplingSpec
+
+    version = await update
+    first = await engine.generate(prompt, SamplingSpec(max_new_tokens=1, temperature=1.0, seed=1, banned_token_ids=banned))
+    to_first = time.monotonic() - published_at
+    sample = await engine.generate(prompt, SamplingSpec(max_new_tokens=args.tokens, temperature=1.0, seed=2,
+                                                        banned_token_ids=banned))
+    assert first.weights_version == version == sample.weights_version
+    up = engine.last_update
+    return {"to_first_token_s": to_first, "update_s": up.stall_s, "receive_s": up.receive_s, "bytes": up.nbytes,
+            "sample": sample}
+
+
+async def in_flight(engine: Any, update: Any, prompt: list[int], args: argparse.Namespace,
+                    banned: tuple[int, ...]) -> dict[str, Any]:
+    """The update while `--in-flight` requests run (each has sampled a token): how long they stood still,
+    and whether each finished with all its tokens."""
     from tiderl.rollout.engine import SamplingSpec
 
     long = SamplingSpec(max_new_tokens=48, temperature=1.0, seed=7, banned_token_ids=banned)
@@ -101,17 +129,34 @@ async def one_version(engine: Any, load: Any, prompt: list[int], args: argparse.
     # Until every request has sampled a token (what the engine took so far; vLLM's counters are per process).
     while running and sum(1 for w in engine._waiters.values() if w.token_ids) < args.in_flight:
         await asyncio.sleep(0.005)
-    publish_s, published_at, update = load()
-    version = await update
-    first = await engine.generate(prompt, SamplingSpec(max_new_tokens=1, temperature=1.0, seed=1, banned_token_ids=banned))
-    to_first = time.monotonic() - published_at
+    await update
     done = await asyncio.gather(*running)
-    sample = await engine.generate(prompt, SamplingSpec(max_new_tokens=args.tokens, temperature=1.0, seed=2,
-                                                        banned_token_ids=banned))
-    assert first.weights_version == version == sample.weights_version
     up = engine.last_update
-    return {"publish_s": publish_s, "to_first_token_s": to_first, "bytes": up.nbytes, "stall_s": up.stall_s,
-            "in_flight": up.in_flight, "kept": all(len(g.token_ids) == 48 for g in done), "sample": sample}
+    return {"stall_s": up.stall_s, "in_flight": up.in_flight, "kept": all(len(g.token_ids) == 48 for g in done),
+            "versions_split": sum(1 for g in done if len(set(g.versions)) > 1)}
+
+
+def evict(directory: Path) -> None:
+    """Drop a version's files from this host's page cache (they are fsynced): the rank reads them as a rank
+    on another node reads them from the shared filesystem."""
+    for f in directory.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _update(engine: Any, path: str, pub: Any, version: int, address: str, verify: Any) -> Any:
+    """The rank's side of a version: files (every file checked against SHA256SUMS, as WeightsSource.resolve,
+    then reloaded) or the transfer."""
+    async def files() -> int:
+        if verify(pub.path) != pub.checksum:
+            raise RuntimeError(f"{pub.path}: checksum mismatch")
+        await engine.reload_weights(pub.path, version)
+        return version
+
+    return engine.receive_weights(address, version) if path == "transfer" else files()
 
 
 def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -133,52 +178,55 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
     prompt = list(range(3, 35))
     banned = (int(trainer.config.eos_token_id),) if trainer.config.eos_token_id is not None else ()
     engine = VllmEngine(model_dir, num_kv_blocks=64, block_size=32, max_model_len=1024, max_num_seqs=16)
+    shutil.rmtree(work / f"weights-{params}", ignore_errors=True)  # a kept work dir's versions from before
     publisher = WeightPublisher(work / f"weights-{params}", model_dir, keep_versions=2)
     server = WeightServer()
-    rows: dict[str, list[dict[str, Any]]] = {"files": [], "transfer": []}
+    rows: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
     try:
+        from tiderl.rollout.engine import SamplingSpec
+
+        asyncio.run(engine.generate(prompt, SamplingSpec(max_new_tokens=4, seed=0)))  # the engine's first steps are slow
         version = 0
         for r in range(args.rounds):
-            for path in ("files", "transfer"):
-                version += 1
-                perturb(trainer, 1000 * r + version)
-
-                def load() -> tuple[float, float, Any]:
+            for path in PATHS:
+                row: dict[str, Any] = {}
+                for phase in ("first_token", "in_flight"):
+                    version += 1
+                    perturb(trainer, 1000 * r + version)
                     t0 = time.monotonic()
                     pub = publisher.publish(_Actor(trainer), version)
+                    if path == "files_cold":
+                        evict(pub.path)
                     if path == "transfer":
                         server.stage(version, trainer.state_dict().items(), torch.float32)
                         server.commit(version)
-                    t1 = time.monotonic()
-                    if path == "files":
-                        async def update() -> int:
-                            if verify(pub.path) != pub.checksum:  # the rank's check, as WeightsSource.resolve
-                                raise RuntimeError("checksum mismatch")
-                            await engine.reload_weights(pub.path, version)
-                            return version
+                    published_at = time.monotonic()
+                    row.setdefault("publish_s", published_at - t0)
+                    update = _update(engine, path, pub, version, server.address, verify)
+                    if phase == "first_token":
+                        got = asyncio.run(first_token(engine, update, published_at, prompt, args, banned))
+                        g = got.pop("sample")
+                        ids = prompt + list(g.token_ids)
+                        ref = scored(trainer, ids, len(prompt), banned)
+                        got["max_logprob_diff"] = max(abs(a - b) for a, b in zip(g.logprobs, ref))
                     else:
-                        async def update() -> int:
-                            return await engine.receive_weights(server.address, version)
-                    return t1 - t0, t1, update()
-
-                row = asyncio.run(one_version(engine, load, prompt, args, banned))
-                g = row.pop("sample")
-                ids = prompt + list(g.token_ids)
-                ref = scored(trainer, ids, len(prompt), banned)
-                row["max_logprob_diff"] = max(abs(a - b) for a, b in zip(g.logprobs, ref))
+                        got = asyncio.run(in_flight(engine, update, prompt, args, banned))
+                    row.update(got)
                 rows[path].append(row)
     finally:
         server.close()
         engine.close()
     out: dict[str, Any] = {"params": num_params, "layers": size.num_layers, "hidden": size.hidden_size}
     for path, rs in rows.items():
-        out[path] = {k: statistics.median(r[k] for r in rs) for k in ("publish_s", "to_first_token_s", "bytes",
-                                                                        "stall_s")}
+        out[path] = {k: statistics.median(r[k] for r in rs) for k in ("publish_s", "to_first_token_s", "update_s",
+                                                                        "receive_s", "bytes", "stall_s")}
         out[path]["max_logprob_diff"] = max(r["max_logprob_diff"] for r in rs)
         out[path]["in_flight"] = min(r["in_flight"] for r in rs)
         out[path]["kept"] = all(r["kept"] for r in rs)
-    out["files_over_transfer"] = {k: out["files"][k] / out["transfer"][k]
-                                  for k in ("to_first_token_s", "stall_s") if out["transfer"][k] > 0}
+        out[path]["versions_split"] = min(r["versions_split"] for r in rs)
+    out["over_transfer"] = {f"{path}/transfer": {k: out[path][k] / out["transfer"][k] for k in
+                                                 ("to_first_token_s", "update_s", "stall_s") if out["transfer"][k] > 0}
+                            for path in PATHS if path != "transfer"}
     return out
 
 
@@ -192,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             res = bench_size(params, args, work)
             results.append(res)
             print(json.dumps(res), flush=True)
-    print(json.dumps({"ratios": {str(r["params"]): r["files_over_transfer"] for r in results}}))
+    print(json.dumps({"ratios": {str(r["params"]): r["over_transfer"] for r in results}}))
     return 0
 
 

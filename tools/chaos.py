@@ -634,7 +634,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           what=f"SIGSTOP of a rollout rank for {STOP_HOLD_S:.0f} s (heartbeat timeout 10 s), then SIGCONT"),
     Fault("weights_truncate", _truncate_weights, sets=("trainer.weight_sync=files",),
           what="the newest weights file truncated as it appears (engines reading files)"),
-    Fault("weights_server_hang", _hang_weight_server, min_steps=15,
+    Fault("weights_server_hang", _hang_weight_server, sets=("trainer.weight_sync=transfer",), min_steps=15,
           what=f"the weight server unreachable (a listener that never answers) for {HOLE_S:.0f} s"),
     Fault("store_lock", _lock_store, what=f"store write lock held {LOCK_HOLD_S:.0f} s by an outside connection"),
     Fault("disk_full", _fill_disk, setup=_mount_tmpfs, what=f"run directory's tmpfs full for {DISK_FULL_S:.0f} s"),

@@ -78,12 +78,12 @@ class TrainerConfig:
     keep_versions: int = option(3, ge=1, help="Weight versions kept in weights/ (older ones are deleted).")
     checkpoint_every: int = option(5, ge=1, help="Checkpoint optimizer state every M steps.")
     keep_checkpoints: int = option(2, ge=1, help="Optimizer checkpoints kept in ckpt/ (older ones are deleted).")
-    weight_sync: Literal["transfer", "files"] = option(
-        "transfer",
-        help="How the rollout engines get each version: `transfer` (pulled from the trainer leader's memory through "
-        "vLLM's weight-transfer API, in buckets checked as they arrive; an engine that cannot reach it loads the "
-        "files) or `files` (each engine verifies and reads weights/vN). The trainer writes weights/vN either way: "
-        "checkpoints, resumed runs and ranks that join late read it.",
+    weight_sync: Literal["files", "transfer"] = option(
+        "files",
+        help="How the rollout engines get each version: `files` (each engine checks weights/vN against its SHA256SUMS "
+        "and reads it) or `transfer` (pulled from the trainer leader's memory through vLLM's weight-transfer API, in "
+        "buckets checked as they arrive; an engine that cannot reach it reads the files). The trainer writes "
+        "weights/vN either way. Measured on one CPU host, the transfer is not faster yet (docs/trainer.md).",
     )
     backend: str = option(
         "torch",

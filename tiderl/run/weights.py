@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,9 +132,29 @@ def stager(ctx: RankContext) -> Callable[[int, Mapping[str, torch.Tensor]], None
             atomic_write_text(ctx.paths.weight_server, json.dumps({"address": ctx.weight_server.address,
                                                                    "rank": ctx.rank, "pid": os.getpid()}))
             log.info("rank %d: weight server at %s", ctx.rank, ctx.weight_server.address)
-        ctx.weight_server.stage(version, state.items(), wire_dtype(ctx))
+        ctx.weight_server.stage(version, _as_published(ctx.paths.weights_version(version), state), wire_dtype(ctx))
 
     return stage
+
+
+def _as_published(directory: Path, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the version just written to `directory`, by the names its files use: the trainer's own
+    where they are the same (the common case), else read back from the files (a model whose
+    `save_pretrained` renames its weights), so the engines get what a file reload would give them."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    names: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.update(dict.fromkeys(sf.keys(), f))
+    if names.keys() <= state.keys():
+        yield from ((n, t) for n, t in state.items() if n in names)
+        return
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for n in sf.keys():
+                yield n, sf.get_tensor(n)
 
 
 def commit_served(ctx: RankContext, version: int) -> None:

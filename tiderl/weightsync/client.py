@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tiderl.weightsync.wire import BucketLayout, TransferError, unpack, version_digest
+from tiderl.weightsync.wire import BucketLayout, TransferError, check, unpack, version_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +65,19 @@ class WeightClient:
             raise TransferError(f"weight server {self.address}: {header['error']}")
         layouts = [BucketLayout.from_json(b) for b in header["buckets"]]
         tensors: list[tuple[str, torch.Tensor]] = []
-        for i, layout in enumerate(layouts):
-            data = torch.empty(layout.nbytes, dtype=torch.uint8)
-            try:
-                self._pg.recv([data], 0, i).wait()
-            except RuntimeError as e:
-                raise TransferError(f"weight server {self.address}: v{header['version']} bucket {i + 1} of "
-                                    f"{len(layouts)} not received: {e}") from e
-            tensors += unpack(data, layout)
+        with ThreadPoolExecutor(max_workers=1) as checker:  # bucket i checked while i + 1 arrives
+            checks = []
+            for i, layout in enumerate(layouts):
+                data = torch.empty(layout.nbytes, dtype=torch.uint8)
+                try:
+                    self._pg.recv([data], 0, i).wait()
+                except RuntimeError as e:
+                    raise TransferError(f"weight server {self.address}: v{header['version']} bucket {i + 1} of "
+                                        f"{len(layouts)} not received: {e}") from e
+                checks.append(checker.submit(check, data, layout))
+                tensors += unpack(data, layout, checked=True)
+            for c in checks:
+                c.result()  # raises TransferError for a damaged bucket
         digest = version_digest(layouts)
         if digest != header["digest"]:
             raise TransferError(f"weights v{header['version']}: the layout's digest {digest[:12]} is not the "

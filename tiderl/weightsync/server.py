@@ -86,7 +86,7 @@ class WeightServer:
               ) -> Staged:
         """Pack `version` (servable after :meth:`commit`); returns what was staged. A tensor that shares its
         storage with one before it (a tied output layer: the engine loads the embedding) is sent once."""
-        buckets = list(pack(_distinct(tensors), dtype, self.bucket_bytes))
+        buckets = pack(_distinct(tensors), dtype, self.bucket_bytes)
         staged = Staged(version, buckets, version_digest(b.layout for b in buckets))
         with self._cond:
             self._pending = {v: s for v, s in self._pending.items() if v > version} | {version: staged}

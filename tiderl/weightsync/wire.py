@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +70,21 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def pack(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-         bucket_bytes: int = BUCKET_BYTES) -> Iterator[Bucket]:
+         bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
     """The tensors in buckets of about `bucket_bytes`, floating-point ones cast to `dtype` (None: as
-    they are), in the order given. Each bucket is a fresh host buffer with its CRC32."""
+    they are), in the order given. Each bucket is a fresh host buffer with its CRC32, computed on a
+    thread while the next bucket is packed."""
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        packed = [(data, slots, pool.submit(crc32, data)) for data, slots in _packed(tensors, dtype, bucket_bytes)]
+        return [Bucket(data, BucketLayout(data.numel(), crc.result(), slots)) for data, slots, crc in packed]
+
+
+def _packed(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+            bucket_bytes: int) -> Iterator[tuple[torch.Tensor, tuple[Slot, ...]]]:
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
 
-    def flush() -> Bucket:
+    def flush() -> tuple[torch.Tensor, tuple[Slot, ...]]:
         data = torch.empty(size, dtype=torch.uint8)
         slots, offset = [], 0
         for name, t in pending:
@@ -83,7 +93,7 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None 
                 data[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
             slots.append(Slot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
             offset += n
-        return Bucket(data, BucketLayout(size, crc32(data), tuple(slots)))
+        return data, tuple(slots)
 
     for name, tensor in tensors:
         t = tensor.detach()
@@ -100,15 +110,20 @@ def pack(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None 
         yield flush()
 
 
-def unpack(data: torch.Tensor, layout: BucketLayout, *, check: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a received bucket (views into `data`); with `check`, its CRC32 first."""
+def check(data: torch.Tensor, layout: BucketLayout) -> None:
+    """Raise TransferError where a received bucket is not the one its layout describes."""
     if data.numel() != layout.nbytes:
         raise TransferError(f"a bucket of {data.numel()} bytes, its layout says {layout.nbytes}")
-    if check:
-        got = crc32(data)
-        if got != layout.crc32:
-            raise TransferError(f"a bucket of {layout.nbytes} bytes ({layout.slots[0].name}...) does not match "
-                                f"its CRC32 ({got:08x}, sent {layout.crc32:08x})")
+    got = crc32(data)
+    if got != layout.crc32:
+        raise TransferError(f"a bucket of {layout.nbytes} bytes ({layout.slots[0].name}...) does not match "
+                            f"its CRC32 ({got:08x}, sent {layout.crc32:08x})")
+
+
+def unpack(data: torch.Tensor, layout: BucketLayout, *, checked: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a received bucket (views into `data`), its CRC32 checked first unless `checked`."""
+    if not checked:
+        check(data, layout)
     out = []
     for s in layout.slots:
         chunk = data[s.offset:s.offset + s.nbytes]
