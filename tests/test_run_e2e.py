@@ -42,7 +42,9 @@ def test_bad_config_exits_2_and_creates_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("system", ["sync", "async", "stream", "tiderl"])
 def test_short_run_per_system(tmp_path: Path, system: str) -> None:
     run_dir = tmp_path / "run"
-    run_job(run_dir, SHORT + [f"system={system}"])
+    # tiderl's run takes its weights by transfer (trainer.weight_sync), the others read the files.
+    transfer = system == "tiderl"
+    run_job(run_dir, SHORT + [f"system={system}"] + (["trainer.weight_sync=transfer"] if transfer else []))
     status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
     assert status["state"] == "finished" and status["version"] == 3
     assert {"rwt_s", "twt_s", "goodput_tok_s", "ranks", "steps"} <= set(status)
@@ -56,9 +58,12 @@ def test_short_run_per_system(tmp_path: Path, system: str) -> None:
     db = sqlite3.connect(run_dir / "run.db")
     try:
         on_policy = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_on_policy'")]
+        paths = {name for (name,) in db.execute("SELECT DISTINCT name FROM metrics WHERE name LIKE 'weights_%_stall_s'")}
+        fell_back = db.execute("SELECT count(*) FROM events WHERE kind = 'weights_transfer_failed'").fetchone()[0]
     finally:
         db.close()
     assert on_policy and max(on_policy) <= 1e-4, on_policy
+    assert paths == {"weights_transfer_stall_s" if transfer else "weights_files_stall_s"} and not fell_back, paths
 
 
 @pytest.mark.slow
