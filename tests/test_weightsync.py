@@ -102,3 +102,16 @@ def test_a_closed_server_is_a_clear_error_not_a_hang() -> None:
     assert time.monotonic() - t0 < 20
     with pytest.raises(TransferError, match="not host:port"):
         WeightClient("nowhere")
+
+
+def test_a_server_that_accepts_and_never_answers_costs_only_the_connect_timeout() -> None:
+    import socket
+
+    hole = socket.create_server(("127.0.0.1", 0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="cannot reach the weight server"):
+            WeightClient(f"127.0.0.1:{hole.getsockname()[1]}", timeout_s=300, connect_timeout_s=2)
+        assert time.monotonic() - t0 < 30
+    finally:
+        hole.close()

@@ -8,11 +8,13 @@ Nothing is handed to the model before the whole version is here and checked, so 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,22 +34,25 @@ class Received:
 class WeightClient:
     """One connection to a weight server (`address` ``host:port``), kept for every later version."""
 
-    def __init__(self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 15.0,
+                 header_timeout_s: float = 60.0) -> None:
+        """`connect_timeout_s` bounds everything before the data group exists (a server that hangs costs no
+        more), `header_timeout_s` each wait for a version's layout (the server waits up to its commit_wait_s),
+        `timeout_s` the buckets."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise TransferError(f"weight server address {address!r} is not host:port")
         self.address = address
         timeout = timedelta(seconds=timeout_s)
         try:
-            self._store = dist.TCPStore(host, int(port), is_master=False,
-                                        timeout=timedelta(seconds=min(timeout_s, connect_timeout_s)))
-            self._store.set_timeout(timeout)
+            self._store = _connect(host, int(port), timedelta(seconds=min(timeout_s, connect_timeout_s)))
             self.id = self._store.add("clients", 1)
             self._store.set(f"hello/{self.id}", "1")
             prefix = f"c{self.id}/"
             self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", self._store), 1, 2, timeout)
         except (RuntimeError, OSError) as e:  # torch's store and gloo errors are RuntimeErrors
             raise TransferError(f"cannot reach the weight server at {address}: {e}") from e
+        self._store.set_timeout(timedelta(seconds=header_timeout_s))
         self._prefix = prefix
         self._seq = 0
 
@@ -93,3 +98,22 @@ class WeightClient:
     def close(self) -> None:
         self._pg = None  # type: ignore[assignment]
         self._store = None  # type: ignore[assignment]
+
+
+def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore client, or TransferError within `timeout`: torch's client waits for ever on a listener that
+    accepts and never answers (a hung server), so it connects on a thread of its own (left behind if it hangs)."""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except (RuntimeError, OSError) as e:
+            box["error"] = e
+
+    t = threading.Thread(target=connect, name="weights-connect", daemon=True)
+    t.start()
+    t.join(timeout.total_seconds() + 1.0)
+    if "store" in box:
+        return box["store"]
+    raise TransferError(str(box.get("error", f"no answer within {timeout.total_seconds():.0f} s")))

@@ -69,7 +69,7 @@ class WeightServer:
         self.commit_wait_s = commit_wait_s
         self.bucket_bytes = bucket_bytes
         self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self.address = f"{host or socket.gethostname()}:{self._store.port}"
+        self.address = f"{host or _reachable_name()}:{self._store.port}"
         self._cond = threading.Condition()
         self._pending: dict[int, Staged] = {}
         self._committed: Staged | None = None
@@ -207,3 +207,15 @@ def _distinct(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str
             continue
         seen.add(key)
         yield name, t
+
+
+def _reachable_name() -> str:
+    """This host's name for the engines (other nodes resolve it), or the loopback address where it does not
+    resolve even here."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        log.warning("host name %r does not resolve: the weight server is reachable on this host only", name)
+        return "127.0.0.1"
+    return name
