@@ -158,12 +158,10 @@ def _as_published(directory: Path, state: Mapping[str, torch.Tensor]) -> Iterato
 
 
 def commit_served(ctx: RankContext, version: int) -> None:
-    """The version row of `version` is committed: the leader's server gives it from now on."""
+    """The version row of `version` is committed: the leader's server gives it from now on. A leader with a
+    server staged the version it just published (`stager`), so a version it lacks is an error."""
     if ctx.weight_server is not None:
-        try:
-            ctx.weight_server.commit(version)
-        except KeyError:  # not staged here (published before this rank's server started)
-            pass
+        ctx.weight_server.commit(version)
 
 
 def close_weight_server(ctx: RankContext) -> None:
