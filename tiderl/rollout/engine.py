@@ -163,3 +163,10 @@ class WeightsUpdate:
 class WeightsNotReceived(EngineError):
     """A weights transfer that loaded nothing (no server, no such version, a broken connection): the
     engine keeps its weights; the rank loads the version's files instead."""
+
+
+def engine_dtype(name: str, *, cpu: bool) -> str:
+    """The dtype an engine holds for `rollout.dtype` `name`: `auto` is fp32 on a CPU, bf16 on a GPU."""
+    if name == "auto":
+        return "float32" if cpu else "bfloat16"
+    return name

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tiderl.envs.images import PngImage
 from tiderl.rollout.chat import ImageTokens
 from tiderl.rollout.engine import (Engine, EngineError, EngineStats, Generation, SamplingSpec, WeightsNotReceived,
-                                   WeightsUpdate)
+                                   WeightsUpdate, engine_dtype)
 from tiderl.rollout.vllm_worker import checkpoint_tensors
 
 if TYPE_CHECKING:
@@ -97,8 +97,7 @@ class VllmEngine(Engine):
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
-        if dtype == "auto":
-            dtype = "float32" if cpu else "bfloat16"
+        dtype = engine_dtype(dtype, cpu=cpu)
         try:
             self._llm = LLM(
                 model=str(model_dir),

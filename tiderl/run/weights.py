@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tiderl.paths import atomic_write_text, version_dir
-from tiderl.rollout.engine import Engine, EngineError
+from tiderl.rollout.engine import Engine, EngineError, engine_dtype
 from tiderl.store.runstore import RunStore
 from tiderl.trainer.publish import ChecksumError, verify
 
@@ -112,10 +112,7 @@ def wire_dtype(ctx: RankContext) -> torch.dtype:
     """The dtype the engines hold (`rollout.dtype`; `auto`: bf16 with CUDA, fp32 on a CPU, as the engine)."""
     import torch
 
-    name = ctx.config.rollout.dtype
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
+    return getattr(torch, engine_dtype(ctx.config.rollout.dtype, cpu=not torch.cuda.is_available()))
 
 
 def stager(ctx: RankContext) -> Callable[[int, Mapping[str, torch.Tensor]], None] | None:
