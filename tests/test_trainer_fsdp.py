@@ -2,8 +2,10 @@
 
 One step from the same weights on the same micro-batches gives the same weights whichever rank trains
 which micro-batch: split 2-2, 3-1 and 0-2 (the rank with fewer runs zero-loss padding passes, the rank
-with none only those), with activation checkpointing on the sharded side; every RA2P mode of a trainer group; and a checkpoint gathered from the shards and
-loaded back continues exactly where the group stopped. Each rank holds half of the actor's state.
+with none only those), with activation checkpointing on the sharded side; every RA2P mode of a trainer group; a checkpoint that
+each rank writes its shards of continues exactly where the group stopped; and the state re-sharded from two
+ranks to one and back (ERS moving an actor) is the same, bit for bit, and trains on as a group that never
+moved. Each rank holds half of the actor's state.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from tiderl.trainer.backend import OptimConfig, make_backend
 from tiderl.trainer.local import LocalGroupJob, SyntheticSource, run_local_group
 from tiderl.trainer.modes import TrainerComm, run_actor_share
 from tiderl.trainer.plan import StepPlan, plan_step
+from tiderl.trainer.publish import Checkpointer
+from tiderl.trainer.state import state_dicts
 from tiderl.trainer.step import LossConfig, StepAccumulator
 from tiderl.trainer.synthetic import make_model_dir, random_samples
 
@@ -78,12 +82,11 @@ def _group_rank(rank: int, base: Path, out: Path, splits: list[tuple[int, tuple[
         norms = []
         for k, (n, assignment) in enumerate(splits):
             if k == checkpoint_after:
-                state = actor.checkpoint_state()
-                if rank == 0:
-                    torch.save(state, out / "ckpt.pt")
-                torch.distributed.barrier()
+                checkpointer = Checkpointer(out / "ckpt", every=1)
+                path = checkpointer.save(actor, step=k, version=k)  # every rank writes its shards
+                assert (path is not None) == (rank == 0)
                 actor = fresh()
-                actor.load_checkpoint_state(torch.load(out / "ckpt.pt", weights_only=True))
+                checkpointer.restore(actor, checkpointer.latest())
             norms.append(_step(actor, ref, comm, _plan(k, n, assignment)))
         weights = actor.full_weights()
         if rank == 0:
@@ -155,3 +158,73 @@ def test_every_ra2p_mode_of_a_sharded_group_gives_the_one_process_step(base: Pat
         assert not (tmp_path / "out" / f"rank1-{mode.value}.pt").exists()  # only the first rank gathers
         assert records[0][mode.value][0]["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-4), mode
         assert (tmp_path / "run" / mode.value / "weights" / "v1").is_dir(), mode
+
+
+def _full_state(actor) -> dict:
+    """The actor's weights and AdamW state, whole, by parameter name (gathered from the shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model, optim = state_dicts(actor.model, actor.optimizer, StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Whole on the first rank, empty elsewhere; copies (unsharded, torch hands out the live tensors).
+    return {"model": {k: v.clone() for k, v in model.items()},
+            "optim": {n: {k: v.clone() for k, v in st.items()} for n, st in optim.get("state", {}).items()}}
+
+
+def _reshard_rank(rank: int, base: Path, out: Path, phase: str, steps: list) -> None:
+    """Both ranks, a group, train `steps` (see _train_phase)."""
+    from tiderl.trainer.group import init_trainer_group, leave_trainer_group
+
+    torch.set_num_threads(1)
+    comm = init_trainer_group(rank, 2, 0, out / f"rendezvous-{phase}")
+    try:
+        _train_phase(rank, base, out, phase, steps, comm)
+    finally:
+        leave_trainer_group()
+
+
+def _train_phase(rank: int, base: Path, out: Path, phase: str, steps: list, comm: TrainerComm) -> None:
+    """Train `steps` from the newest checkpoint in out/ckpt (the base model without one), then checkpoint;
+    the first rank records the whole state it started from and ended with."""
+    checkpointer = Checkpointer(out / "ckpt", every=1)
+    actor = make_backend("fsdp", "actor", base, optim=OPTIM, dp_group=comm.dp_group)
+    ref = make_backend("fsdp", "ref", base)
+    latest = checkpointer.latest()
+    if latest is not None:
+        checkpointer.restore(actor, latest)
+    start = _full_state(actor)
+    for k, (n, assignment) in steps:
+        _step(actor, ref, comm, _plan(k, n, assignment))
+    checkpointer.save(actor, step=steps[-1][0] + 1, version=steps[-1][0] + 1)
+    end, weights = _full_state(actor), actor.full_weights()  # collectives: gathered onto the first rank
+    if rank == 0:
+        torch.save({"start": start, "end": end, "weights": weights}, out / f"{phase}.pt")
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _equal(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_the_state_re_shards_from_two_actors_to_one_and_back_exactly(base: Path, tmp_path: Path) -> None:
+    """ERS moves an actor away after step 0 and back after step 1: the group's checkpoint of its shards is read
+    whole by the lone actor, whose checkpoint is read as shards by the group again."""
+    import torch.multiprocessing as tmp
+
+    lone = [(1, (4, ((0, 1, 2, 3),)))]
+    tmp.spawn(_reshard_rank, args=(base, tmp_path / "moved", "two", [(0, SPLITS[0])]), nprocs=2, join=True)
+    _train_phase(0, base, tmp_path / "moved", "one", lone, TrainerComm(rank=0, actor_ranks=(0,)))
+    tmp.spawn(_reshard_rank, args=(base, tmp_path / "moved", "back", [(2, SPLITS[1])]), nprocs=2, join=True)
+    two, one, back = (torch.load(tmp_path / "moved" / f"{p}.pt", weights_only=True) for p in ("two", "one", "back"))
+    assert one["start"]["optim"] and back["start"]["optim"], "AdamW moments in the checkpoints"
+    _equal(one["start"], two["end"])  # weights and moments, two shards read whole
+    _equal(back["start"], one["end"])  # and whole read as two shards
+    # The steps after the moves within 1e-5 of a group that never moved (one rank summed what two did).
+    tmp.spawn(_reshard_rank, args=(base, tmp_path / "still", "two", [(0, SPLITS[0]), (1, (4, ((0, 1), (2, 3)))),
+                                                                      (2, SPLITS[1])]), nprocs=2, join=True)
+    still = torch.load(tmp_path / "still" / "two.pt", weights_only=True)
+    worst = max(float((back["weights"][k] - still["weights"][k]).abs().max()) for k in still["weights"])
+    assert worst <= 1e-5, worst

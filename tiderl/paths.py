@@ -105,6 +105,13 @@ class RunPaths:
         """Where the trainer leader's weight server listens (`host:port`, JSON), for the rollout ranks."""
         return self.rendezvous / "weight-server.json"
 
+    @property
+    def trainer_layout(self) -> Path:
+        """Which actor ranks (and their processes) trained the newest version, written by its leader when
+        the actor is sharded: the ranks of a new layout wait for those to hand the state over
+        (tiderl.run.handoff)."""
+        return self.rendezvous / "trainer-layout.json"
+
     def weights_version(self, version: int) -> Path:
         return version_dir(self.weights, version)
 

@@ -26,7 +26,8 @@ CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
 
 
-TRAINER_KEYS = ("kl", "clip_frac", "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean",
+TRAINER_KEYS = ("loss", "grad_norm", "lr", "response_tokens_mean", "kl", "clip_frac", "logprob_mismatch_on_policy",
+                "logprob_mismatch_stale", "is_weight_mean",
                 "is_truncated_frac", "staleness_max")
 
 

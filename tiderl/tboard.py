@@ -35,7 +35,8 @@ STEP_SCALARS = {"success_rate": "train/success_rate", "reward_mean": "train/rewa
                 "consumed_tokens": "train/consumed_tokens", "duration_s": "train/step_s", "ras": "train/ras",
                 "tprm_s": "train/tprm_s", "max_staleness": "train/max_staleness",
                 "goodput_tok_s": "throughput/goodput_tok_s"}
-ACTOR_METRICS = ("kl", "clip_frac", "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean", "is_truncated_frac", "staleness_max",
+ACTOR_METRICS = ("loss", "pg_loss", "grad_norm", "lr", "response_tokens_mean", "kl", "clip_frac",
+                 "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean", "is_truncated_frac", "staleness_max",
                  "train_s", "chunks")
 WAITS = ("rwt_s", "twt_s")
 

@@ -11,6 +11,9 @@ tokens (the actor only: no reference model, no KL term). Per rank it reports
 - ``peak_rss_bytes``: the process's peak resident memory (the device is the host here), and
   ``peak_over_import_bytes``: the same less the process's size once torch and transformers are imported;
 - ``step_s``: the median measured step of the group's slowest rank;
+- ``checkpoint_write_s``, ``checkpoint_read_s``, ``checkpoint_bytes``: a checkpoint of the state written and
+  read back, re-sharded (what an ERS hand-off of a sharded actor costs, tiderl.run.handoff), slowest rank;
+  ``catch_up_broadcast_s``: a replicated backend's catch-up of a joining replica (a broadcast);
 - ``plan_bytes``: what the memory plan (tiderl.trainer.memory_plan, `tiderl config`) gives an actor rank at
   these settings, and ``measured_over_plan``: the largest rank's peak over import against it.
 
@@ -143,11 +146,44 @@ def _rank(rank: int, backend: str, args: argparse.Namespace, model_dir: Path, ou
                 dist.barrier()
             times.append(time.perf_counter() - t0)
         peak = _rss_peak()
+        moves = _state_moves(actor, backend, comm, out / f"ckpt-{backend}", args.ranks)
         (out / f"{backend}-rank{rank}.json").write_text(json.dumps({
             "step_s": times[args.warmup:], "state_bytes": state, "peak_rss_bytes": peak,
-            "peak_over_import_bytes": peak - imported}))
+            "peak_over_import_bytes": peak - imported, **moves}))
     finally:
         leave_trainer_group()
+
+
+def _state_moves(actor: Any, backend: str, comm: Any, ckpt: Path, ranks: int) -> dict[str, float]:
+    """What moving the state costs: a checkpoint written (every rank its shards, or the leader alone for a
+    replica) and read back in place, re-sharded, as an ERS hand-off does (tiderl.run.handoff); for a
+    replicated backend also the catch-up broadcast of a joining replica (ActorRank.catch_up)."""
+    import torch.distributed as dist
+
+    from tiderl.trainer.publish import Checkpointer
+
+    checkpointer = Checkpointer(ckpt, every=1)
+    writers = actor.collective_io or comm is None or comm.rank == 0
+    if comm:
+        dist.barrier()
+    t0 = time.perf_counter()
+    if writers:
+        checkpointer.save(actor, step=1, version=1)
+    if comm:
+        dist.barrier()
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    checkpointer.restore(actor, checkpointer.latest())
+    if comm:
+        dist.barrier()
+    moves = {"checkpoint_write_s": write_s, "checkpoint_read_s": time.perf_counter() - t0,
+             "checkpoint_bytes": sum(f.stat().st_size for f in checkpointer.latest().path.iterdir())}
+    if comm and not actor.collective_io and ranks > 1:
+        t0 = time.perf_counter()
+        actor.take_state_from(0)
+        dist.barrier()
+        moves["catch_up_broadcast_s"] = time.perf_counter() - t0
+    return moves
 
 
 def run_backend(backend: str, args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str, Any]:
@@ -163,7 +199,9 @@ def run_backend(backend: str, args: argparse.Namespace, model_dir: Path, out: Pa
         raise SystemExit(f"bench_trainer: {backend}: rank(s) {failed} failed")
     ranks = [json.loads((out / f"{backend}-rank{r}.json").read_text()) for r in range(args.ranks)]
     steps = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
-    return {"step_s": statistics.median(steps),
+    moves = {k: max(r[k] for r in ranks) for k in ("checkpoint_write_s", "checkpoint_read_s",
+                                                     "catch_up_broadcast_s") if k in ranks[0]}
+    return {"step_s": statistics.median(steps), **moves, "checkpoint_bytes": ranks[0]["checkpoint_bytes"],
             "state_bytes": [r["state_bytes"] for r in ranks],
             "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
             "peak_over_import_bytes": [r["peak_over_import_bytes"] for r in ranks]}

@@ -106,11 +106,6 @@ def check_trainer(job: JobConfig, model_config: Any = None) -> None:
             getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(source, BACKEND_KEY, f"{name}: {target} cannot be loaded: {type(e).__name__}: {e}") from None
-    if name == "fsdp" and job.ers.elastic_actors:
-        # A group that ERS changes would rebuild the sharded actor from the last optimizer checkpoint: its
-        # moments would not be the step's. Re-sharding the state onto the new group is to come.
-        raise ConfigError(source, BACKEND_KEY, "fsdp: the sharded actor's group is fixed for now: set "
-                                               "ers.elastic_actors: false, or trainer.backend: torch")
     if name not in ("torch", "fsdp") or model_config is None:
         return
     from transformers.models.auto import modeling_auto

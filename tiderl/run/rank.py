@@ -44,6 +44,7 @@ async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
 
 async def serve(ctx: RankContext) -> None:
     from tiderl.run.rollout_role import rank_engine, run_rollout
+    from tiderl.run.handoff import hand_off
     from tiderl.run.trainer_role import release_trainer_group, run_actor_step, run_ref_step
 
     version = ctx.position()
@@ -51,6 +52,7 @@ async def serve(ctx: RankContext) -> None:
     ctx.store.register_rank(ctx.rank, plan.roles[ctx.rank])
     previous: Role | None = None
     while True:
+        hand_off(ctx, plan)  # a sharded actor's state that the step trains in another layout is checked in
         role = plan.roles[ctx.rank]
         if role is not previous:
             log.info("rank %d: role %s from version %d", ctx.rank, role.value, plan.version)

@@ -41,7 +41,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from tiderl.paths import atomic_write_text, when_room
+from tiderl.paths import atomic_write_text, checkpoint_steps_in, when_room
+from tiderl.run import handoff
 from tiderl.run.bell import SLICE_S
 from tiderl.run.context import RankContext
 from tiderl.run.trainer_gather import DataWait, StepGather
@@ -63,10 +64,9 @@ def _discard_uncommitted(ctx: RankContext, version: int) -> None:
     for v in ctx.paths.weight_versions():
         if v > version:
             shutil.rmtree(ctx.paths.weights_version(v), ignore_errors=True)
-    if ctx.paths.ckpt.is_dir():
-        for d in ctx.paths.ckpt.iterdir():
-            if d.name.startswith("step") and d.name[4:].isdigit() and int(d.name[4:]) > version:
-                shutil.rmtree(d, ignore_errors=True)
+    for step in checkpoint_steps_in(ctx.paths.ckpt):
+        if step > version:
+            shutil.rmtree(ctx.paths.checkpoint(step), ignore_errors=True)
 
 
 def _sharded(ctx: RankContext, actors: list[int]) -> bool:
@@ -81,7 +81,7 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: Trainer
     `comm`'s data-parallel group: one built in another group is dropped (its shards went with that group)
     and every member builds anew from the newest published version and optimizer checkpoint."""
     if comm is not None and ctx.actor is not None and ctx.actor.comm is not comm:
-        _drop_actor(ctx)
+        drop_actor(ctx)
     if ctx.actor is None:
         import torch
 
@@ -93,6 +93,8 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: Trainer
         torch.manual_seed(ctx.config.seed)
         if leader:  # the only rank that writes weights and checkpoints
             _discard_uncommitted(ctx, version)
+        if handoff.sharded_backend(ctx):  # the ranks that held the state of another layout check it in
+            handoff.await_handoff(ctx, version, timeout_s=ctx.config.launch.heartbeat_timeout_s * 4)
         actor = ActorRank(ctx.config.trainer, comm or TrainerComm(rank=0, actor_ranks=(0,)), base_model=ctx.model_dir,
                           weights_root=ctx.paths.weights, ckpt_root=ctx.paths.ckpt, with_ref=True,
                           disk_full_wait_s=ctx.config.store.disk_full_wait_s,
@@ -108,7 +110,7 @@ def _actor(ctx: RankContext, version: int, *, leader: bool = True, comm: Trainer
     return ctx.actor
 
 
-def _drop_actor(ctx: RankContext) -> None:
+def drop_actor(ctx: RankContext) -> None:
     """Free this rank's actor (and its accelerator memory) before another is built."""
     import gc
 
@@ -196,13 +198,20 @@ async def run_actor_step(ctx: RankContext, plan: PlanRecord) -> None:
                            checksum=result.published.checksum, trajectory_ids=[t.id for t in claimed],
                            step_started_at=started, duration_s=time.time() - started, ras=ras, tprm_s=tprm,
                            ra2p_mode=mode, loss=stats.loss)
+    handoff.record_holders(ctx, plan.version + 1, actors, ctx.store.trainer_generation().number)
     ctx.store.publish_version(record, owner=ctx.rank)
     weights.commit_served(ctx, plan.version + 1)  # engines may take it without files from now on
     ctx.bell("published").ring()  # the control plane plans the next version now, not at its next tick
     from tiderl.trainer.step import MISMATCH_KEYS
 
     v = plan.version
-    metrics = [waited, MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
+    from tiderl.trainer.rank import lr_at
+
+    metrics = [waited, MetricPoint("loss", stats.loss, v, "actor"), MetricPoint("pg_loss", stats.pg_loss, v, "actor"),
+               MetricPoint("grad_norm", stats.grad_norm, v, "actor"),
+               MetricPoint("lr", lr_at(ctx.config.trainer, v), v, "actor"),
+               MetricPoint("response_tokens_mean", stats.num_tokens / max(stats.num_sequences, 1), v, "actor"),
+               MetricPoint("kl", stats.kl, v, "actor"), MetricPoint("clip_frac", stats.clip_frac, v, "actor"),
                *(MetricPoint(n, getattr(stats, n), v, "actor") for n in MISMATCH_KEYS if not math.isnan(getattr(stats, n))),
                MetricPoint("is_weight_mean", stats.is_weight_mean, v, "actor"),
                MetricPoint("is_truncated_frac", stats.is_truncated_frac, v, "actor"),
@@ -344,7 +353,7 @@ def release_trainer_group(ctx: RankContext) -> None:
 
         ctx.trainer_group = None
         if ctx.actor is not None and ctx.actor.actor.collective_io and ctx.actor.comm.dp_group is not None:
-            _drop_actor(ctx)  # its shards are of this group's state: useless without the group
+            drop_actor(ctx)  # its shards are of this group's state: useless without the group
         leave_trainer_group()
 
 

@@ -78,8 +78,9 @@ class ActorBackend(SwappableModel):
     """Whether every rank of the data-parallel group must run the same number of forward and backward
     passes in a step (a sharded backend's collectives run inside them; tiderl.trainer.modes pads)."""
     collective_io: bool = False
-    """Whether :meth:`save_weights` and :meth:`checkpoint_state` are collectives over the group: every
-    rank calls them, the group's first rank writes (a sharded backend gathers the full state)."""
+    """Whether :meth:`save_weights`, :meth:`full_weights` and the checkpoints are collectives over the group:
+    every rank calls them (a sharded backend gathers the full weights onto the group's first rank, and every
+    rank writes its shards of a checkpoint)."""
 
     @abstractmethod
     def forward(self, mb: MicroBatch) -> torch.Tensor:
@@ -107,13 +108,25 @@ class ActorBackend(SwappableModel):
         """The full weights by parameter name (for a :attr:`collective_io` backend a collective: the group's
         first rank gets them, the others an empty dict)."""
 
-    @abstractmethod
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything needed to resume training: weights and optimizer state."""
+    @property
+    def checkpoint_group(self) -> Any:
+        """The process group a checkpoint is written and read over (None: this rank alone)."""
+        return None
 
     @abstractmethod
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`checkpoint_state` returned; a missing key is left as it is."""
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write weights and optimizer state into `directory` as a DCP checkpoint (tiderl.trainer.state): for
+        a :attr:`collective_io` backend every rank of the group writes its shards into the same directory."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path, *, weights: bool = True) -> None:
+        """Read a DCP checkpoint whichever ranks wrote it (re-sharded onto this actor's group; collective for
+        a :attr:`collective_io` backend). `weights=False`: the optimizer state only."""
+
+    @abstractmethod
+    def take_state_from(self, src: int) -> None:
+        """Collective over the data-parallel group: this rank's weights and optimizer state become global
+        rank `src`'s (a replica that joined the group catches up)."""
 
 
 def make_backend(name: str, role: str, model_path: str | Path, **options: Any) -> RefBackend | ActorBackend:

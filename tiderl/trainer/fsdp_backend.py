@@ -16,9 +16,10 @@ replicated ``torch`` backend holds (tools/bench_trainer.py measures both).
   the shares are even (``lockstep``, tiderl.trainer.modes).
 - Activation checkpointing (transformers' gradient checkpointing, non-reentrant) recomputes each layer in
   the backward instead of keeping its activations (``activation_checkpointing``).
-- Publishing and checkpoints are collectives (``collective_io``): the full weights and optimizer state are
-  gathered onto the group's first rank (in host memory), which writes them; a retry of the write after a
-  full disk reuses what was gathered.
+- Publishing and checkpoints are collectives (``collective_io``). Publishing gathers the full weights onto
+  the group's first rank (in host memory), which writes them; a retry of the write after a full disk reuses
+  what was gathered. A checkpoint is DCP's (tiderl.trainer.state): every rank writes its own shards, and a
+  read re-shards onto the group that reads it, whatever its size.
 - The reference model is frozen and replicated (2 or 4 bytes a parameter, no gradients or moments).
 
 Without a group (one actor) nothing is sharded: the model computes in the same precision on one rank.
@@ -32,11 +33,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tiderl.trainer import state
 from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer.torch_backend import (HostSwap, TorchRef, _banned, _load, _logprobs, autocast, compute_dtype,
@@ -178,18 +179,25 @@ class FsdpActor(ActorBackend):
                 raise ValueError("fsdp backend: the group's first rank writes the weights: it needs a directory")
             self.model.save_pretrained(directory, state_dict=state)
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Full weights and optimizer state (keyed by parameter name) on the group's first rank, {} on the
-        others. Collective."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model, optim = self._gather("checkpoint", lambda: get_state_dict(self.model, self.optimizer, options=options))
-        return {"model": model, "optimizer": optim} if self._writes() else {}
+    @property
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The group a checkpoint is written and read over (None: this rank alone, unsharded)."""
+        return self._group
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Every rank passes the same full state (each read the checkpoint's files); each keeps its shards."""
-        options = StateDictOptions(full_state_dict=True, strict="model" in state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state.get("model", {}),
-                       optim_state_dict=state.get("optimizer", {}), options=options)
+    def save_checkpoint(self, directory: Path) -> None:
+        """Every rank of the group writes its shards of the weights and AdamW moments into `directory`
+        (tiderl.trainer.state: DCP, nothing gathered). Collective."""
+        if not self.is_resident:
+            raise RuntimeError("actor model is offloaded; onload() it before a checkpoint")
+        state.save(self.model, self.optimizer, directory, self._group)
+
+    def load_checkpoint(self, directory: Path, *, weights: bool = True) -> None:
+        """Read a checkpoint whatever group wrote it, re-sharded onto this one. Collective."""
+        state.load(self.model, self.optimizer, directory, self._group, weights=weights)
+
+    def take_state_from(self, src: int) -> None:
+        raise RuntimeError("fsdp backend: a sharded actor's state is not a replica to broadcast; every member "
+                           "of the group builds from the same published version and checkpoint")
 
 
 def make(role: str, model_path: Path, *, device: str = "cpu", optim: OptimConfig | None = None,

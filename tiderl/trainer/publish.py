@@ -6,9 +6,10 @@ weights, the tokenizer files of the base model, and ``SHA256SUMS`` (one
 and renamed into place with ``os.replace``, so a reader sees either no
 ``vN`` or a complete one. Only the last ``keep_versions`` versions stay.
 
-A checkpoint (``ckpt/stepN/``: weights + optimizer state + trainer state) is
-written the same way every ``checkpoint_every`` steps; resuming loads the
-newest complete one.
+A checkpoint (``ckpt/stepN/``: weights and optimizer state as a DCP directory,
+each rank of a sharded actor writing its own shards, plus the trainer state) is
+committed the same way every ``checkpoint_every`` steps; resuming loads the
+newest complete one, re-sharded onto whichever actor ranks read it.
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed as dist
 
 from tiderl.paths import checkpoint_dir, checkpoint_steps_in, version_dir, weight_versions_in, when_room
 from tiderl.trainer.backend import ActorBackend
 
 CHECKSUM_FILE = "SHA256SUMS"
 TRAINER_STATE = "trainer_state.json"
-OPTIMIZER_STATE = "optimizer.pt"
-MODEL_STATE = "model.pt"
 # Files of a model directory that are weights or config (written by the backend), not tokenizer.
 _MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|.*\.safetensors\.index\.json|"
                           r".*\.bin|" + CHECKSUM_FILE + r"|tiderl-model\.json)$")
@@ -170,7 +169,8 @@ class Checkpoint:
 
 
 class Checkpointer:
-    """Optimizer checkpoints in ``ckpt/step{N}/``: every ``every`` steps, the newest ``keep`` kept."""
+    """Checkpoints in ``ckpt/step{N}/``: every ``every`` steps, the newest ``keep`` kept. Each is a DCP
+    directory (tiderl.trainer.state) with the trainer state and checksums beside it."""
 
     def __init__(self, ckpt_root: Path, every: int, keep: int = 2, disk_full_wait_s: float = 0.0) -> None:
         if every < 1 or keep < 1:
@@ -183,28 +183,42 @@ class Checkpointer:
     def is_due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None = None) -> Path:
+    def save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None = None) -> Path | None:
         """Write and commit ``step{step}`` (whole or nothing: retried while the disk is full, for up to
-        ``disk_full_wait_s``), then drop all but the newest ``keep``."""
-        final = when_room(lambda: self._save(actor, step, version, extra), wait_s=self.disk_full_wait_s,
+        ``disk_full_wait_s``), then drop all but the newest ``keep``. A collective for a sharded actor: every
+        rank of its group calls it and writes its shards; the group's first rank commits the directory and
+        returns it, the others None."""
+        group = actor.checkpoint_group
+        final = when_room(lambda: self._save(actor, group, step, version, extra), wait_s=self.disk_full_wait_s,
                           what=f"checkpoint step {step} in {self.root}")
-        for old in checkpoint_steps_in(self.root)[: -self.keep]:
-            shutil.rmtree(checkpoint_dir(self.root, old), ignore_errors=True)
+        if final is not None:
+            for old in checkpoint_steps_in(self.root)[: -self.keep]:
+                shutil.rmtree(checkpoint_dir(self.root, old), ignore_errors=True)
+            for tmp in self.root.glob(".step*.tmp-*"):  # of a save that was interrupted (a killed trainer)
+                shutil.rmtree(tmp, ignore_errors=True)
         return final
 
-    def _save(self, actor: ActorBackend, step: int, version: int, extra: dict[str, Any] | None) -> Path:
+    def _save(self, actor: ActorBackend, group: Any, step: int, version: int, extra: dict[str, Any] | None
+              ) -> Path | None:
         final = checkpoint_dir(self.root, step)
-        tmp = _atomic_dir(final)
+        tmp = final.parent / f".{final.name}.tmp-dcp"  # one name for every writer of the group
+        first = group is None or dist.get_rank(group) == 0
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if group is not None:
+            dist.barrier(group=group)  # the directory is there, and empty, before any rank writes
         try:
-            state = actor.checkpoint_state()
-            torch.save(state["model"], tmp / MODEL_STATE)
-            torch.save(state["optimizer"], tmp / OPTIMIZER_STATE)
+            actor.save_checkpoint(tmp)  # DCP: the first rank's metadata last, once every rank has written
+            if not first:
+                return None
             meta = {"step": step, "version": version, "extra": extra or {}}
             (tmp / TRAINER_STATE).write_text(json.dumps(meta, sort_keys=True))
             _write_checksums(tmp)
             _commit_dir(tmp, final)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if first:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
 
@@ -220,15 +234,7 @@ class Checkpointer:
             return Checkpoint(step=meta["step"], version=meta["version"], path=path, extra=meta["extra"])
         return None
 
-    def restore(self, actor: ActorBackend, ckpt: Checkpoint) -> None:
-        """Weights and optimizer state of ``ckpt``."""
-        actor.load_checkpoint_state({
-            "model": torch.load(ckpt.path / MODEL_STATE, map_location="cpu", weights_only=True),
-            "optimizer": torch.load(ckpt.path / OPTIMIZER_STATE, map_location="cpu", weights_only=True),
-        })
-
-    def restore_optimizer(self, actor: ActorBackend, ckpt: Checkpoint) -> None:
-        """Only the optimizer state of ``ckpt`` (the weights come from a published version)."""
-        actor.load_checkpoint_state(
-            {"optimizer": torch.load(ckpt.path / OPTIMIZER_STATE, map_location="cpu", weights_only=True)}
-        )
+    def restore(self, actor: ActorBackend, ckpt: Checkpoint, *, weights: bool = True) -> None:
+        """Weights and optimizer state of ``ckpt``, re-sharded onto the actor's group (a collective with
+        one); ``weights=False``: the optimizer state only (the weights come from a published version)."""
+        actor.load_checkpoint(ckpt.path, weights=weights)

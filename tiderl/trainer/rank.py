@@ -210,7 +210,7 @@ class ActorRank:
         self.checkpointer = Checkpointer(ckpt_root, config.checkpoint_every, config.keep_checkpoints,
                                          disk_full_wait_s=disk_full_wait_s)
         if point.checkpoint is not None:
-            self.checkpointer.restore_optimizer(self.actor, point.checkpoint)
+            self.checkpointer.restore(self.actor, point.checkpoint, weights=False)
         self.publisher = WeightPublisher(weights_root, base_model, config.keep_versions,
                                          disk_full_wait_s=disk_full_wait_s)
         self.steps_done = 0
@@ -251,14 +251,19 @@ class ActorRank:
         best = states[sources[0]]
         if all(st == best for st in states):
             return False
-        src = dist.get_global_rank(group, sources[0])
-        box = [self.actor.checkpoint_state() if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src, group=group)
+        self.actor.take_state_from(dist.get_global_rank(group, sources[0]))  # tensor by tensor, nothing pickled
         if (self.version, self.exact) == best:
             return False
-        self.actor.load_checkpoint_state(box[0])
         self.version, self.exact = best  # type: ignore[misc]
         return True
+
+    def hand_off(self) -> Path | None:
+        """Checkpoint the state this rank holds, now, for the actor ranks that train the next step in another
+        layout (ERS moved actors, or a ref rank joined or left the group): they read it re-sharded onto their
+        own group. Every rank the state is sharded over calls it (a collective); the group's first rank
+        returns the checkpoint's path."""
+        return self.checkpointer.save(self.actor, step=self.version, version=self.version,
+                                      extra={"handoff": True})
 
     def train_step(self, inp: StepInput) -> PublishedStep | StepStats:
         """Train one step; the leader publishes and returns a PublishedStep, the others their StepStats."""
@@ -329,7 +334,7 @@ class ActorRank:
             if self.actor.collective_io:  # a sharded actor: this rank's shards take part in what the leader writes
                 self.actor.save_weights(None)
                 if self.checkpointer.is_due(self.version):
-                    self.actor.checkpoint_state()
+                    self.checkpointer.save(self.actor, step=self.version, version=self.version)
             return stats
         published = self.publisher.publish(self.actor, self.version)
         if self.stage is not None:  # the weights just written (a sharded actor's gather is held for the step)

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats, RefBackend
 from tiderl.trainer.batch import MicroBatch
+from tiderl.trainer import state
 from tiderl.trainer.grpo import token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -257,14 +258,16 @@ class TorchActor(ActorBackend):
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+    def save_checkpoint(self, directory: Path) -> None:
+        state.save(self.model, self.optimizer, directory, None)  # a replica: the leader's alone
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        if "model" in state:
-            self.model.load_state_dict(state["model"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+    def load_checkpoint(self, directory: Path, *, weights: bool = True) -> None:
+        state.load(self.model, self.optimizer, directory, None, weights=weights)
+
+    def take_state_from(self, src: int) -> None:
+        if self.dp_group is None:
+            raise RuntimeError("actor: no data-parallel group to take the state from")
+        state.broadcast(self.model, self.optimizer, src, self.dp_group, self.device)
 
 
 def make(
