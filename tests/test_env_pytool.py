@@ -80,7 +80,7 @@ def test_without_bwrap_code_runs_are_refused_unless_the_job_says_unsafe(monkeypa
     assert env.step("```python\nprint(6 * 7)\n```").observation == "exit 0\n42"
 
     async def main() -> None:  # the server answers the refusal as bad options, naming tool and option
-        running = await start_server(ServerOptions(envs=("pytool",)))
+        running = await start_server(ServerOptions(envs=("pytool",), allow_unsafe_sandbox=True))
         try:
             async with EnvClient(running.url) as client:
                 with pytest.raises(EnvBadRequestError, match="bubblewrap.*sandbox: unsafe"):
@@ -114,7 +114,7 @@ def test_hostile_code_never_takes_the_server_down(sandbox_name: str) -> None:
         hostile.append("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
 
     async def main() -> None:
-        running = await start_server(ServerOptions(envs=("pytool", "hilo"), max_workers=8))
+        running = await start_server(ServerOptions(envs=("pytool", "hilo"), max_workers=8, allow_unsafe_sandbox=True))
         try:
             async with EnvClient(running.url) as client:
                 sessions = [

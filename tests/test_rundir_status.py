@@ -30,16 +30,17 @@ def test_create_run_lays_out_the_directory(tmp_path: Path) -> None:
         create_run(cfg, tmp_path / "r")
 
 
-def test_run_files_are_readable_by_the_group(tmp_path: Path) -> None:
-    # A shared cluster: teammates read a run's config and summary; the umask decides, as for any file.
+def test_run_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    # A shared node: a run's config, store and summary are its user's alone (0600), even under umask 027.
     old = os.umask(0o027)
     try:
         paths, _ = create_run(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path / "r")
         atomic_write_text(paths.root / "summary.md", "# run\n")
     finally:
         os.umask(old)
-    assert stat.S_IMODE(paths.config.stat().st_mode) == 0o640
-    assert stat.S_IMODE((paths.root / "summary.md").stat().st_mode) == 0o640
+    assert stat.S_IMODE(paths.config.stat().st_mode) == 0o600
+    assert stat.S_IMODE((paths.root / "summary.md").stat().st_mode) == 0o600
+    assert stat.S_IMODE(paths.root.stat().st_mode) == 0o700
     atomic_write_text(tmp_path / "secret", "token\n", mode=0o600)
     assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
 
@@ -127,7 +128,7 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "run quickstart (tiderl): running" in out
     assert "colocated" in out and "rollout" in out and "tasks pending 2" in out
-    assert "trainer (last step): clip_frac 0.125, logprob_mismatch_on_policy 0.062" in out
+    assert "trainer (last step): clip_frac 0.125, logprob_mismatch_on_policy 0.0625" in out
     assert ("rollout (run so far): admitted 3, paused 1, resumed 1; turns whose context the prefix cache kept 3, "
             "evicted 1; prefix-cache hit rate 0.20; KV usage 0.50; CTB budget 1500 tokens") in out
 

@@ -62,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except Exception as e:
+        # A store damaged (or emptied) under a command that had opened it: one line naming the file and
+        # what to do, as when the damage is found at opening (tiderl.rundir.open_run), not a traceback.
+        from tiderl.store.engine import failure_line
+
+        line = failure_line(e)
+        if line is None:
+            raise
+        print(f"tiderl {args.command}: {line}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
 
 if __name__ == "__main__":

@@ -388,7 +388,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from tiderl.rundir import RunDirError, open_run
 
     try:
-        paths, store = open_run(args.run_dir)
+        paths, store = open_run(args.run_dir, read_only=True)
     except RunDirError as e:
         print(f"tiderl logs: {e}", file=sys.stderr)
         return 2

@@ -166,6 +166,28 @@ def _umask() -> int:
     return 0o022
 
 
+PRIVATE_UMASK = 0o077  # what a run's processes add to their umask: files 0600, directories 0700
+
+
+def use_private_umask() -> None:
+    """From now on this process, and every process it starts, creates files 0600 and directories 0700
+    at most (its umask gains 077): a run's files (the store, logs, weights, checkpoints) are its user's
+    alone on a node shared with others, whatever umask the user runs with."""
+    os.umask(_umask() | PRIVATE_UMASK)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of mode 0700 (made, with its missing parents, if absent; an existing one of
+    this user's is narrowed). Returns `path`."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        if path.stat().st_uid == os.geteuid():
+            path.chmod(0o700)
+    except OSError:
+        pass  # not ours to change (a directory one may only read)
+    return path
+
+
 def when_room(fn: Callable[[], T], *, wait_s: float, what: str, retry_s: float = 1.0,
               sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> T:
     """`fn()`, run again every `retry_s` while it fails for want of space (ENOSPC, EDQUOT), for up to
@@ -193,13 +215,13 @@ def when_room(fn: Callable[[], T], *, wait_s: float, what: str, retry_s: float =
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over `path`.
 
-    The file gets `mode`, by default what a plain `open` would give (0666 less the umask): a run's
-    files are for the team to read on a shared cluster, not 0600 as a temporary file would be.
+    The file gets `mode`, by default 0600 (less the umask): a run's files are its user's alone on a
+    node shared with other users, whatever the umask (see `use_private_umask`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
+        os.fchmod(fd, mode if mode is not None else 0o600 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiderl.rundir import RunDirError
+    from tiderl.rundir import RunDirError, check_base_model
     from tiderl.run.launcher import LaunchError, prepare, run_launch
 
     if args.resume is not None and args.job is not None:
@@ -37,6 +37,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl run: {e}", file=sys.stderr)
         return 2
     if launch.resumed:
+        try:
+            check_base_model(launch.paths, launch.store)
+        except RunDirError as e:
+            launch.store.close()
+            print(f"tiderl run: {e}", file=sys.stderr)
+            return 2
         info = launch.store.run_info()
         if info.state is RunState.FINISHED:
             # Nothing to do, and nothing touched: no process started, no figure rewritten.

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from pathlib import Path
 
 from tiderl.config import ConfigError, JobConfig, dump_job
+from tiderl.config.job import RUN_NAME_RULE, run_name_problem
 from tiderl.envs.base import EnvOptionError
 from tiderl.envs.images import ImageEnvironment
 from tiderl.envs.registry import UnknownEnvError, env_class
-from tiderl.paths import RunPaths, atomic_write_text
+from tiderl.paths import RunPaths, atomic_write_text, private_dir
 from tiderl.rollout.chat import ImageTokens
 from tiderl.store import RunStore, StoreError
-from tiderl.store.engine import StoreCorruptError
+from tiderl.store.engine import NoRunError, StoreCorruptError, corrupt_line
 from tiderl.store.location import POINTER_FILE
 
 
@@ -20,13 +23,42 @@ class RunDirError(RuntimeError):
     """A run directory cannot be created or opened; the message names it."""
 
 
+def check_run_name(name: str, source: str = "job") -> None:
+    """A run's name becomes a directory under `launch.runs_dir` (and a Slurm job name): one plain path
+    component, so that no name can put a run anywhere else. ConfigError naming it otherwise."""
+    problem = run_name_problem(name)
+    if problem:
+        raise ConfigError(source, "name", f"{name!r} {problem}: {RUN_NAME_RULE}")
+
+
 def default_run_dir(config: JobConfig) -> Path:
+    check_run_name(config.name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(config.launch.runs_dir) / f"{config.name}-{stamp}"
 
 
+def make_private(paths: RunPaths) -> None:
+    """The run's own directories 0700 and its top-level files 0600, where this user owns them: what the run
+    directory holds (the store, logs, config, weights, checkpoints, the env token) is its user's alone."""
+    for d in (paths.root, paths.weights, paths.ckpt, paths.logs):
+        if d.is_dir():
+            private_dir(d)
+    for f in (paths.db, paths.db.with_name("run.db-wal"), paths.db.with_name("run.db-shm"), paths.config):
+        try:
+            if f.is_file() and f.stat().st_uid == os.geteuid():
+                f.chmod(0o600)
+        except OSError:
+            pass  # a run directory one may only read: nothing of it is ours to change
+
+
 def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
-    """Make the run directory, save the resolved config, create the run store."""
+    """Make the run directory, save the resolved config, create the run store. Everything is checked
+    first (the run's name, env options, the model, the engine): a bad config creates nothing.
+
+    The run's directories are 0700 and its files 0600 whatever the umask; the processes of the run (the
+    launcher, `tiderl submit`, the control plane, the ranks) take the private umask at their start
+    (`tiderl.paths.use_private_umask`), so what they and their children write later is private too."""
+    check_run_name(config.name)
     _check_env_options(config)
     _check_image_model(config)
     _check_engine(config)
@@ -34,11 +66,13 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     if paths.db.exists() or paths.config.exists():
         raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
     paths.create()
+    make_private(paths)  # a --run-dir that existed already keeps no wider mode
     resolved = dump_job(config)
     atomic_write_text(paths.config, resolved)
     store = RunStore.for_run_dir(paths.root, config.store)
     store.create_schema()
     store.init_run(name=config.name, system=config.system, config_yaml=resolved)
+    make_private(paths)
     return paths, store
 
 
@@ -103,9 +137,47 @@ def open_run(run_dir: Path, *, read_only: bool = False) -> tuple[RunPaths, RunSt
         store.run_info()
     except StoreCorruptError as e:
         store.close()
-        raise RunDirError(f"{store.label if store.sqlite_path is None else paths.db} is corrupt: "
-                          f"{e.__cause__ or e}") from e
+        raise RunDirError(corrupt_line(str(paths.db) if store.sqlite_path is not None else store.label,
+                                       e.detail or str(e))) from e
+    except NoRunError as e:
+        store.close()
+        raise RunDirError(f"{paths.root}: {e}; if no run is being created there, this directory holds no run "
+                          "to open: create the run again in another directory") from e
     except StoreError as e:
         store.close()
         raise RunDirError(f"{paths.root}: {e}") from e
+    if not read_only:
+        make_private(paths)  # a run made before run files were private, or copied in with other modes
     return paths, store
+
+
+def model_checksum(directory: Path) -> str:
+    """SHA-256 over the model's `*.safetensors` files, in name order: the checksum the first launch records
+    for version 0, the base model (`tiderl.run.launcher`)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(directory).glob("*.safetensors")):
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def check_base_model(paths: RunPaths, store: RunStore) -> None:
+    """Before a run resumes: its base model (version 0) must be the one its first launch checksummed.
+    RunDirError naming the model and both checksums otherwise. A run whose first launch stopped before it
+    recorded version 0, or whose model directory is gone (the model's own pre-flight check names that),
+    has nothing to compare here."""
+    from sqlalchemy import select
+
+    from tiderl.store.schema import versions
+
+    row = store.tx.read(lambda c: c.execute(
+        select(versions.c.path, versions.c.checksum).where(versions.c.version == 0)).first())
+    if row is None or not Path(row.path).is_dir():
+        return
+    digest = model_checksum(Path(row.path))
+    if digest != row.checksum:
+        raise RunDirError(f"base model {row.path} (version 0 of {paths.root}): its weights are not the ones the "
+                          f"run started from (checksum recorded at the first launch {row.checksum[:16]}, files now "
+                          f"{digest[:16]}): a changed or tampered base model is refused; restore the model the "
+                          "run started from, or start a new run")

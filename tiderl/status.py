@@ -221,7 +221,7 @@ def render(doc: dict[str, Any]) -> str:
                      + (f"; CTB budget {r['ctb_budget_tokens']:.0f} tokens" if "ctb_budget_tokens" in r else ""))
     t = doc.get("trainer") or {}
     if t:
-        lines.append("trainer (last step): " + ", ".join(f"{k} {_f(t[k], 3)}" for k in TRAINER_KEYS if k in t))
+        lines.append("trainer (last step): " + ", ".join(f"{k} {_g(t[k])}" for k in TRAINER_KEYS if k in t))
     for e in doc["eval"]:
         ci = ""
         if e["success_rate"] is not None and e["num_tasks"]:
@@ -266,6 +266,11 @@ def _age(seconds: float) -> str:
 
 def _f(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _g(value: float | None) -> str:
+    """Four significant digits: a learning rate of 1e-6 as well as a loss of 0.174."""
+    return "-" if value is None else f"{value:.4g}"
 
 
 # ---- the command -------------------------------------------------------------------------------------

@@ -42,9 +42,31 @@ class JobConfig:
     monitor: MonitorConfig = option(default_factory=MonitorConfig, help="Run monitoring: stall detection, Prometheus metrics.")
 
     def __post_init__(self) -> None:
+        problem = run_name_problem(self.name)
+        if problem:
+            raise ValueError(f"name: {self.name!r} {problem}: {RUN_NAME_RULE}")
         if self.trainer.actor_ranks >= self.launch.num_ranks:
             raise ValueError(f"trainer: actor_ranks: must leave a rollout rank of launch.num_ranks "
                              f"({self.launch.num_ranks}), got {self.trainer.actor_ranks}")
+
+
+RUN_NAME_RULE = "a run's name is one plain file name (letters, digits, '-', '_', '.'), e.g. name: my-run"
+
+
+def run_name_problem(name: str) -> str | None:
+    """What makes `name` unfit to name a run directory under `launch.runs_dir` (and a Slurm job): it must be
+    one plain path component, so that no name can put a run anywhere else. None: it is fit."""
+    if not name.strip():
+        return "is empty"
+    if "/" in name or "\\" in name:
+        return "holds a path separator"
+    if ".." in name:
+        return "holds '..'"
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        return "holds a control character"
+    if name.startswith((".", "-")):
+        return f"starts with {name[0]!r}"
+    return None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -57,6 +57,9 @@ class Environment(ABC):
     # The options `reset` takes, with their defaults (whose types are the expected ones); None:
     # not declared, and only `reset` checks them.
     option_defaults: ClassVar[Mapping[str, Any] | None] = None
+    # Option values a client may not choose: the server answers 403 unless its operator allowed them
+    # (`tiderl env serve --allow-unsafe-sandbox`), e.g. {"sandbox": ("unsafe",)}.
+    operator_options: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:

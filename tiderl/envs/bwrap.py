@@ -63,11 +63,25 @@ def system_mounts() -> list[str]:
     return argv
 
 
+def scratch_dir(python_dirs: Sequence[str]) -> str:
+    """The run's working directory, a tmpfs holding only main.py: /tmp, unless a bound Python tree
+    lies under /tmp (a checkout or venv there: its first component would show in /tmp), then the
+    first of /sandbox, /sandbox-scratch that no bound tree overlaps."""
+    for candidate in ("/tmp", "/sandbox", "/sandbox-scratch"):
+        if not any(d == candidate or d.startswith(candidate + "/") or candidate.startswith(d + "/")
+                   for d in python_dirs):
+            return candidate
+    raise SandboxUnavailableError(f"no scratch directory for the sandbox that the Python trees {list(python_dirs)} "
+                                  "do not overlap")
+
+
 def bwrap_argv(bwrap: str, *, system_mounts: Sequence[str], python_dirs: Sequence[str], tmpfs_mb: int,
-               code_fd: int, info_fd: int, sync_fd: int, as_root: bool) -> list[str]:
+               code_fd: int, info_fd: int, sync_fd: int, as_root: bool, seccomp_fd: int | None = None) -> list[str]:
     """The bwrap command line of one run, up to the command (`--`). The run waits on `sync_fd`
-    until the server has written its uid map (as root) and put it into its cgroup."""
+    until the server has written its uid map (as root) and put it into its cgroup. Its working
+    directory is `scratch_dir(python_dirs)`; `seccomp_fd`: a filter (`tiderl.envs.seccomp`) bwrap applies."""
     size = str(tmpfs_mb << 20)
+    scratch = scratch_dir(python_dirs)
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--info-fd", str(info_fd)]
     if as_root:  # the server maps the run's uid; the run needs these two to drop to it
@@ -75,6 +89,8 @@ def bwrap_argv(bwrap: str, *, system_mounts: Sequence[str], python_dirs: Sequenc
                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv += ["--block-fd", str(sync_fd), "--disable-userns"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += [*system_mounts, "--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
              "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
@@ -84,8 +100,10 @@ def bwrap_argv(bwrap: str, *, system_mounts: Sequence[str], python_dirs: Sequenc
         argv += ["--perms", "0755", "--dir", path]
     for path in python_dirs:
         argv += ["--ro-bind", path, path]
-    argv += ["--perms", "0444", "--file", str(code_fd), "/tmp/main.py",
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
+    if scratch != "/tmp":
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", scratch]
+    argv += ["--perms", "0444", "--file", str(code_fd), f"{scratch}/main.py",
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", scratch, "--"]
     return argv
 
 

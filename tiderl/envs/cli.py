@@ -2,6 +2,10 @@
 
 The shared token comes from `--token-file` or the TIDERL_ENV_TOKEN environment
 variable, never from the command line (other users can read command lines).
+Without a token the server listens only on a loopback address (it refuses to start on
+any other, exit 2, and warns on loopback: every local user can reach it). What a client may
+not choose is the operator's: `--allow-unsafe-sandbox` lets clients ask for pytool's
+`sandbox: unsafe` (else 403).
 With `--port 0` the server picks a free port; `--port-file` receives the bound URL
 (written atomically) so a launcher can find it.
 """
@@ -24,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser(
         "serve", help="Run an env server (HTTP) for one or more environments.", allow_abbrev=False
     )
-    serve.add_argument("--env", required=True, help="Comma-separated environment names, e.g. `hilo,pytool`.")
+    serve.add_argument("--env", required=True,
+                       help="Comma-separated environments: built-in names (`hilo,pytool`), entry points of group "
+                            "`tiderl.envs`, or import paths `package.module:Class` (e.g. `mypkg.envs:CountdownEnv`).")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: loopback only).")
     serve.add_argument("--port", type=int, default=0, help="Port; 0 picks a free one (default 0).")
     serve.add_argument("--port-file", type=Path, help="Write the bound URL to this file once listening.")
@@ -45,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-sessions-per-client", type=int, default=None,
                        help="Sessions one client (its token, else its address) may hold (default: all of "
                             "--max-sessions with a token, three quarters without).")
+    serve.add_argument("--allow-unsafe-sandbox", action="store_true",
+                       help="Let clients ask for pytool's `sandbox: unsafe` (model code without namespaces); "
+                            "without this flag such a /start is refused (403).")
 
 
 def read_token(token_file: Path | None) -> str | None:
@@ -57,6 +66,22 @@ def read_token(token_file: Path | None) -> str | None:
         return read_token_file(token_file)
     except TokenError as e:
         raise SystemExit(f"tiderl env serve: --token-file: {e}") from e
+
+
+class NoTokenError(ValueError):
+    """A server without a token asked to listen beyond loopback."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`): only the local machine reaches it."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -80,12 +105,21 @@ async def _serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_paused_s=args.max_paused_s,
         max_sessions_per_client=args.max_sessions_per_client,
+        allow_unsafe_sandbox=args.allow_unsafe_sandbox,
     )
-    if options.token is None and options.host not in ("127.0.0.1", "localhost", "::1"):
+    if options.token is None:
+        if not is_loopback(options.host):
+            raise NoTokenError(
+                f"refusing to listen on {options.host} without a token: anyone who can reach it could run "
+                f"code there and end others' sessions; set --token-file or ${TOKEN_ENV_VAR}, or listen on "
+                "127.0.0.1")
         logging.getLogger("tiderl.envs.server").warning(
-            "listening on %s without a token: anyone who can reach this port can use it "
-            "(set --token-file or $%s)", options.host, TOKEN_ENV_VAR,
+            "listening on %s without a token: every local user can use this server "
+            "(set --token-file or $%s to keep them out)", options.host, TOKEN_ENV_VAR,
         )
+    if options.allow_unsafe_sandbox:
+        logging.getLogger("tiderl.envs.server").warning(
+            "--allow-unsafe-sandbox: clients may run model code without namespaces (pytool sandbox: unsafe)")
     running = await start_server(options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

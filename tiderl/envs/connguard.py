@@ -1,8 +1,10 @@
 """The open connections of an env server, bounded below aiohttp (`ConnectionGuard`).
 
 A cap on connections, with a 503 `too_many_connections` beyond it, lowered to fit the
-process's open-file limit (`connection_cap`); and a deadline for each request's
-headers, with a 408 when it passes. `GuardedSite` is the aiohttp site whose
+process's open-file limit (`connection_cap`); a cap per client (`client_key`: its address,
+every loopback address being one client) on its connections and on those still awaiting
+their request's headers (half-open), so that one client flooding the server leaves room for
+the others; and a deadline for each request's headers, with a 408 when it passes. `GuardedSite` is the aiohttp site whose
 connections pass through the guard; the guard's request `middleware` tells it when a
 request's headers have arrived and when its answer is done.
 """
@@ -10,6 +12,7 @@ request's headers have arrived and when its answer is done.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import resource
 from http import HTTPStatus
@@ -45,6 +48,20 @@ def _raw_response(code: ErrorCode, message: str) -> bytes:
     return head.encode() + body
 
 
+def client_key(address: str | None) -> str:
+    """Who a peer address is, as a client: the address, except that every loopback address
+    (127.0.0.0/8, ::1, ::ffff:127.x) is the one client "loopback" (127.0.0.2 is no one else)."""
+    if not address:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return "loopback" if ip.is_loopback else str(ip)
+
+
 def _peer(transport: asyncio.BaseTransport) -> str:
     peername = transport.get_extra_info("peername")
     return str(peername[0]) if isinstance(peername, tuple) and peername else "?"
@@ -61,29 +78,47 @@ class ConnectionGuard:
       closed by aiohttp after `keepalive_timeout_s`; bodies have their own deadline.)
     """
 
-    def __init__(self, *, max_connections: int, header_timeout_s: float) -> None:
+    def __init__(self, *, max_connections: int, header_timeout_s: float, max_per_client: int | None = None,
+                 max_half_open_per_client: int | None = None) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.max_per_client = max_per_client or max_connections
+        self.max_half_open_per_client = max_half_open_per_client or max_connections
         self.connections: dict[asyncio.BaseTransport, GuardedConnection] = {}
+        self.num_by_client: dict[str, int] = {}  # open connections per client
+        self.half_open_by_client: dict[str, int] = {}  # of them, awaiting a request's headers
         self.refused: set[asyncio.Transport] = set()  # answered 503, closing
         self.num_refused = 0
         self.num_timed_out = 0
 
-    def can_admit(self) -> bool:
-        return len(self.connections) < self.max_connections
+    def why_not_admit(self, client: str) -> str | None:
+        """Why a new connection of `client` is refused now; None: it is admitted."""
+        if len(self.connections) >= self.max_connections:
+            return f"server has {len(self.connections)} connections open, max_connections={self.max_connections}"
+        held = self.num_by_client.get(client, 0)
+        if held >= self.max_per_client:
+            return f"client {client} has {held} connections open, max_connections_per_client={self.max_per_client}"
+        half_open = self.half_open_by_client.get(client, 0)
+        if half_open >= self.max_half_open_per_client:
+            return (f"client {client} has {half_open} connections awaiting request headers, "
+                    f"max_half_open_per_client={self.max_half_open_per_client}")
+        return None
 
-    def refuse(self, transport: asyncio.Transport) -> None:
+    @staticmethod
+    def _count(counts: dict[str, int], client: str, delta: int) -> None:
+        left = counts.get(client, 0) + delta
+        if left > 0:
+            counts[client] = left
+        else:
+            counts.pop(client, None)
+
+    def refuse(self, transport: asyncio.Transport, reason: str) -> None:
         self.num_refused += 1
-        conn_log.warning("refusing a connection from %s: %d connections open, max_connections=%d",
-                         _peer(transport), len(self.connections), self.max_connections)
+        conn_log.warning("refusing a connection from %s: %s", _peer(transport), reason)
         if len(self.refused) >= MAX_REFUSED_OPEN:
             transport.abort()
             return
-        transport.write(_raw_response(
-            ErrorCode.TOO_MANY_CONNECTIONS,
-            f"server has {len(self.connections)} connections open, max_connections={self.max_connections}; "
-            "retry later",
-        ))
+        transport.write(_raw_response(ErrorCode.TOO_MANY_CONNECTIONS, f"{reason}; retry later"))
         if transport.can_write_eof():
             transport.write_eof()
         self.refused.add(transport)
@@ -131,6 +166,7 @@ class GuardedConnection(asyncio.Protocol):
         self.inner = inner
         self.guard = guard
         self.transport: asyncio.Transport | None = None
+        self.client = "?"
         self.is_refused = False
         self.is_awaiting_headers = True
         self._deadline: asyncio.TimerHandle | None = None
@@ -138,11 +174,15 @@ class GuardedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if not self.guard.can_admit():
+        peername = transport.get_extra_info("peername")
+        self.client = client_key(str(peername[0]) if isinstance(peername, tuple) and peername else None)
+        reason = self.guard.why_not_admit(self.client)
+        if reason is not None:
             self.is_refused = True
-            self.guard.refuse(transport)
+            self.guard.refuse(transport, reason)
             return
         self.guard.connections[transport] = self
+        self.guard._count(self.guard.num_by_client, self.client, 1)
         self.inner.connection_made(transport)
         self._arm()
 
@@ -161,7 +201,8 @@ class GuardedConnection(asyncio.Protocol):
             self.guard.refused.discard(self.transport)  # type: ignore[arg-type]
             return
         self._disarm()
-        self.guard.connections.pop(self.transport, None)  # type: ignore[arg-type]
+        if self.guard.connections.pop(self.transport, None) is not None:  # type: ignore[arg-type]
+            self.guard._count(self.guard.num_by_client, self.client, -1)
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -177,15 +218,19 @@ class GuardedConnection(asyncio.Protocol):
         self._disarm()
 
     def _arm(self) -> None:
+        """Start the header deadline: the connection is half-open until it is met."""
         self._deadline = asyncio.get_running_loop().call_later(self.guard.header_timeout_s, self._headers_late)
+        self.guard._count(self.guard.half_open_by_client, self.client, 1)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+            self.guard._count(self.guard.half_open_by_client, self.client, -1)
 
     def _headers_late(self) -> None:
         self._deadline = None
+        self.guard._count(self.guard.half_open_by_client, self.client, -1)
         transport = self.transport
         if not self.is_awaiting_headers or transport is None or transport.is_closing():
             return

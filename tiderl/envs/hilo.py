@@ -51,6 +51,17 @@ from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepRe
 
 _INTEGER = re.compile(r"[+-]?\d{1,12}")
 
+MAX_BOUND = 10**12 - 1  # low and high: what a guess (12 digits) can name
+MAX_TURNS = 10_000
+
+
+def _short(value: Any) -> str:
+    """An option's value for a message, cut short (an int may have thousands of digits)."""
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)[:80]
+
+
 DEFAULTS: dict[str, Any] = {"low": 1, "high": 16, "max_turns": 6, "shaped": False, "demo_scan_fraction": 0.0}
 
 
@@ -85,6 +96,11 @@ class HiloEnv(Environment):
 
     def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         opts = read_options(self.name, options, DEFAULTS)
+        for key in ("low", "high"):  # a guess has at most 12 digits: so has the range
+            if not -MAX_BOUND <= opts[key] <= MAX_BOUND:
+                raise EnvOptionError(f"hilo: option {key!r} must be within +-{MAX_BOUND}, got {_short(opts[key])}")
+        if not 1 <= opts["max_turns"] <= MAX_TURNS:
+            raise EnvOptionError(f"hilo: option 'max_turns' must be in [1, {MAX_TURNS}], got {_short(opts['max_turns'])}")
         if opts["low"] > opts["high"]:
             raise EnvOptionError(f"hilo: low ({opts['low']}) must be <= high ({opts['high']})")
         if opts["max_turns"] < 1:

@@ -64,7 +64,7 @@ async def read_body(request: web.Request, *, max_body_bytes: int, body_timeout_s
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{endpoint}: body is over the limit of {max_body_bytes} bytes") from e
     except ConnectionError as e:
         raise ClientGone(f"client disconnected mid-body ({type(e).__name__}: {e})") from e
-    except web.RequestPayloadError as e:  # e.g. a broken chunked encoding
+    except web.RequestPayloadError as e:  # a broken chunked encoding, a body that is not the gzip it says
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{endpoint}: body could not be read: {e}") from e
     return parse_body(raw, endpoint)
 

@@ -48,10 +48,29 @@ def server_argv(cfg: EnvConfig, port_file: Path, *, envs: str | None = None,
     ]
     if cfg.max_sessions_per_client is not None:
         argv += ["--max-sessions-per-client", str(cfg.max_sessions_per_client)]
+    for key, values in _operator_options(envs or cfg.name).items():
+        if cfg.options.get(key) in values:  # the job's own server: its author is its operator
+            argv += ["--allow-unsafe-sandbox"]
+            break
     token_file = token_file or (Path(cfg.token_file) if cfg.token_file else None)
     if token_file is not None:
         argv += ["--token-file", str(token_file)]
     return argv
+
+
+def _operator_options(envs: str) -> dict[str, tuple[object, ...]]:
+    """The operator-only option values of the environments named (comma-separated), merged."""
+    from tiderl.envs.registry import env_class
+
+    merged: dict[str, tuple[object, ...]] = {}
+    for name in (n.strip() for n in envs.split(",") if n.strip()):
+        try:
+            cls = env_class(name)
+        except Exception:
+            continue  # the server itself names an unknown or unloadable environment
+        for key, values in cls.operator_options.items():
+            merged[key] = merged.get(key, ()) + tuple(values)
+    return merged
 
 
 def wait_for_url(port_file: Path, proc: subprocess.Popen[bytes] | subprocess.Popen[str],

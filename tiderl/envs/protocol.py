@@ -58,6 +58,7 @@ class ErrorCode(Enum):
     BAD_REQUEST = ("bad_request", 400)  # malformed JSON, missing or ill-typed field
     BAD_OPTIONS = ("bad_options", 400)  # the environment refused its options
     UNAUTHORIZED = ("unauthorized", 401)
+    FORBIDDEN = ("forbidden", 403)  # an option value only the server's operator may allow (pytool's sandbox: unsafe)
     NOT_FOUND = ("not_found", 404)  # no such endpoint
     UNKNOWN_ENV = ("unknown_env", 404)
     UNKNOWN_SESSION = ("unknown_session", 404)

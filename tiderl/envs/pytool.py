@@ -2,6 +2,9 @@
 
 Tasks come from `reasoning-gym` (procedural generators with exact verifiers), one
 task per seed: `reasoning_gym.create_dataset(dataset, seed=seed, size=1, **dataset_config)[0]`.
+It is made in a process of its own under a time limit (`task_timeout_s`, 10 s) and a memory limit
+(`tiderl.envs.taskgen`): a config that asks for too much is a 400 `bad_options`, never a
+server thread held.
 Each turn the agent either runs code or answers:
 
 - first observation: the task's question, then the line
@@ -27,6 +30,7 @@ steps in worker threads.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiderl.envs.base import EnvActionError, Environment, EnvOptionError, StepResult, read_options
+from tiderl.envs.taskgen import GEN_TIMEOUT_S, TaskGenError, make_task
 from tiderl.envs.sandbox import (
     Isolation,
     SandboxLimits,
@@ -49,6 +54,9 @@ DEFAULTS: dict[str, Any] = {
     "dataset": "basic_arithmetic", "dataset_config": {}, "max_turns": 4, "graded": False, "sandbox": "bwrap",
 }
 
+MAX_TURNS = 64
+MAX_CONFIG_CHARS = 4096  # option dataset_config, as JSON
+_DATASET_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _ANSWER = re.compile(r"\s*answer\s*:\s*(.*)", re.DOTALL | re.IGNORECASE)
 _import_lock = threading.Lock()
@@ -103,6 +111,8 @@ class PyToolEnv(Environment):
     name = "pytool"
     option_defaults = DEFAULTS
     blocking = True
+    operator_options = {"sandbox": ("unsafe",)}
+    task_timeout_s = GEN_TIMEOUT_S  # making one task (reasoning-gym, in a process of its own)
     limits = SandboxLimits(cpu_s=5, wall_s=10.0, memory_mb=512, output_bytes=16 * 1024, max_processes=8)
 
     def __init__(self) -> None:
@@ -119,15 +129,22 @@ class PyToolEnv(Environment):
 
     def reset(self, seed: int, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         opts = read_options(self.name, options, DEFAULTS)
-        if opts["max_turns"] < 1:
-            raise EnvOptionError(f"pytool: max_turns must be >= 1, got {opts['max_turns']}")
+        if not 1 <= opts["max_turns"] <= MAX_TURNS:
+            raise EnvOptionError(f"pytool: option 'max_turns' must be in [1, {MAX_TURNS}], got {opts['max_turns']!r:.80}")
+        if not _DATASET_NAME.fullmatch(opts["dataset"]):
+            raise EnvOptionError(f"pytool: option 'dataset' must be a reasoning-gym dataset name, got {opts['dataset']!r:.80}")
+        config_chars = len(json.dumps(opts["dataset_config"], default=str))
+        if config_chars > MAX_CONFIG_CHARS:
+            raise EnvOptionError(f"pytool: option 'dataset_config' is {config_chars} characters of JSON, "
+                                 f"more than {MAX_CONFIG_CHARS}")
         self.isolation = _isolation(opts["sandbox"], self.limits)
-        rg = _reasoning_gym()
+        _reasoning_gym()  # imported here too, once: the task comes back pickled
         try:
-            self.dataset = rg.create_dataset(opts["dataset"], seed=seed, size=1, **opts["dataset_config"])
-        except (ValueError, TypeError, KeyError, AssertionError) as e:
-            raise EnvOptionError(f"pytool: dataset {opts['dataset']!r} with config {opts['dataset_config']}: {e}") from e
-        self.entry = self.dataset[0]
+            self.dataset, self.entry = make_task(opts["dataset"], seed, opts["dataset_config"],
+                                                 timeout_s=self.task_timeout_s)
+        except TaskGenError as e:
+            raise EnvOptionError(f"pytool: dataset {opts['dataset']!r} with config "
+                                 f"{json.dumps(opts['dataset_config'], default=str)[:200]}: {e}") from e
         self.max_turns, self.graded = opts["max_turns"], opts["graded"]
         self.turn = self.num_code_runs = 0
         self.score = 0.0

@@ -39,10 +39,11 @@ What holds where:
   when that limit killed a process.
 - without such a cgroup: memory is limited per process (RLIMIT_AS), and for the whole run by
   the server itself (`MemoryWatch`): every `WATCH_S` it sums the resident memory of the run's
-  processes and the files in its two tmpfs, and kills the run past `memory_mb`
+  processes and the files in its tmpfs, and kills the run past `memory_mb`
   (`SandboxResult.memory_exceeded`). Between two reads a run may briefly hold more (each
-  process at most `memory_mb`), and shared memory it does not keep mapped (memfd, SysV) is not
-  counted; under Slurm the job's cgroup still bounds the server and its runs together. The process cap is RLIMIT_NPROC, which Linux 5.14+ counts inside the run's user
+  process at most `memory_mb`). Shared memory the watch could not see is refused: a seccomp
+  filter (`tiderl.envs.seccomp`) fails `shmget` and `memfd_create` with EPERM (x86_64 and
+  aarch64; POSIX shared memory is files in the run's /dev/shm tmpfs, sized and counted); under Slurm the job's cgroup still bounds the server and its runs together. The process cap is RLIMIT_NPROC, which Linux 5.14+ counts inside the run's user
   namespace: the server user's other processes do not count (on older kernels they do, and
   the cap is set above their number).
 - not contained: CPU time summed over a run's processes (each has `cpu_s`; the wall limit
@@ -85,10 +86,12 @@ from tiderl.envs.bwrap import (
     pidfd_open,
     python_dirs,
     read_child_pid,
+    scratch_dir,
     system_mounts,
 )
 from tiderl.envs.cgroups import CgroupParent, RunCgroup, cgroup_candidates, cgroup_parent
 from tiderl.envs.memory_watch import WATCH_S, MemoryWatch
+from tiderl.envs.seccomp import filter_program
 from tiderl.envs.sandbox_errors import SandboxError, SandboxUnavailableError
 from tiderl.envs.uids import become_subreaper, kill_uid, own_process_count, uid_slot
 
@@ -316,23 +319,32 @@ def _run_bwrap(code: str, limits: SandboxLimits, uid: int) -> SandboxResult:
         cgroup = RunCgroup.create(memory_bytes=limits.memory_mb << 20,
                                   max_pids=limits.max_processes + 1)  # + the namespace's init
         fds["code"] = os.memfd_create("main.py", os.MFD_CLOEXEC)
+        program = filter_program() if cgroup is None else None  # no SysV shm or memfd the watch cannot see
+        if program is not None:
+            fds["seccomp"] = os.memfd_create("seccomp", os.MFD_CLOEXEC)
+            os.write(fds["seccomp"], program)
+            os.lseek(fds["seccomp"], 0, os.SEEK_SET)
         fds["info_r"], fds["info_w"] = os.pipe()
         fds["sync_r"], fds["sync_w"] = os.pipe()
         data = code.encode()
         while data:
             data = data[os.write(fds["code"], data):]
         os.lseek(fds["code"], 0, os.SEEK_SET)
-        argv = bwrap_argv(bwrap, system_mounts=system_mounts(), python_dirs=python_dirs(),
+        trees = python_dirs()
+        scratch = scratch_dir(trees)
+        argv = bwrap_argv(bwrap, system_mounts=system_mounts(), python_dirs=trees,
                           tmpfs_mb=limits.tmpfs_mb, code_fd=fds["code"], info_fd=fds["info_w"],
-                          sync_fd=fds["sync_r"], as_root=uid >= 0)
-        argv += [sys.executable, *_runner_args(limits, nproc, uid, "/tmp/main.py")]
+                          sync_fd=fds["sync_r"], as_root=uid >= 0, seccomp_fd=fds.get("seccomp"))
+        argv += [sys.executable, *_runner_args(limits, nproc, uid, f"{scratch}/main.py")]
+        passed = tuple(fds[name] for name in ("code", "info_w", "sync_r", "seccomp") if name in fds)
         try:
             proc = subprocess.Popen(
                 argv, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, pass_fds=(fds["code"], fds["info_w"], fds["sync_r"]),
+                start_new_session=True, pass_fds=passed,
             )
-            for name in ("code", "info_w", "sync_r"):
-                os.close(fds.pop(name))
+            for name in ("code", "info_w", "sync_r", "seccomp"):
+                if name in fds:
+                    os.close(fds.pop(name))
             child = read_child_pid(fds["info_r"])
             os.close(fds.pop("info_r"))
             if child is None:
@@ -347,7 +359,8 @@ def _run_bwrap(code: str, limits: SandboxLimits, uid: int) -> SandboxResult:
         except OSError as e:
             raise SandboxError(f"setting up the bwrap run failed: {e}") from e
         os.close(fds.pop("sync_w"))  # lets the run go on
-        watch = MemoryWatch(child, limits.memory_mb << 20) if cgroup is None else None
+        tmpfs = tuple(dict.fromkeys((scratch.lstrip("/"), "tmp", "dev/shm")))
+        watch = MemoryWatch(child, limits.memory_mb << 20, tmpfs) if cgroup is None else None
         stdout, stderr, timed_out, truncated, memory_exceeded = _read_capped(proc, limits, watch)
     finally:
         status = end_bwrap(proc, pidfd)  # before closing sync_w: a run that was not set up never starts

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from tiderl.envs.base import Environment, EnvOptionError
 from tiderl.envs.images import ImageEnvironment, ImageError, ImageLimits
-from tiderl.envs.connguard import LINGER_S, ConnectionGuard, GuardedSite, connection_cap
+from tiderl.envs.connguard import LINGER_S, ConnectionGuard, GuardedSite, client_key, connection_cap
 from tiderl.envs.httpio import (
     ClientGone,
     check_token,
@@ -87,10 +87,18 @@ class ServerOptions:
     max_images_per_observation: int = _IMAGE_DEFAULTS.max_images  # an environment's observation with more fails
     max_image_bytes: int = _IMAGE_DEFAULTS.max_bytes  # PNG bytes of one image
     max_image_pixels: int = _IMAGE_DEFAULTS.max_pixels  # width * height of one image
+    # Per client (`client_key`: every loopback address is one): connections, and those still awaiting
+    # their request's headers. None: a quarter of max_connections, and 64.
+    max_connections_per_client: int | None = None
+    max_half_open_per_client: int = 64
+    # The operator's, never the client's: options an environment marks operator-only (pytool's
+    # sandbox: unsafe) are refused (403) unless the server was started allowing them.
+    allow_unsafe_sandbox: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_workers", "max_body_bytes", "max_connections",
-                     "max_images_per_observation", "max_image_bytes", "max_image_pixels"):
+                     "max_images_per_observation", "max_image_bytes", "max_image_pixels",
+                     "max_half_open_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "max_paused_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
@@ -98,6 +106,8 @@ class ServerOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queued_steps < 0:
             raise ValueError(f"max_queued_steps must be >= 0, got {self.max_queued_steps}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client must be >= 1, got {self.max_connections_per_client}")
         if self.max_sessions_per_client is not None and self.max_sessions_per_client < 1:
             raise ValueError(f"max_sessions_per_client must be >= 1, got {self.max_sessions_per_client}")
 
@@ -142,9 +152,12 @@ class EnvServer:
             max_sessions_per_client=options.client_cap,
         )
         self.work = WorkQueue(num_workers=options.max_workers, max_waiting=options.max_queued_steps)
+        max_connections = connection_cap(options.max_connections, options.max_workers)
         self.guard = ConnectionGuard(
-            max_connections=connection_cap(options.max_connections, options.max_workers),
+            max_connections=max_connections,
             header_timeout_s=options.header_timeout_s,
+            max_per_client=options.max_connections_per_client or max(8, max_connections // 4),
+            max_half_open_per_client=options.max_half_open_per_client,
         )
         if self.guard.max_connections < options.max_connections:
             log.info("max_connections lowered from %d to %d to fit the open-file limit (ulimit -n %d)",
@@ -283,11 +296,25 @@ class EnvServer:
         )
 
     def _client_of(self, request: web.Request) -> str:
-        """Whom a session counts against (`max_sessions_per_client`): with a token every holder
-        of it is one client; without one, the peer address."""
+        """Whom a session belongs and counts against (`max_sessions_per_client`): with a token every
+        holder of it is one client; without one, the peer address (every loopback address is one)."""
         if self.options.token is not None:
             return "token"
-        return request.remote or "?"
+        return client_key(request.remote)
+
+    async def _own_session(self, request: web.Request, endpoint: str) -> Session:
+        """The session a /pause or /resume names, if this client started it (else 404)."""
+        return self.table.get(parse_session_id(await self._body(request), endpoint), self._client_of(request))
+
+    def _check_operator_options(self, cls: type[Environment], options: dict[str, Any]) -> None:
+        """403 for an option value only the server's operator may choose (`Environment.operator_options`)."""
+        for key, values in cls.operator_options.items():
+            if options.get(key) in values and not self.options.allow_unsafe_sandbox:
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    f"{cls.name}: option {key}={options[key]!r} is the operator's choice: this server does not "
+                    "allow it (its operator may, with `tiderl env serve --allow-unsafe-sandbox`)",
+                )
 
     def _check_draining(self) -> None:
         if self.is_draining:
@@ -306,6 +333,7 @@ class EnvServer:
         if cls is None:
             served = ", ".join(self.options.envs)
             raise ProtocolError(ErrorCode.UNKNOWN_ENV, f"unknown env {req.env!r} (this server serves: {served})")
+        self._check_operator_options(cls, req.options)
         self._check_room(cls)
         client = self._client_of(request)
         self.table.reserve(client)
@@ -339,7 +367,7 @@ class EnvServer:
         t0 = time.perf_counter()
         delay_s = 0.0
         req = parse_step(await self._body(request))
-        session = self.table.get(req.session_id)
+        session = self.table.get(req.session_id, self._client_of(request))
         if session.state is SessionState.PAUSED:
             raise ProtocolError(ErrorCode.SESSION_PAUSED, f"session {req.session_id} is paused; /resume it first")
         if session.state is SessionState.DONE:
@@ -369,7 +397,7 @@ class EnvServer:
                 await asyncio.sleep(delay_s)
         finally:
             session.is_busy = False
-            self.table.touch(session)
+            self.table.stepped(session)
         session.num_steps += 1
         self.num_steps += 1
         observation, reward, done, info = result
@@ -386,23 +414,24 @@ class EnvServer:
         return response
 
     async def handle_pause(self, request: web.Request) -> web.Response:
-        session = self.table.get(parse_session_id(await self._body(request), "/pause"))
+        session = await self._own_session(request, "/pause")
         # Pausing during a step is allowed (a task may be parked while its env works):
         # the step completes and the session stays paused.
         self.table.pause(session)
         return json_response({"session_id": session.session_id, "state": session.state.value})
 
     async def handle_resume(self, request: web.Request) -> web.Response:
-        session = self.table.get(parse_session_id(await self._body(request), "/resume"))
+        session = await self._own_session(request, "/resume")
         self.table.resume(session)
         return json_response({"session_id": session.session_id, "state": session.state.value})
 
     async def handle_end(self, request: web.Request) -> web.Response:
         session_id = parse_session_id(await self._body(request), "/end")
-        ended = self.table.ended.get(session_id)
-        if ended is not None and ended.end_result is not None:
-            return json_response(ended.end_result)  # a repeated /end (e.g. a retry) gets the same answer
-        session = self.table.get(session_id)
+        client = self._client_of(request)
+        replay = self.table.ended_result(session_id, client)
+        if replay is not None:
+            return json_response(replay)  # a repeated /end (e.g. a retry) gets the same answer
+        session = self.table.get(session_id, client)
         self._check_free(session)
         self._check_room(session.env)
         session.is_busy = True
@@ -449,6 +478,9 @@ class EnvServer:
                 "num_dropped_steps": self.work.num_dropped,
                 "connections": len(self.guard.connections),
                 "max_connections": self.guard.max_connections,
+                "max_connections_per_client": self.guard.max_per_client,
+                "max_half_open_per_client": self.guard.max_half_open_per_client,
+                "allow_unsafe_sandbox": self.options.allow_unsafe_sandbox,
                 "num_refused_connections": self.guard.num_refused,
                 "num_timed_out_connections": self.guard.num_timed_out,
                 "latency": self.latency.spec,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("tiderl.envs.server")
 conn_log = logging.getLogger("tiderl.envs.server.conn")  # refusals, timeouts, clients that hang up
@@ -65,11 +66,14 @@ class RepeatFilter(logging.Filter):
 
 
 class QuietClientErrors(logging.Filter):
-    """aiohttp logs an unparseable request, and a client that hangs up mid-answer, as an error
-    with a traceback; both are the client's doing: one INFO line, or a DEBUG one."""
+    """aiohttp logs an unparseable request (a body that is not the gzip it says included: aiohttp drains it
+    again after the handler's 400), and a client that hangs up mid-answer, as an error with a traceback;
+    both are the client's doing: one INFO line, or a DEBUG one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, RequestPayloadError) and isinstance(exc.__cause__, HttpProcessingError):
+            exc = exc.__cause__
         if isinstance(exc, (HttpProcessingError, ConnectionError)):
             peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
             if isinstance(exc, HttpProcessingError):

@@ -10,13 +10,17 @@ Invariants:
    from zero at /resume.
 3. A session is reaped only if it is not paused, has no request in progress, and has
    seen no request for longer than `idle_timeout_s`.
-4. A session paused for longer than `max_paused_s` with no request in progress expires;
-   pausing it again while paused does not extend that.
+4. A session paused for longer than `max_paused_s` with no request in progress expires. The
+   pause is counted from the first /pause of a lease: a lease ends only with a step
+   (/observation), so neither a second /pause nor a /resume with a /pause after it (and no
+   step between) extends it.
 5. An ended session (by /end, reaping, expiry or an environment failure) is remembered by
    id, so requests naming it get "ended" (409) with the reason rather than "unknown" (404).
 6. The n-th session the table starts for an (env, seed) has `seed_ordinal` n - 1 (counted for the
    `max_ended_kept` seeds started last): the tasks of one group share their seed, and the ordinal tells
    them apart in the key of their injected delays, whatever order their starts come in.
+7. A session belongs to the client that started it: for any other client its id is
+   unknown (404), live or ended, so no client can step, pause, resume or end another's.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Session:
     created_s: float
     last_active_s: float
     client: str = ""  # who started it (invariant 1)
-    paused_s: float | None = None  # when it was paused, while it is (invariant 4)
+    paused_s: float | None = None  # the first /pause of the current lease (invariant 4); None: not paused
     num_steps: int = 0
     seed_ordinal: int = 0  # sessions of this env and seed the table started before it (the key of its delays)
     is_busy: bool = False
@@ -61,6 +65,7 @@ class Session:
 @dataclass(frozen=True)
 class EndedSession:
     reason: str  # "ended" | "reaped" | "expired: ..." | "failed: ..."
+    client: str = ""  # who started it (invariant 7)
     end_result: dict[str, Any] | None = None  # the /end answer, replayed if /end is repeated
 
 
@@ -139,35 +144,50 @@ class SessionTable:
         self.num_started += 1
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, client: str | None = None) -> Session:
+        """The live session `session_id`; with `client`, only if that client started it (invariant 7)."""
         session = self.sessions.get(session_id)
-        if session is not None:
+        if session is not None and (client is None or session.client == client):
             return session
         ended = self.ended.get(session_id)
-        if ended is not None:
+        if ended is not None and (client is None or ended.client == client) and session is None:
             raise ProtocolError(ErrorCode.SESSION_ENDED, f"session {session_id} has ended ({ended.reason})")
         raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"unknown session {session_id}")
 
     def touch(self, session: Session) -> None:
         session.last_active_s = self.clock()
 
+    def ended_result(self, session_id: str, client: str | None = None) -> dict[str, Any] | None:
+        """The /end answer of a session `client` ended, to replay to a repeated /end."""
+        ended = self.ended.get(session_id)
+        if ended is None or (client is not None and ended.client != client):
+            return None
+        return ended.end_result
+
     def pause(self, session: Session) -> None:
         if session.state is not SessionState.PAUSED:
             session.state_before_pause = session.state
             session.state = SessionState.PAUSED
-            session.paused_s = self.clock()
+            if session.paused_s is None:  # the lease's first pause (invariant 4)
+                session.paused_s = self.clock()
         self.touch(session)
 
     def resume(self, session: Session) -> None:
+        """Back to its state before /pause; the lease's pause clock runs on until a step."""
         if session.state is SessionState.PAUSED:
             session.state = session.state_before_pause
+        self.touch(session)
+
+    def stepped(self, session: Session) -> None:
+        """A step ran: the session's lease ends, a later /pause starts a new one (invariant 4)."""
+        if session.state is not SessionState.PAUSED:
             session.paused_s = None
         self.touch(session)
 
     def remove(self, session: Session, reason: str, end_result: dict[str, Any] | None = None) -> None:
         del self.sessions[session.session_id]
         self._uncount(session.client)
-        self.ended[session.session_id] = EndedSession(reason, end_result)
+        self.ended[session.session_id] = EndedSession(reason, session.client, end_result)
         while len(self.ended) > self.max_ended_kept:
             self.ended.popitem(last=False)
         if reason == "ended":
@@ -196,7 +216,8 @@ class SessionTable:
         return [
             s
             for s in self.sessions.values()
-            if s.paused_s is not None and s.paused_s < deadline and not s.is_busy
+            if s.state is SessionState.PAUSED and s.paused_s is not None and s.paused_s < deadline
+            and not s.is_busy
         ]
 
     def counts(self) -> dict[str, int]:

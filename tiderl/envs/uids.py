@@ -1,8 +1,11 @@
 """Sandbox uids (as root): a uid of its own for each run, and the processes a uid owns.
 
 A run as root holds one uid of `uid_base .. uid_base + num_slots - 1` for as long as it runs;
-the slots are locked with flock (lock files under the temporary directory), so servers on one
-machine never share one. Processes are read from /proc. `kill_uid` ends every process of a
+the slots are locked with flock, so servers on one machine never share one. The lock files live
+in `LOCK_DIR` (/run/tiderl-sandbox-uids): under /run, which only root may write, never a shared
+/tmp path another user could create first. The directory is checked before each use (a real
+directory, not a symlink, owned by this user, mode 0700) and the files are opened with
+O_NOFOLLOW; a slot is released when its block ends, however it ends. Processes are read from /proc. `kill_uid` ends every process of a
 run's uid afterwards; `become_subreaper` lets this process reap the zombies they leave.
 """
 
@@ -12,7 +15,7 @@ import ctypes
 import fcntl
 import os
 import signal
-import tempfile
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,23 +24,49 @@ from typing import Iterator
 from tiderl.envs.sandbox_errors import SandboxError
 
 
-def _lock_dir() -> Path:
-    path = Path(tempfile.gettempdir()) / "tiderl-sandbox-locks"
-    path.mkdir(mode=0o700, exist_ok=True)
+LOCK_DIR = Path("/run/tiderl-sandbox-uids")
+
+
+def lock_dir(path: Path = LOCK_DIR) -> Path:
+    """`path`, created private (mode 0700) if missing; `SandboxError` naming what is wrong when it
+    is not a directory of this user's alone (a symlink, another owner, group or world access)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise SandboxError(f"cannot create the sandbox uid lock directory {path}: {e}") from e
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not {os.geteuid()}"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    if problem is not None:
+        raise SandboxError(f"sandbox uid lock directory {path} {problem}: someone else may have made it; "
+                           "remove it (the server creates it)")
     return path
 
 
 @contextmanager
-def uid_slot(uid_base: int, num_slots: int) -> Iterator[int]:
+def uid_slot(uid_base: int, num_slots: int, directory: Path = LOCK_DIR) -> Iterator[int]:
     """A free sandbox uid (-1 when not root), held for the block."""
     if os.geteuid() != 0:
         yield -1
         return
-    lock_dir = _lock_dir()
+    locks = lock_dir(directory)
     deadline = time.monotonic() + 60.0
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         for slot in range(num_slots):
-            fd = os.open(lock_dir / f"uid-{uid_base + slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(locks / f"uid-{uid_base + slot}.lock", flags, 0o600)
+            except OSError as e:
+                raise SandboxError(f"cannot open sandbox uid lock {locks}/uid-{uid_base + slot}.lock: {e}") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -21,7 +21,7 @@ from pathlib import Path
 from tiderl.config import JobConfig, load_job
 from tiderl.metrics import MetricsServer
 from tiderl.tboard import TensorBoardLog
-from tiderl.paths import RunPaths
+from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run.bell import Bell
 from tiderl.policy import admission, ers, ers_rate
 from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tiderl.run.control")
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
+    use_private_umask()  # as the launcher's (a Slurm task may not have inherited it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s control %(levelname)s %(name)s: %(message)s")
     paths = RunPaths(args.run_dir)
     config = load_job(paths.config)

@@ -16,7 +16,6 @@ children and leaves the run resumable.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -29,11 +28,11 @@ from pathlib import Path
 from typing import TextIO
 
 from tiderl.config import JobConfig, load_job
-from tiderl.paths import RunPaths
+from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
 from tiderl.run.supervise import Restarter, replace_child, restart_trainer_group
-from tiderl.rundir import create_run, open_run
+from tiderl.rundir import create_run, model_checksum, open_run
 from tiderl.store import RunStore
 from tiderl.store.engine import StoreError
 from tiderl.store.types import RankState, Role, RunState
@@ -69,6 +68,7 @@ def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume
     resume, before the store is opened, since the model may have moved)."""
     from tiderl.models.preflight import check_job
 
+    use_private_umask()  # what the run's processes write is its user's alone (they inherit it)
     if resume is not None:
         saved = RunPaths(Path(resume)).config
         if saved.is_file():  # else open_run says what the directory lacks
@@ -83,13 +83,6 @@ def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume
     check_job(config)
     paths, store = create_run(config, run_dir)
     return Launch(config, paths, store, resumed=False)
-
-
-def _checksum(directory: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(directory.glob("*.safetensors")):
-        h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def _has_initial_version(store: RunStore) -> bool:
@@ -209,7 +202,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         model = model_dir(cfg)
         if not launch.resumed:
             if not _has_initial_version(store):  # a first launch killed right after this line left it
-                store.register_initial_version(str(model), _checksum(model))
+                store.register_initial_version(str(model), model_checksum(model))
         else:
             end_previous_launch(store, paths)
         env_children, urls = start_env_servers(launch, tag)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tiderl.paths import use_private_umask
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.run.supervise import CHILD_ENV, supervise
 from tiderl.store import RankDeclaredDeadError
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rank", type=int, nargs="?", default=None,
                         help="This process's rank (default: its task rank in the Slurm step it runs in).")
     args = parser.parse_args(argv)
+    use_private_umask()  # as the launcher's (a Slurm task may not have inherited it)
     if args.rank is None:
         args.rank = rank_from_slurm()
         if os.environ.get(CHILD_ENV) != "1":

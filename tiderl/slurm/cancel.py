@@ -41,12 +41,14 @@ def live_job_ids(jobs: list[dict[str, Any]]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tiderl.paths import use_private_umask
     from tiderl.rundir import RunDirError, open_run
     from tiderl.slurm.cluster import SlurmCluster, SlurmError
     from tiderl.slurm.runjobs import cluster_for, recorded_jobs, slurm_jobs_of_run
     from tiderl.store.types import RunState
 
     try:
+        use_private_umask()  # it writes to the run's store
         _, store = open_run(args.run_dir)
     except RunDirError as e:
         print(f"tiderl cancel: {e}", file=sys.stderr)

@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tiderl.config import load_job
     from tiderl.models.preflight import check_job
+    from tiderl.paths import use_private_umask
     from tiderl.rundir import RunDirError, create_run, default_run_dir
     from tiderl.slurm.cluster import SlurmCluster, SlurmError
     from tiderl.slurm.runjobs import slurm_dir
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"tiderl submit: {args.job}: {finding}", file=sys.stderr)
         print("tiderl submit: nothing submitted: the partition could never start this job", file=sys.stderr)
         return EXIT_BAD_INPUT
+    use_private_umask()  # the run's files, and the batch job's (sbatch passes the umask on), its user's alone
     try:
         paths, store = create_run(config, run_dir)
     except RunDirError as e:

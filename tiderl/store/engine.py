@@ -66,7 +66,12 @@ NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs"
 
 
 class StoreError(RuntimeError):
-    """A run-store operation failed; the message names the database."""
+    """A run-store operation failed; the message names the database (`store`, where known: the file of a
+    SQLite store, the server and schema of a PostgreSQL one)."""
+
+    def __init__(self, message: str, *, store: str | None = None) -> None:
+        super().__init__(message)
+        self.store = store
 
 
 class NoRunError(StoreError):
@@ -84,6 +89,30 @@ class StoreUnreachableError(StoreError):
 
 class StoreCorruptError(StoreError):
     """The database file is not a database, or its image is damaged."""
+
+    def __init__(self, message: str, *, store: str | None = None, detail: str = "") -> None:
+        super().__init__(message, store=store)
+        self.detail = detail  # SQLite's (or PostgreSQL's) own words: "database disk image is malformed"
+
+
+# What a person can do about a damaged store: said with every report of one (`failure_line`).
+CORRUPT_ADVICE = ("restore the file from a copy, or save what SQLite can still read "
+                  "(`sqlite3 FILE .recover | sqlite3 recovered.db`) and start a new run")
+
+
+def corrupt_line(store: str, detail: str) -> str:
+    """The one line that reports a damaged store: which file, SQLite's words, what to do."""
+    return f"{store} is corrupt ({detail}): {CORRUPT_ADVICE.replace('FILE', store)}"
+
+
+def failure_line(e: BaseException) -> str | None:
+    """The one line a command prints (exit 2) for a store it cannot read: damaged, or holding no run;
+    None for any other error, which is the command's own to report."""
+    if isinstance(e, StoreCorruptError):
+        return corrupt_line(e.store or "the run store", e.detail or str(e))
+    if isinstance(e, NoRunError):
+        return str(e)
+    return None
 
 
 class StoreFullError(StoreError):
@@ -341,7 +370,8 @@ class Transactor:
                 if _is_full(e):
                     raise _DiskFull(e) from e
                 if _is_corrupt(e):
-                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
+                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}", store=self.label,
+                                            detail=str(e.orig or e)) from e
                 if _is_unreachable(e, self.engine):
                     raise _Unreachable(e) from e
                 if not _is_busy(e):
@@ -357,7 +387,8 @@ class Transactor:
                 if _is_full(e):
                     raise _DiskFull(e) from e
                 if _is_corrupt(e):
-                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}") from e
+                    raise StoreCorruptError(f"run store {self.label} is corrupt: {e.orig or e}", store=self.label,
+                                            detail=str(e.orig or e)) from e
                 if _is_unreachable(e, self.engine) and _sqlstate(e) is None:
                     raise _Unreachable(e) from e
                 raise StoreError(f"run store {self.label}: {e.orig or e}") from e

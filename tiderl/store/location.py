@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import urllib.parse
 from pathlib import Path
 
 from sqlalchemy.engine import URL, make_url
@@ -63,14 +64,25 @@ def redact(url: str | URL) -> str:
 
 
 def describe(url: str | URL) -> str:
-    """How messages name a store: SQLite's URL; PostgreSQL's server and database without password, and the
-    run's schema ("postgresql+psycopg://u@db:5432/tiderl, schema run_x")."""
+    """How messages name a store: SQLite's file (its URL where it names none); PostgreSQL's server and
+    database without password, and the run's schema ("postgresql+psycopg://u@db:5432/tiderl, schema run_x")."""
     if not is_postgres(url):
-        return str(url)
+        return sqlite_file(str(url)) or str(url)
     parsed = make_url(url) if not isinstance(url, URL) else url
     schema = schema_of(parsed)
     plain = parsed.set(query={}).render_as_string(hide_password=True)
     return f"{plain}, schema {schema}" if schema else plain
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names: `sqlite:///PATH`, or a URI filename `sqlite:///file:PATH?mode=ro&...`
+    (the read-only opening); None for an in-memory database or another backend."""
+    if not url.startswith("sqlite:///"):
+        return None
+    rest = url.removeprefix("sqlite:///")
+    if rest.startswith("file:"):
+        rest = urllib.parse.unquote(rest.removeprefix("file:").partition("?")[0])
+    return rest or None
 
 
 def run_schema(run_dir: Path) -> str:

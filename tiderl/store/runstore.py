@@ -228,10 +228,11 @@ class RunStore:
         is only read."""
         def missing(c: Connection) -> list[tuple[str, Any]]:
             out = []
+            present = set(inspect(c).get_table_names())
             for table in metadata.sorted_tables:
+                if table.name not in present:
+                    continue  # a table create_schema makes (an empty store has none: run_info then says so)
                 have = {col["name"] for col in inspect(c).get_columns(table.name)}
-                if not have:
-                    continue  # a table create_schema makes
                 out += [(table.name, col) for col in table.columns if col.name not in have]
             return out
 
