@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tiderl.config.latency import LatencySpecError, parse_latency
 from tiderl.config.schema import option, section
 
 
+# An environment given by import path: `package.module:Class` (the class may be nested: `Outer.Inner`).
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def check_env_name(name: str) -> None:
+    """A name the env servers can be asked for: one word (no comma, no space: `tiderl env serve --env` takes a
+    comma-separated list), and in the form `module:Class` when it has a colon. ValueError otherwise."""
+    if not name or any(c.isspace() or c == "," for c in name):
+        raise ValueError(f"{name!r} is not an environment name (one name: no spaces, no commas)")
+    if ":" in name and not IMPORT_PATH.match(name):
+        raise ValueError(f"{name!r} is not an import path of the form `package.module:Class`")
+
+
 @section
 class EnvConfig:
-    name: str = option("hilo", help="Environment name served by the env servers (e.g. `hilo`).")
+    name: str = option(
+        "hilo",
+        help="Environment served by the env servers: a built-in name (`hilo`, `pytool`, `gridimage`, "
+        "`textworld`), the name of an entry point in group `tiderl.envs`, or an import path "
+        "`package.module:Class` (an `Environment` subclass, importable where the servers run).",
+    )
     servers: tuple[str, ...] = option(
         (),
         help="URLs of environment servers that already run elsewhere. Empty: the run starts "
@@ -69,6 +88,10 @@ class EnvConfig:
     )
 
     def __post_init__(self) -> None:
+        try:
+            check_env_name(self.name)
+        except ValueError as e:
+            raise ValueError(f"name: {e}") from e
         try:
             parse_latency(self.latency)
         except LatencySpecError as e:

@@ -7,12 +7,19 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
+from typing import TextIO
+
+import yaml
+
+from tiderl.config import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workload", help="Workload file (e.g. jobs/sim/text-agentic.workload.yaml).")
-    parser.add_argument("cluster", help="Cluster file (e.g. jobs/sim/h100x32.cluster.yaml).")
+    parser.add_argument("workload", help="Workload file, first (e.g. jobs/sim/text-agentic.workload.yaml).")
+    parser.add_argument("cluster", help="Cluster file, second (e.g. jobs/sim/h100x32.cluster.yaml).")
     parser.add_argument(
         "--system",
         default="tiderl",
@@ -31,6 +38,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Keys only one kind of file has: a file given in the other's place is named as such.
+_CLUSTER_ONLY = ("num_gpus", "env_concurrency", "gpu", "efficiency", "measured")
+
+
+def _check_order(workload: str, cluster: str) -> None:
+    """ConfigError when the workload argument is a cluster file (the two swapped, or two cluster files)."""
+    try:
+        data = yaml.safe_load(open(workload).read())
+    except (OSError, yaml.YAMLError):
+        return  # the loader names a missing or broken file
+    if isinstance(data, dict) and any(key in data for key in _CLUSTER_ONLY):
+        raise ConfigError(workload, "", f"this is a cluster file (it has {next(k for k in _CLUSTER_ONLY if k in data)}), "
+                          "given as the first argument, the workload; usage: tiderl sim WORKLOAD.yaml CLUSTER.yaml "
+                          f"(here: tiderl sim {cluster} {workload}?)")
+
+
+class SimProgress:
+    """Signs of life on stderr: a line per finished simulation, and one every `every_s` seconds without one."""
+
+    def __init__(self, out: TextIO = sys.stderr, every_s: float = 10.0) -> None:
+        self.out, self.every_s = out, every_s
+        self.started = self.last = time.monotonic()
+        self.finished, self.total = 0, 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _line(self, text: str) -> None:
+        with self.lock:
+            self.last = time.monotonic()
+            print(f"tiderl sim: {text}, {self.last - self.started:.0f} s", file=self.out, flush=True)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(1.0):
+            if time.monotonic() - self.last >= self.every_s:
+                done = f"{self.finished}/{self.total}" if self.total else str(self.finished)
+                self._line(f"simulating ({done} simulations done)")
+
+    def done(self, count: int, total: int, result: dict) -> None:
+        self.finished, self.total = count, total
+        self._line(f"{count}/{total} simulations done ({result.get('system', '?')})")
+        if count == total:
+            self.stop.set()
+
+
 def run(args: argparse.Namespace) -> int:
     from tiderl.sim import report
     from tiderl.sim.spec import load_cluster, load_workload
@@ -39,21 +91,24 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("tiderl sim: --steps must be >= 1", file=sys.stderr)
         return 2
+    _check_order(args.workload, args.cluster)
     load_workload(args.workload)  # fail early, with the file and key, on a bad file
     cluster = load_cluster(args.cluster)
     fractions = cluster.training.rollout_fraction_sweep
+    progress = SimProgress()
     default = cluster.training.default_rollout_fraction
 
     if args.system == "best-fixed":
         results = report.run_many(args.workload, args.cluster, report.fixed_partitions(cluster), args.steps,
-                                  args.seed, args.jobs)
+                                  args.seed, args.jobs, progress.done)
         best = report.best_fixed(results)
         return _emit(args, results, best,
                      lambda: report.format_table(results) + "\n\n" + "\n".join(report.format_best_fixed(best)))
 
     if args.system == "all":
         systems = report.all_systems(default, fractions, report.fixed_partitions(cluster))
-        results = report.run_many(args.workload, args.cluster, systems, args.steps, args.seed, args.jobs)
+        results = report.run_many(args.workload, args.cluster, systems, args.steps, args.seed, args.jobs,
+                                  progress.done)
         out = report.compare(results, default)
         return _emit(args, results, out, lambda: report.format_report(out))
 
@@ -63,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiderl sim: {e}", file=sys.stderr)
         return 2
     runs = report.expand(report.at_default_fraction(system, default), fractions)
-    results = report.run_many(args.workload, args.cluster, runs, args.steps, args.seed, args.jobs)
+    results = report.run_many(args.workload, args.cluster, runs, args.steps, args.seed, args.jobs, progress.done)
     result = report.best_of(results) if len(results) > 1 else results[0]
     best = f"\nbest: {result['system']}" if len(results) > 1 else ""
     return _emit(args, results, result, lambda: report.format_table(results) + best)

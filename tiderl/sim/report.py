@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,23 +33,42 @@ def _job(args: tuple) -> dict:
     return run_one(*args)
 
 
+# Told of each finished simulation: (results so far, simulations in all, the finished one's result).
+OnDone = Callable[[int, int, dict], None]
+
+
 def run_many(workload_path: str, cluster_path: str, systems: list[System], steps: int, seed: int,
-             jobs: int) -> list[dict]:
-    return _map([(workload_path, cluster_path, s, steps, seed) for s in systems], jobs)
+             jobs: int, on_done: OnDone | None = None) -> list[dict]:
+    return _map([(workload_path, cluster_path, s, steps, seed) for s in systems], jobs, on_done)
 
 
 def run_seeds(workload_path: str, cluster_path: str, systems: list[System], steps: int, seeds: list[int],
-              jobs: int) -> list[list[dict]]:
+              jobs: int, on_done: OnDone | None = None) -> list[list[dict]]:
     """Every system under every seed, `jobs` at a time: one list of results (in `seeds` order) per system."""
-    results = _map([(workload_path, cluster_path, s, steps, seed) for s in systems for seed in seeds], jobs)
+    results = _map([(workload_path, cluster_path, s, steps, seed) for s in systems for seed in seeds], jobs, on_done)
     return [results[i * len(seeds):(i + 1) * len(seeds)] for i in range(len(systems))]
 
 
-def _map(work: list[tuple], jobs: int) -> list[dict]:
+def _indexed_job(item: tuple[int, tuple]) -> tuple[int, dict]:
+    return item[0], _job(item[1])
+
+
+def _map(work: list[tuple], jobs: int, on_done: OnDone | None = None) -> list[dict]:
+    """The results of `work` in its order; `on_done` hears of each as it finishes."""
+    results: list[dict | None] = [None] * len(work)
     if jobs <= 1 or len(work) == 1:
-        return [_job(w) for w in work]
+        finished = map(_indexed_job, enumerate(work))
+        return _collect(finished, results, on_done)
     with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
-        return pool.map(_job, work, chunksize=1)
+        return _collect(pool.imap_unordered(_indexed_job, enumerate(work), chunksize=1), results, on_done)
+
+
+def _collect(finished: Iterable[tuple[int, dict]], results: list[dict | None], on_done: OnDone | None) -> list[dict]:
+    for count, (i, result) in enumerate(finished, 1):
+        results[i] = result
+        if on_done is not None:
+            on_done(count, len(results), result)
+    return results  # type: ignore[return-value]
 
 
 def at_default_fraction(system: System, default: float) -> System:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,13 @@ def run_parameters(config: JobConfig, run_dir: Path) -> dict[str, Any]:
                                num_ranks=config.launch.num_ranks, log_dir=Path(run_dir) / "logs")
 
 
+def batch_python(setup: Sequence[str]) -> str:
+    """The interpreter the batch script runs: after `slurm.setup` lines (which may activate a virtual
+    environment or load a module on the cluster), `python` as the setup leaves it on PATH; without any, this
+    machine's interpreter, the one that submitted (on a filesystem the cluster shares)."""
+    return "python" if setup else sys.executable
+
+
 def submit_command(python: str, folder: Path) -> str:
     """The batch script's command: submitit's job runner, `exec`ed so that it is the batch shell's own
     process, the one `--signal=B:...` reaches (bash would die of SIGUSR2 and leave python unsignalled)."""
@@ -138,10 +146,13 @@ def rank_step_env(slurm: SlurmConfig) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(slurm.cpus_per_task)}
 
 
-def dry_run_text(config: JobConfig, run_dir: Path, folder: Path, python: str = sys.executable) -> str:
+def dry_run_text(config: JobConfig, run_dir: Path, folder: Path, python: str | None = None) -> str:
     """What `tiderl submit --dry-run` prints: the sbatch script submitit writes (`sbatch_text`), then, as comment
     lines, the srun step the batch step starts for the ranks. The script `exec`s submitit's runner, so nothing
-    after that line would run if the text were submitted as it is."""
+    after that line would run if the text were submitted as it is. `python`: the interpreter, by default
+    `batch_python` (the ranks run the batch step's own interpreter)."""
+    if python is None:
+        python = batch_python(config.slurm.setup)
     script = sbatch_text(run_parameters(config, run_dir), folder, python=shlex.quote(python))
     env = " ".join(f"{name}={value}" for name, value in rank_step_env(config.slurm).items())
     return script + "\n".join([
