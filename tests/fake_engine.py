@@ -39,6 +39,7 @@ class FakeEngine(Engine):
         self._delay_s = delay_s
         self._logprob = logprob
         self._version = weights_version
+        self._released = False  # release_memory: as a GPU engine's sleep, nothing generates until restored
         self._blocks: OrderedDict[int, None] = OrderedDict()  # LRU of prefix-block hashes
         self._counts = dict(prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens=0, generation_tokens=0)
         self._in_flight_tokens = 0
@@ -80,6 +81,8 @@ class FakeEngine(Engine):
                        images: Sequence[PngImage] = ()) -> Generation:
         if not prompt_ids:
             raise EngineError("generate: empty prompt")
+        if self._released:
+            raise EngineError("generate: the engine's memory is released (restore_memory first)")
         prompt = tuple(prompt_ids)
         self.prompts.append(prompt)
         self.images.append(tuple(images))
@@ -154,6 +157,20 @@ class FakeEngine(Engine):
         self._blocks.clear()
         self._version = received.version
         return received.version
+
+    @property
+    def memory_released(self) -> bool:
+        return self._released
+
+    async def release_memory(self) -> bool:
+        if self._in_flight_tokens:
+            raise EngineError("release_memory: requests are in flight")
+        self._blocks.clear()  # the KV cache goes; the weights wait
+        self._released = True
+        return True
+
+    async def restore_memory(self) -> None:
+        self._released = False
 
     def close(self) -> None:
         self._blocks.clear()

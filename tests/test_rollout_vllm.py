@@ -160,6 +160,12 @@ def test_reload_from_a_dir_without_weights_is_a_clear_error(engine, tmp_path: Pa
         run(engine.reload_weights(tmp_path, version=9))
 
 
+def test_a_cpu_engine_keeps_its_memory_when_the_rank_trains(engine) -> None:
+    # vLLM's sleep mode needs a GPU: on a CPU the call runs and says nothing was released.
+    assert run(engine.release_memory()) is False and not engine.memory_released
+    run(engine.restore_memory())  # nothing to take back
+
+
 def test_the_trainer_scores_tokens_at_the_engines_temperature(engine, fmt: ChatFormat, model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,10 @@
 """`tiderl submit`, `tiderl cancel` and a requeue, on the real dev cluster (marked `slurm`).
 
 Each test submits a short real run (real submitit, real Slurm job and srun step,
-real `tiderl` control plane, env server, vLLM and trainer ranks) and checks the
-run store afterwards. They need slurm/dev-cluster-start.sh to have run; they
+real `tiderl` control plane, env server and trainer ranks; the rollout ranks' engine
+is the tests' scripted one, tests/fake_engine.py: vLLM's own start and serving are
+tested by tests/test_run_e2e.py and tests/test_rollout_vllm.py) and checks the run
+store afterwards. They need slurm/dev-cluster-start.sh to have run; they
 skip without a cluster unless TIDERL_REQUIRE_SLURM=1, then fail.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_engine import SCRIPTED_ENGINE, scripted_run_env
 from run_checks import check_run
 from tiderl.slurm.cluster import SlurmCluster
 from tiderl.slurm.cancel import live_job_ids
@@ -27,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # A short run: 2 ranks (actor + rollout) on one node of the dev cluster.
 SHORT = ["trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4", "rollout.eval_every_steps=0",
          "rollout.max_concurrency=8", "launch.num_ranks=2", "system=async", "slurm.time_min=30",
-         "slurm.mem_gb=2", "slurm.signal_delay_s=60"]
-RUN_TIMEOUT_S = 1500.0  # vLLM's engine start alone takes minutes on a loaded 2-core machine
+         "slurm.mem_gb=2", "slurm.signal_delay_s=60", f"rollout.engine={SCRIPTED_ENGINE}"]
+RUN_TIMEOUT_S = 900.0  # a loaded 2-core machine: Slurm's job start, the ranks' imports, the warm-started model
 
 
 @pytest.fixture
@@ -42,8 +45,9 @@ def run_dir(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Path]:
 
 
 def tiderl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    # The batch job inherits this environment (sbatch exports it): its ranks import the scripted engine.
     return subprocess.run([sys.executable, "-m", "tiderl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, env=scripted_run_env())
 
 
 def submit(run_dir: Path, steps: int, *extra: str, wait: bool = False) -> subprocess.CompletedProcess[str]:
@@ -124,7 +128,6 @@ def test_wait_stops_on_a_pending_reason_that_waiting_cannot_resolve(slurm_cluste
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_submit_wait_runs_to_the_end(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     out = submit(run_dir, 2, wait=True)
@@ -208,12 +211,11 @@ def reached(run_dir: Path, version: int) -> bool:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.vllm
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
     steps = 4
-    # Env steps of 0.3 s keep the run going for a while after its first step, so the requeue lands mid-run.
-    out = submit(run_dir, steps, "trainer.checkpoint_every=1", "env.latency=fixed:0.3")
+    # Env steps of 1 s keep the run going for a while after its first step, so the requeue lands mid-run.
+    out = submit(run_dir, steps, "trainer.checkpoint_every=1", "env.latency=fixed:1.0")
     assert out.returncode == 0, out.stderr
     [job] = recorded_jobs(run_dir)
     job_id = job["job_id"]
@@ -240,7 +242,6 @@ def test_requeued_job_resumes_the_run_losing_nothing(slurm_cluster: SlurmCluster
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.vllm
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_killed_ranks_are_restarted_in_their_tasks_and_the_job_finishes(slurm_cluster: SlurmCluster,
                                                                         run_dir: Path) -> None:
@@ -250,7 +251,7 @@ def test_killed_ranks_are_restarted_in_their_tasks_and_the_job_finishes(slurm_cl
     # An actor and a rollout rank, each the task of one srun step. The rollout rank is SIGKILLed mid-run:
     # its task's supervisor restarts it while the step and the actor carry on. Then the actor is: its
     # supervisor restarts the trainer group (the actor alone here) in a new generation.
-    out = submit(run_dir, 5, "env.latency=fixed:0.3")
+    out = submit(run_dir, 5, "env.latency=fixed:1.0")
     assert out.returncode == 0, out.stderr
     wait_for("version 1", lambda: (run_dir / "run.db").exists() and run_info(run_dir).version >= 1,
              RUN_TIMEOUT_S)

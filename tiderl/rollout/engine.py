@@ -140,6 +140,20 @@ class Engine(ABC):
         :class:`EngineError` and keeps its weights (the rank then loads the version's files)."""
         raise EngineError(f"{type(self).__name__} cannot receive weights by transfer")
 
+    @property
+    def memory_released(self) -> bool:
+        """Whether :meth:`release_memory` freed the engine's memory (not yet restored)."""
+        return False
+
+    async def release_memory(self) -> bool:
+        """Free the accelerator memory of the weights and the KV cache while the rank trains (the weights
+        wait in host memory); True where it did. An engine that cannot (vLLM's sleep mode needs a GPU) keeps
+        them and says False. The engine generates nothing until :meth:`restore_memory`."""
+        return False
+
+    async def restore_memory(self) -> None:
+        """Take back what :meth:`release_memory` freed: the same weights, an empty KV cache."""
+
     @abstractmethod
     def close(self) -> None:
         """Stop the engine and free its processes."""

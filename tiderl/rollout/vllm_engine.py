@@ -98,6 +98,9 @@ class VllmEngine(Engine):
 
         cpu = current_platform.is_cpu()
         dtype = engine_dtype(dtype, cpu=cpu)
+        # Sleep mode (release_memory) where vLLM has it: its allocator then owns the weights and the KV cache.
+        self._sleep_mode = current_platform.is_sleep_mode_available()
+        self._asleep = False
         try:
             self._llm = LLM(
                 model=str(model_dir),
@@ -125,6 +128,7 @@ class VllmEngine(Engine):
                 # Weights without files: the project's backend of vLLM's weight-transfer API
                 # (tiderl.rollout.vllm_transfer, registered by the `tiderl_weights` vLLM plugin).
                 weight_transfer_config={"backend": "tiderl"},
+                enable_sleep_mode=self._sleep_mode,
                 **kwargs,
             )
         except Exception as e:  # vLLM raises many types at start-up; name the model either way
@@ -168,6 +172,8 @@ class VllmEngine(Engine):
 
         if not prompt_ids:
             raise EngineError("generate: empty prompt")
+        if self._asleep:
+            raise EngineError("generate: the engine's memory is released (restore_memory first)")
         if len(images) > self._max_images:
             raise EngineError(f"generate: {len(images)} images in the context, more than this engine takes "
                               f"({self._max_images}: rollout.max_images)" if self._max_images else
@@ -207,6 +213,26 @@ class VllmEngine(Engine):
             elif metric.name == "vllm:kv_cache_usage_perc":
                 kv_usage = float(metric.value)
         return EngineStats(kv_usage=kv_usage, **values)
+
+    @property
+    def memory_released(self) -> bool:
+        return self._asleep
+
+    async def release_memory(self) -> bool:
+        """vLLM's sleep, level 1: the weights to host memory, the KV cache dropped (no request may be in
+        flight: the rank has left rollout). False on a CPU, where vLLM has no sleep mode."""
+        if not self._sleep_mode or self._asleep:
+            return self._asleep
+        if self._waiters:
+            raise EngineError(f"release_memory: {len(self._waiters)} requests are in flight")
+        await self._call(lambda: self._llm.sleep(level=1))
+        self._asleep = True
+        return True
+
+    async def restore_memory(self) -> None:
+        if self._asleep:
+            await self._call(self._llm.wake_up)
+            self._asleep = False
 
     async def reload_weights(self, weights_dir: str | Path, version: int) -> None:
         weights_dir = Path(weights_dir)

@@ -44,7 +44,7 @@ async def _wait_next(ctx: RankContext, version: int) -> PlanRecord:
 
 
 async def serve(ctx: RankContext) -> None:
-    from tiderl.run.rollout_role import rank_engine, run_rollout
+    from tiderl.run.rollout_role import rank_engine, release_engine, run_rollout
     from tiderl.run.handoff import hand_off
     from tiderl.run.trainer_role import release_trainer_group, run_actor_step, run_ref_step
 
@@ -63,6 +63,8 @@ async def serve(ctx: RankContext) -> None:
             previous = role
         if role not in (Role.ACTOR, Role.REF):
             release_trainer_group(ctx)  # no step of this rank's runs in it now
+        else:
+            await release_engine(ctx)  # the trainer's model in the accelerator memory the engine held
         if role is Role.IDLE and ctx.system.uses_ers and ctx.config.ers.enabled and _engine_wanted(ctx):
             # A parked rollout rank: its engine ready, so that ERS moves it to rollout at a reload's cost,
             # as the simulator prices the move. A fixed split's spare never moves: it starts nothing.

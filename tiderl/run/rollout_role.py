@@ -180,6 +180,31 @@ def rank_engine(ctx: RankContext) -> Engine:
     return ctx.engine
 
 
+async def release_engine(ctx: RankContext) -> None:
+    """A rank that leaves rollout for the trainer frees what its engine holds on the accelerator (weights and
+    KV cache, vLLM's sleep mode: a GPU), so that the actor or the reference fits there; an engine that cannot
+    (a CPU) keeps them. The event `engine_released` records it."""
+    engine = ctx.engine
+    if engine is None or engine.memory_released:
+        return
+    t0 = time.monotonic()
+    if await engine.release_memory():
+        seconds = time.monotonic() - t0
+        log.info("rank %d: engine memory released for the trainer (%.2f s)", ctx.rank, seconds)
+        ctx.store.record_event(f"rank{ctx.rank}", "engine_released", f"rank {ctx.rank}: engine memory released "
+                               f"for the trainer in {seconds:.2f} s", rank=ctx.rank, data={"seconds": round(seconds, 3)})
+
+
+async def _restore(ctx: RankContext, engine: Engine) -> None:
+    """Back in rollout: the engine takes its memory back (the weights it held, an empty KV cache)."""
+    if engine.memory_released:
+        t0 = time.monotonic()
+        await engine.restore_memory()
+        seconds = time.monotonic() - t0
+        ctx.store.record_event(f"rank{ctx.rank}", "engine_restored", f"rank {ctx.rank}: engine memory restored "
+                               f"in {seconds:.2f} s", rank=ctx.rank, data={"seconds": round(seconds, 3)})
+
+
 async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankReport) -> int | None:
     """Reload the engine with the weights of `version` (or newer, where it was pruned); returns the
     version it holds then, or None where `version` was rejected (the engine keeps its weights). With
@@ -227,6 +252,7 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
     cfg = ctx.config
     close_weight_server(ctx)  # a rank that led the trainer before: the next leader serves the weights
     engine = rank_engine(ctx)
+    await _restore(ctx, engine)
     report = RankReport(rank=ctx.rank, role=Role.ROLLOUT, version=plan.version)
     if engine.weights_version < plan.version:
         await _reload(ctx, engine, plan.version, report)
