@@ -40,9 +40,9 @@ SHARED_HOST = ["ers.host_slots=2", "ers.rollout_host_weight=1.5"]
 TRANSFER = ["trainer.weight_sync=transfer"]
 
 
-@pytest.mark.parametrize("system,extra", [("tiderl", TRANSFER), ("sync", TRANSFER), ("tiderl", SHARED_HOST),
+@pytest.mark.parametrize("system,extra", [("tiderl", TRANSFER), ("sync", TRANSFER), ("stream", []), ("tiderl", SHARED_HOST),
                                           ("tiderl", SHARED_HOST + ["ers.idle_engines=parked"])],
-                         ids=["tiderl", "sync", "tiderl-shared-host", "tiderl-shared-host-parked"])
+                         ids=["tiderl", "sync", "stream", "tiderl-shared-host", "tiderl-shared-host-parked"])
 def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, extra: list[str], cache: Path) -> None:
     run_dir = tmp_path / "run"
     sets = SCRIPTED + [f"system={system}"] + extra
@@ -58,7 +58,7 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
     assert f"{SCRIPTED_ENGINE} engine up" in "".join(logs.values())
     # ERS's idle rank on a shared host starts its engine only when asked (engines on demand: the control plane's
     # `engine_wanted` event), or at once with `ers.idle_engines: parked`, so that a move to rollout costs a
-    # reload; a fixed split's spare (sync's rank 3) starts nothing.
+    # reload; a fixed split's spare (sync's and stream's rank 3) starts nothing.
     from tiderl.store import RunStore
 
     store = RunStore.for_run_dir(run_dir, read_only=True)
@@ -76,7 +76,8 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
     else:
         assert read and max(read) >= 2 and not received, (received, read)
     idle = [name for name, text in logs.items() if "role idle from" in text]
-    assert bool(idle) == (system == "sync" or "ers.host_slots=2" in extra)  # without a shared host ERS parks no rank
+    # sync's and stream's spare rank is idle (their fixed split); without a shared host ERS parks no rank
+    assert bool(idle) == (system in ("sync", "stream") or "ers.host_slots=2" in extra)
     for name in idle:
         wanted = system == "tiderl" and ("ers.idle_engines=parked" in extra or int(name[4:].split(".")[0]) in asked)
         assert (f"{SCRIPTED_ENGINE} engine up" in logs[name]) == wanted, name
@@ -139,15 +140,17 @@ def test_ctrl_c_stops_every_rank_cleanly_and_the_run_resumes(tmp_path: Path, cac
 @pytest.mark.slow
 def test_a_run_shards_its_data_parallel_actor_with_fsdp(tmp_path: Path, cache: Path) -> None:
     """`trainer.backend: fsdp` with two actor ranks and a decoupled ref rank: the actor is built inside the
-    trainer group, sharded over both actors, which train every step; the leader publishes the gathered weights
-    (a model directory transformers loads) and each actor writes its shards of the checkpoint of step 2."""
+    trainer group, sharded over both actors, which train every step; the ref serves them; the leader publishes
+    the gathered weights (a model directory transformers loads) and each actor writes its shards of the
+    checkpoint of step 2. The follower and the ref record their waits for the leader's data; every process
+    serves its Prometheus registry."""
     import sqlite3
 
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
     sets = SCRIPTED + ["system=async", "trainer.backend=fsdp", "trainer.ra2p_mode=decoupled", "launch.num_ranks=4",
-                       "trainer.actor_ranks=2", "launch.rollout_fraction=0.25"]
+                       "trainer.actor_ranks=2", "launch.rollout_fraction=0.25", "monitor.metrics_port=0"]
     out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir),
                  cache=cache)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -155,9 +158,17 @@ def test_a_run_shards_its_data_parallel_actor_with_fsdp(tmp_path: Path, cache: P
     db = sqlite3.connect(run_dir / "run.db")
     try:
         trained = dict(db.execute("select rank, count(*) from metrics where name = 'train_s' group by rank").fetchall())
+        roles = dict(db.execute("select rank, role from control where version = 0").fetchall())
+        modes = {m for (m,) in db.execute("select ra2p_mode from versions where version > 0")}
+        waited = dict(db.execute("select rank, count(distinct version) from metrics where name = 'twt_s' "
+                                 "and rank in (1, 3) group by rank").fetchall())
     finally:
         db.close()
     assert trained == {0: 3, 1: 3}, "both actors train every step"
+    assert roles == {0: "actor", 1: "actor", 2: "rollout", 3: "ref"} and modes == {"decoupled"}
+    assert waited == {1: 3, 3: 3}
+    urls = sorted(p.name for p in (run_dir / "metrics").glob("*.url"))
+    assert urls == ["control.url", "rank0.url", "rank1.url", "rank2.url", "rank3.url"]
     # Each actor holds half of the parameters (the tied output layer is the embedding), built once: the group held.
     import re
 
@@ -174,3 +185,41 @@ def test_a_run_shards_its_data_parallel_actor_with_fsdp(tmp_path: Path, cache: P
     keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     moments = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in keys if k.startswith("optimizer.state.")}
     assert moments and moments <= set(published), "moments keyed by parameter name"
+
+
+@pytest.mark.slow
+def test_elastic_actors_join_and_leave_with_the_groups_state(tmp_path: Path, cache: Path) -> None:
+    """`ers.elastic_actors`: ERS moves data-parallel actor ranks to and from rollout at boundaries (a tiny HoL
+    tau makes any waiting micro-batch a consumption deficit, an empty buffer a generation deficit); an actor
+    that joins takes the group's weights and optimizer state, nothing is lost; a rank that leaves rollout for
+    the trainer frees its engine's memory first (the scripted engine does, as vLLM's sleep mode on a GPU)."""
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    sets = SCRIPTED + ["system=tiderl", "trainer.num_steps=6", "launch.num_ranks=4", "trainer.actor_ranks=2",
+                       "launch.rollout_fraction=0.5", "ers.elastic_actors=true", "ers.max_ref_ranks=0",
+                       "ers.policy=paper", "ers.hol_tau=0.001", "trainer.checkpoint_every=100",
+                       "rollout.eval_every_steps=0"]
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir),
+                 cache=cache)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert check_run(run_dir, max_staleness=1)["versions"] == 6
+    db = sqlite3.connect(run_dir / "run.db")
+    try:
+        actors: dict[int, set[int]] = {}
+        for version, rank in db.execute("select version, rank from control where role = 'actor'"):
+            actors.setdefault(version, set()).add(rank)
+        trained = db.execute("select version, count(*) from metrics where name = 'train_s' group by version").fetchall()
+        released = {r for (r,) in db.execute("select rank from events where kind = 'engine_released'")}
+        engines = {r for (r,) in db.execute("select rank from events where kind = 'engine_up'")}
+    finally:
+        db.close()
+    joined = {v: actors[v] - actors[v - 1] for v in range(1, 6) if actors[v] - actors[v - 1]}
+    assert joined, f"no actor rank joined in 6 steps: {actors}"
+    took = "".join((run_dir / "logs" / f"rank{r}.log").read_text() for r in range(4)).count("from the group, held")
+    assert took >= len(joined), (joined, took)
+    # every actor of a step trained it (the joiners too)
+    assert all(n == len(actors[v]) for v, n in trained), (trained, actors)
+    # a joiner that had rolled out freed its engine's memory for the trainer
+    movers = {r for ranks in joined.values() for r in ranks} & engines
+    assert movers and movers <= released, (movers, released)
