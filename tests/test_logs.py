@@ -126,11 +126,12 @@ def test_unstamped_lines_keep_the_time_and_fate_of_the_line_before() -> None:
            "2026-12-01 10:58:07,000 rank1 INFO tiderl.rank: stamped earlier than the line before"]
     lines, cursor = read_lines(raw, Cursor(), NOW)
     at_project, at_vllm = datetime(2026, 12, 1, 10, 58, 8, 192000), datetime(2026, 12, 1, 11, 1, 2)
-    assert lines == [LogLine(None, "early, before any timestamp"), LogLine(at_project, PROJECT),
-                     LogLine(at_project, "  continued"), LogLine(at_vllm, VLLM_INFO, True),
-                     LogLine(at_vllm, "Loading shards: 100% 1/1", True), LogLine(at_vllm, "", True),
-                     LogLine(at_vllm, raw[-1])]  # times never go back within a file
-    assert cursor == Cursor(at_vllm, False, False)
+    r = "rollout"  # PROJECT is the rank announcing its role: the lines from it on carry it
+    assert lines == [LogLine(None, "early, before any timestamp"), LogLine(at_project, PROJECT, role=r),
+                     LogLine(at_project, "  continued", role=r), LogLine(at_vllm, VLLM_INFO, True, r),
+                     LogLine(at_vllm, "Loading shards: 100% 1/1", True, r), LogLine(at_vllm, "", True, r),
+                     LogLine(at_vllm, raw[-1], role=r)]  # times never go back within a file
+    assert cursor == Cursor(at_vllm, False, False, r, True)
     # A cursor carries over to the next read (following): a continuation stays with its line.
     more, _ = read_lines(["  more"], Cursor(at_vllm, True, False), NOW)
     assert more == [LogLine(at_vllm, "  more", True)]

@@ -155,6 +155,16 @@ def test_dead_rank_claims_return_and_late_report_is_dropped(tmp_path: Path, stor
     assert len(kinds) == 3
 
 
+def test_ranks_declared_dead_at_a_resume_say_why_not_a_silence(tmp_path: Path, store_url: str | None) -> None:
+    s = make_store(tmp_path, url=store_url)
+    s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])
+    s.claim_tasks(0, 2)
+    dead = s.reclaim_expired(0.0, reason="was not running when the run resumed").dead_ranks
+    assert 0 in dead
+    assert sorted(e["message"] for e in s.recent_events(kinds=["rank_dead"])) == [
+        f"rank {r} was not running when the run resumed; its claims returned to the pool" for r in sorted(dead)]
+
+
 def test_failed_task_retries_then_fails_its_group(tmp_path: Path, store_url: str | None) -> None:
     s = make_store(tmp_path, url=store_url)
     s.add_groups([NewGroup(TaskKind.TRAIN, 1, 2)])

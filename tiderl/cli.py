@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("tiderl.models.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
     "run": ("tiderl.run_cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
     "submit": ("tiderl.slurm.cli", "Submit a job to Slurm (submitit): one job, ranks as one srun step; --wait follows it."),
+    "samples": ("tiderl.samples", "Show a run's trajectories as text, turn by turn, with reward and advantage."),
     "logs": ("tiderl.logs", "Show or follow (-f) a run's logs, local or Slurm, with rank and role prefixes."),
     "cancel": ("tiderl.slurm.cancel", "Cancel a run: its Slurm jobs (scancel) and its run state."),
 }

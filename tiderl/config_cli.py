@@ -1,8 +1,10 @@
 """`tiderl config JOB.yaml [--set k=v ...]`: validate a job file and print the resolved config.
 
-With a `model.path` it also runs the model's pre-flight checks (`tiderl.models.preflight`: seconds, as
-they load transformers and vLLM) and prints each rank's memory plan after the config, as `#` comments;
-with `model.path: null` it stays a quick look at the file."""
+It makes the same check as `tiderl run` and `tiderl submit` (`tiderl.rundir.validate_job`: the run's
+name, `env.options`, the engine, then the model's pre-flight checks), so the three accept and refuse the
+same configs. With a `model.path` the model checks take seconds (they load transformers and vLLM) and
+each rank's memory plan is printed after the config, as `#` comments; with `model.path: null` only the
+trainer backend is checked and it stays quick."""
 
 from __future__ import annotations
 
@@ -18,13 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tiderl.config import dump_job, load_job
+    from tiderl.rundir import validate_job
 
     job = load_job(args.job, args.overrides)
-    plan = None
-    if job.model.path is not None:
-        from tiderl.models.preflight import check_job
-
-        plan = check_job(job)  # ConfigError: exit 2 (tiderl.cli)
+    plan = validate_job(job)  # the check `tiderl run` and `tiderl submit` make; ConfigError: exit 2 (tiderl.cli)
     print(dump_job(job), end="")
     if plan:
         print(plan, end="")  # `#` lines: the output stays a job file

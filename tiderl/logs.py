@@ -4,8 +4,10 @@ Every process of a run, local or on Slurm, writes one file in `RUN_DIR/logs/`:
 `control.log`, `env{I}.log`, `rank{R}.log` (on Slurm: srun's per-task output),
 and for a Slurm run also `slurm-{JOBID}.out`/`.err` (the batch step: launcher
 progress, submitit) and `ranks-srun.log` (srun's own messages). Lines are
-prefixed with where they come from: `[control]`, `[env0]`, `[rank1 rollout]`
-(the rank's current role from the run store), `[slurm 812]`, `[srun]`.
+prefixed with where they come from: `[control]`, `[env0]`, `[rank1 rollout]`,
+`[slurm 812]`, `[srun]`; a rank's role is the one it had when it wrote the
+line (its last `rank N: role R from version V` since its process started; a
+file without one: the rank's role now, from the run store).
 
 The last `-n` lines of each selected file are merged into one stream in time
 order (`--by-file`: one file after the other). A line's time is the timestamp
@@ -71,6 +73,9 @@ _SLURM = re.compile(rf"^\[{_DATE}T{_TIME}(?:\.(\d{{1,6}}))?\]")
 # vLLM's format "LEVEL MM-DD HH:MM:SS [file.py:12] msg" (no year), after "(EngineCore pid=7) " in its subprocesses.
 _VLLM = re.compile(rf"^(?:\([^)]*\) )?({'|'.join(_LEVELS)}) (\d\d)-(\d\d) {_TIME}(?:\.\d+)? ")
 _TRACEBACK = "Traceback (most recent call last):"
+# What a rank logs at each change of role, and at each start of its process (tiderl.run.rank).
+_ROLE_CHANGE = re.compile(rf": rank \d+: role ({'|'.join(r.value for r in Role)}) from version \d+\s*$")
+_RANK_START = re.compile(r": ===== rank \d+ starts: ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +86,10 @@ class LogFile:
     kind: str
     index: int | None = None
 
-    def prefix(self, roles: dict[int, str]) -> str:
+    def prefix(self, roles: dict[int, str], line: "LogLine | None" = None, announced: bool = False) -> str:
+        """A rank's `line`: its role then (`announced`: its file announces roles), else its role now in `roles`."""
         if self.kind == "rank":
-            role = roles.get(self.index)  # type: ignore[arg-type]
+            role = line.role if announced and line is not None else roles.get(self.index)  # type: ignore
             return f"rank{self.index}" + (f" {role}" if role else "")
         if self.kind == "env":
             return f"env{self.index}"
@@ -95,21 +101,25 @@ class LogFile:
 @dataclass(frozen=True, slots=True)
 class LogLine:
     """One line as shown: its text (progress-bar redraws resolved) and time (its own, or the latest before it in its
-    file; None before the file's first timestamp). `is_engine_chatter`: a vLLM DEBUG/INFO line or what follows one."""
+    file; None before the file's first timestamp). `is_engine_chatter`: a vLLM DEBUG/INFO line or what follows one.
+    `role`: a rank's role when it wrote the line (None: none announced since its start)."""
 
     at: datetime | None
     text: str
     is_engine_chatter: bool = False
+    role: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Cursor:
     """What reading one file has seen so far, for the lines still to come: the latest time, whether the last stamped
-    line was engine chatter, whether a traceback has started since."""
+    line was engine chatter, whether a traceback has started since, the rank's role, whether the file announced one."""
 
     at: datetime | None = None
     is_engine_chatter: bool = False
     in_traceback: bool = False
+    role: str | None = None
+    roles_announced: bool = False
 
 
 def classify(names: Iterable[str]) -> list[LogFile]:
@@ -237,17 +247,22 @@ def read_lines(raw: Iterable[str], cursor: Cursor, now: datetime) -> tuple[list[
     Times never go back within a file (a line stamped earlier than one before it, e.g. vLLM's whole seconds
     after a millisecond stamp, takes the later time), so each file is a sorted stream for `merge_by_time`.
     An unstamped line belongs to the stamped line before it: it is engine chatter if that line is, except from
-    a `Traceback` on, so a crash under an engine line is never hidden.
-    """
+    a `Traceback` on, so a crash under an engine line is never hidden. A role: from a rank's `role R` line on."""
     lines = []
     for text in map(last_segment, raw):
         stamp = parse_timestamp(text, now)
         if stamp is not None:
+            role, announced = cursor.role, cursor.roles_announced
+            change = _ROLE_CHANGE.search(text)
+            if change:
+                role, announced = change.group(1), True
+            elif _RANK_START.search(text):
+                role = None
             at = stamp if cursor.at is None else max(cursor.at, stamp)
-            cursor = Cursor(at, is_engine_chatter(text), in_traceback=False)
+            cursor = Cursor(at, is_engine_chatter(text), in_traceback=False, role=role, roles_announced=announced)
         elif text.startswith(_TRACEBACK) and not cursor.in_traceback:
-            cursor = Cursor(cursor.at, cursor.is_engine_chatter, in_traceback=True)
-        lines.append(LogLine(cursor.at, text, cursor.is_engine_chatter and not cursor.in_traceback))
+            cursor = Cursor(cursor.at, cursor.is_engine_chatter, True, cursor.role, cursor.roles_announced)
+        lines.append(LogLine(cursor.at, text, cursor.is_engine_chatter and not cursor.in_traceback, cursor.role))
     return lines, cursor
 
 
@@ -302,6 +317,9 @@ class _Reader:
         self.pending: dict[str, bytes] = {}
         self.cursors: dict[str, Cursor] = {}
 
+    def announced(self) -> frozenset[str]:  # the files that announce a rank's roles (`read_lines`)
+        return frozenset(name for name, c in self.cursors.items() if c.roles_announced)
+
     def files(self) -> list[LogFile]:
         return classify(p.name for p in self.logs.iterdir()) if self.logs.is_dir() else []
 
@@ -330,13 +348,14 @@ class _Reader:
         return lines
 
 
-def _print(batch: list[tuple[LogFile, list[LogLine]]], roles: dict[int, str], out: TextIO, *, by_file: bool) -> None:
+def _print(batch: list[tuple[LogFile, list[LogLine]]], roles: dict[int, str], out: TextIO, *, by_file: bool,
+           announced: frozenset[str]) -> None:
     if by_file:
         items = [(f, line) for f, lines in batch for line in lines]
     else:
         items = [(batch[i][0], line) for i, line in merge_by_time([lines for _, lines in batch])]
     for f, line in items:
-        print(f"[{f.prefix(roles)}] {line.text}", file=out)
+        print(f"[{f.prefix(roles, line, f.name in announced)}] {line.text}", file=out)
     out.flush()
 
 
@@ -408,7 +427,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             return 1
         batch = [(f, shown(reader.read(f, to_end=not args.follow), engine=args.engine, last=args.lines))
                  for f in chosen]
-        _print(batch, roles, out, by_file=args.by_file)
+        _print(batch, roles, out, by_file=args.by_file, announced=reader.announced())
         if not args.follow:
             return 0
         roles_at = time.monotonic()
@@ -421,7 +440,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             chosen = select(reader.files(), rank=args.rank, role=args.role, control=args.control, roles=roles)
             # A file that appeared while following is read from its beginning: all of it is new.
             batch = [(f, shown(reader.read(f, to_end=over), engine=args.engine)) for f in chosen]
-            _print(batch, roles, out, by_file=args.by_file)
+            _print(batch, roles, out, by_file=args.by_file, announced=reader.announced())
             if over:
                 return 0
             time.sleep(FOLLOW_POLL_S)

@@ -3,7 +3,9 @@
 On a terminal the line is redrawn in place (`\\r`) at most every `redraw_s`;
 written to a file or a pipe, a new line appears when the step changes or
 every `log_every_s`, so a log holds a readable history rather than thousands
-of carriage returns. `close` writes the final line with the total time.
+of carriage returns; with `quiet_s`, not before the operation has run that
+long (a job of 2 s leaves no lines in a log). `close` writes the final line
+with the total time (not for a quiet operation that succeeded).
 
     with Progress("report", total=7, unit="figures") as p:
         for name in names:
@@ -21,7 +23,7 @@ from typing import TextIO
 
 class Progress:
     def __init__(self, label: str, *, total: int | None = None, unit: str = "", out: TextIO | None = None,
-                 redraw_s: float = 0.2, log_every_s: float = 10.0,
+                 redraw_s: float = 0.2, log_every_s: float = 10.0, quiet_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.label = label
         self.total = total
@@ -30,6 +32,8 @@ class Progress:
         self.is_tty = self.out.isatty()
         self.redraw_s = redraw_s
         self.log_every_s = log_every_s
+        self.quiet_s = quiet_s
+        self._logged = False  # a line written to a file or pipe
         self.clock = clock
         self.started = clock()
         self.done = 0
@@ -63,9 +67,11 @@ class Progress:
             if now - self._last_write >= self.redraw_s:
                 self._redraw(self.line(now))
                 self._last_write = now
-        elif self.note != self._last_note or now - self._last_write >= self.log_every_s:
+        elif now - self.started < self.quiet_s:
+            pass  # too soon to say anything in a log; the step's line comes once it has run quiet_s
+        elif self.note != self._last_note or now - self._last_write >= self.log_every_s or not self._logged:
             print(self.line(now), file=self.out, flush=True)
-            self._last_write = now
+            self._last_write, self._logged = now, True
         self._last_note = self.note
 
     def close(self, result: str = "done") -> None:
@@ -77,7 +83,7 @@ class Progress:
         if self.is_tty:
             self._redraw(line)
             print(file=self.out, flush=True)
-        else:
+        elif self._logged or result != "done" or self.clock() - self.started >= self.quiet_s:
             print(line, file=self.out, flush=True)
 
     def line(self, now: float) -> str:

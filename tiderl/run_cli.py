@@ -1,4 +1,4 @@
-"""`tiderl run JOB.yaml [--set k=v ...] [--run-dir DIR]` and `tiderl run --resume RUN_DIR`."""
+"""`tiderl run JOB.yaml [--set k=v ...] [--run-dir DIR]` and `tiderl run --resume RUN_DIR [--set k=v ...]`."""
 
 from __future__ import annotations
 
@@ -21,12 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="Run directory to create (default: launch.runs_dir/NAME-TIMESTAMP).")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="Continue a stopped, crashed or killed run from its store and last checkpoint.")
+                        help="Continue a stopped, crashed or killed run from its store and last checkpoint; "
+                             "with --set trainer.num_steps=N, extend a finished one to N steps. A --set on resume "
+                             "changes the run's config for every process and is recorded in its store, or is "
+                             "refused (exit 2) for a key the run was made with (docs/running.md).")
 
 
 def run(args: argparse.Namespace) -> int:
+    from tiderl.config import ConfigError
     from tiderl.rundir import RunDirError, check_base_model
-    from tiderl.run.launcher import LaunchError, prepare, run_launch
+    from tiderl.run.launcher import LaunchError, apply_changes, check_steps, prepare, run_launch
+    from tiderl.store.engine import StoreError
 
     if args.resume is not None and args.job is not None:
         print("tiderl run: give either a job file or --resume RUN_DIR, not both", file=sys.stderr)
@@ -44,12 +49,33 @@ def run(args: argparse.Namespace) -> int:
             print(f"tiderl run: {e}", file=sys.stderr)
             return 2
         info = launch.store.run_info()
-        if info.state is RunState.FINISHED:
-            # Nothing to do, and nothing touched: no process started, no figure rewritten.
+        steps = launch.config.trainer.num_steps
+        try:
+            check_steps(launch, info.version)
+        except ConfigError as e:
             launch.store.close()
-            print(f"tiderl run: {args.resume} finished at version {info.version} of "
-                  f"{launch.config.trainer.num_steps}: nothing to resume", file=sys.stderr)
+            print(f"tiderl run: config error: {e}", file=sys.stderr)
+            return 2
+        # A finished run carries on only where an override extends it: a new trainer.num_steps past its version.
+        extends = steps > info.version and any(c.key == "trainer.num_steps" for c in launch.changes)
+        if info.state is RunState.FINISHED and not extends:
+            # Nothing to do, and nothing touched: no process started, no figure rewritten, no override applied.
+            launch.store.close()
+            ignored = " (the --set overrides were not applied)" if launch.changes else ""
+            print(f"tiderl run: {args.resume} finished at version {info.version} of {steps}: nothing to resume"
+                  f"{ignored}; to extend it, --set trainer.num_steps=N with N > {info.version}", file=sys.stderr)
             return 0
+        try:
+            apply_changes(launch, info.version, reopen=info.state is RunState.FINISHED)
+        except (ConfigError, StoreError, OSError) as e:
+            launch.store.close()
+            what = "config error" if isinstance(e, ConfigError) else "the change could not be applied, nothing changed"
+            print(f"tiderl run: {what}: {e}", file=sys.stderr)
+            return 2
+        for change in launch.changes:
+            print(f"tiderl run: {change.text()} (recorded in the run store)", file=sys.stderr)
+        if info.state is RunState.FINISHED:
+            print(f"tiderl run: extending {args.resume} from version {info.version} to {steps}", file=sys.stderr)
         print(f"tiderl run: resuming {args.resume} at version {info.version} of "
               f"{launch.config.trainer.num_steps} (it was {info.state.value}"
               + (f": {info.message}" if info.message else "") + ")", file=sys.stderr)

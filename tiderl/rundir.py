@@ -11,7 +11,7 @@ from tiderl.config import ConfigError, JobConfig, dump_job
 from tiderl.config.job import RUN_NAME_RULE, run_name_problem
 from tiderl.envs.base import EnvOptionError
 from tiderl.envs.images import ImageEnvironment
-from tiderl.envs.registry import UnknownEnvError, env_class
+from tiderl.envs.registry import EnvUnavailableError, UnknownEnvError, env_class
 from tiderl.paths import RunPaths, atomic_write_text, private_dir
 from tiderl.rollout.chat import ImageTokens
 from tiderl.store import RunStore, StoreError
@@ -53,15 +53,13 @@ def make_private(paths: RunPaths) -> None:
 
 def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths, RunStore]:
     """Make the run directory, save the resolved config, create the run store. Everything is checked
-    first (the run's name, env options, the model, the engine): a bad config creates nothing.
+    first (`check_config`: the run's name, env options, the image model, the engine; the callers run
+    `validate_job`, which adds the model's pre-flight checks): a bad config creates nothing.
 
     The run's directories are 0700 and its files 0600 whatever the umask; the processes of the run (the
     launcher, `tiderl submit`, the control plane, the ranks) take the private umask at their start
     (`tiderl.paths.use_private_umask`), so what they and their children write later is private too."""
-    check_run_name(config.name)
-    _check_env_options(config)
-    _check_image_model(config)
-    _check_engine(config)
+    check_config(config)
     paths = RunPaths(Path(run_dir) if run_dir is not None else default_run_dir(config))
     if paths.db.exists() or paths.config.exists():
         raise RunDirError(f"{paths.root}: already holds a run (resume it instead, or pick another --run-dir)")
@@ -76,6 +74,27 @@ def create_run(config: JobConfig, run_dir: Path | None = None) -> tuple[RunPaths
     return paths, store
 
 
+def check_config(config: JobConfig) -> None:
+    """The checks of a loaded config that need no model: the run's name, `env.options` against the
+    environment, an image environment's model, the rollout engine. ConfigError at the first problem."""
+    check_run_name(config.name)
+    _check_env_options(config)
+    _check_image_model(config)
+    _check_engine(config)
+
+
+def validate_job(config: JobConfig) -> str | None:
+    """The one check of a job that `tiderl config`, `tiderl submit` (`--dry-run` too), `tiderl run` and
+    `tiderl run --resume` (on the config merged with its `--set` overrides) make before anything is created,
+    queued or changed, so that they accept and refuse the same configs: `check_config`, then the model and
+    trainer backend (`tiderl.models.preflight.check_job`). ConfigError at the first problem (exit 2); returns
+    the ranks' memory plan as `#` comment lines (None with `model.path: null`)."""
+    from tiderl.models.preflight import check_job
+
+    check_config(config)
+    return check_job(config)
+
+
 def _check_env_options(config: JobConfig) -> None:
     """`env.options` that the environment does not take (an unknown key, a wrong type) are a config
     error, found before anything is created rather than at the first episode of a started run."""
@@ -83,6 +102,10 @@ def _check_env_options(config: JobConfig) -> None:
         env_class(config.env.name).check_options(config.env.options)
     except UnknownEnvError:
         return  # served by an outside env server: it checks its options itself
+    except EnvUnavailableError as e:  # an import path or entry point that does not load here
+        if config.env.servers:
+            return  # the outside servers may have what this machine lacks
+        raise ConfigError(f"job {config.name!r}", "env.name", str(e)) from None
     except EnvOptionError as e:
         raise ConfigError(f"job {config.name!r}", "env.options", str(e)) from None
 
@@ -105,7 +128,7 @@ def _check_image_model(config: JobConfig) -> None:
     try:
         if not issubclass(env_class(config.env.name), ImageEnvironment):
             return
-    except UnknownEnvError:
+    except (UnknownEnvError, EnvUnavailableError):
         return  # served by an outside env server: its answers are checked as they come
     m = config.model
     if m.path is None:

@@ -60,11 +60,21 @@ def collect(store: Any) -> dict[str, Any]:
                   for r in store.view("rank_roles")],
         "buffer": dataclasses.asdict(store.buffer_state()),
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
-        "eval": [e | {"eval": True} for e in store.view("eval_summary")],
+        "eval": [_with_interval(e) | {"eval": True} for e in store.view("eval_summary")],
         "trainer": store.latest_metrics(TRAINER_KEYS),
         "rollout": ({k: int(v) for k, v in rollout.items()} | store.latest_metrics(CTB_LEVELS)
                     if any(rollout.values()) else {}),
     }
+
+
+def _with_interval(e: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation with `success_ci95`: the 95% (Wilson) interval of its success rate, [low, high] (None: no tasks)."""
+    from tiderl.evalstats import wilson_interval
+
+    ci = None
+    if e["success_rate"] is not None and e["num_tasks"]:
+        ci = [round(x, 4) for x in wilson_interval(round(e["success_rate"] * e["num_tasks"]), e["num_tasks"])]
+    return e | {"success_ci95": ci}
 
 
 # ---- the snapshot the diagnosis reads ---------------------------------------------------------------
@@ -223,24 +233,21 @@ def render(doc: dict[str, Any]) -> str:
     if t:
         lines.append("trainer (last step): " + ", ".join(f"{k} {_g(t[k])}" for k in TRAINER_KEYS if k in t))
     for e in doc["eval"]:
-        ci = ""
-        if e["success_rate"] is not None and e["num_tasks"]:
-            from tiderl.evalstats import wilson_interval
-
-            low, high = wilson_interval(round(e["success_rate"] * e["num_tasks"]), e["num_tasks"])
-            ci = f" (95% {low:.2f}-{high:.2f})"
+        ci = "" if not e.get("success_ci95") else " (95% {:.2f}-{:.2f})".format(*e["success_ci95"])
         lines.append(f"eval @ version {e['eval_version']}: success {_f(e['success_rate'], 2)}{ci} over "
                      f"{e['num_tasks']} tasks")
     for j in doc.get("slurm") or ():
         lines.append(f"slurm job {j['job_id']}: {j['state']}" + (f" ({j['reason']})" if j.get("reason") else ""))
     if "diagnosis" in doc:
-        lines += ["", *render_diagnosis(doc["diagnosis"])]
+        lines += ["", *render_diagnosis(doc["diagnosis"], state=doc["state"])]
     return "\n".join(lines)
 
 
-def render_diagnosis(d: dict[str, Any], *, skip: tuple[str, ...] = ()) -> list[str]:
-    lines = [f"diagnosis ({_age(d['since_progress_s'])} since the last new version"
-             + (", STALLED)" if d["is_stalled"] else ")"),
+def render_diagnosis(d: dict[str, Any], *, skip: tuple[str, ...] = (), state: str | None = None) -> list[str]:
+    """The diagnosis's lines; the time since the last new version only while the run goes on (`state`)."""
+    over = state in dg.TERMINAL_STATES
+    lines = [f"diagnosis (run {state})" if over else f"diagnosis ({_age(d['since_progress_s'])} since the last new "
+             "version" + (", STALLED)" if d["is_stalled"] else ")"),
              f"  trainer: {d['trainer']}", f"  rollout: {d['rollout']}"]
     lines += [f"  {SEVERITY_MARK[f['severity']]} {f['message']}" for f in d["findings"] if f["kind"] not in skip]
     return lines
@@ -252,11 +259,13 @@ def verdict(doc: dict[str, Any]) -> str:
     where = f"run {doc['name']} at version {doc['version']} ({doc['state']})"
     if d["is_stalled"]:
         return f"STALLED: {where}: {d['culprit']['message'] if d['culprit'] else 'no culprit found'}"
-    if doc["state"] == "failed":
-        return f"FAILED: {where}" + (f": {doc['message']}" if doc["message"] else "")
+    if doc["state"] in ("failed", "cancelled"):
+        return f"{doc['state'].upper()}: {where}" + (f": {doc['message']}" if doc["message"] else "")
     if d["needs_attention"]:  # not stalled (yet), but an error-level finding: say the first
         first = next(f for f in d["findings"] if f["severity"] == "error")
         return f"ERROR: {where}: {first['message']}"
+    if doc["state"] == "finished":
+        return f"OK: {where}"
     return f"OK: {where}, last new version {_age(d['since_progress_s'])} ago"
 
 

@@ -3,8 +3,9 @@ buffer, goodput, the run's Slurm jobs, and a diagnosis of who waits for what (`t
 `tiderl.diagnose`).
 
 `--check` prints a one-line verdict plus the findings and exits 1 when the run
-is stalled or a finding is an error (for a cron job or a Slurm epilog), 0
-otherwise, 2 when RUN_DIR is not a run or its run.db is corrupt. The store is
+is stalled or a finding is an error (for a cron job or a Slurm epilog), 3 when
+the run was cancelled, 0 otherwise, 2 when RUN_DIR is not a run or its run.db
+is corrupt. A directory holding run directories (`runs/`) lists its runs. The store is
 opened read-only: a run directory one may only read can be inspected. `--watch` redraws the status every few seconds.
 Above `run/` and `slurm/`: the status document is theirs too (the launcher's progress, `submit --wait`).
 """
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 from tiderl.slurm.runjobs import slurm_jobs_of_run
 from tiderl.status import render, render_diagnosis, status_document, verdict
 
-EXIT_OK, EXIT_ATTENTION, EXIT_NOT_A_RUN = 0, 1, 2
+EXIT_OK, EXIT_ATTENTION, EXIT_NOT_A_RUN, EXIT_CANCELLED = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="Print one JSON object instead of tables (with --watch: one per line, JSON Lines).")
     parser.add_argument("--check", action="store_true",
-                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or a finding is an error.")
+                        help="Print a one-line verdict and the findings; exit 1 if the run is stalled or a finding "
+                             "is an error, 3 if it was cancelled.")
     parser.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="Redraw every SECONDS (default 2) until Ctrl-C.")
     parser.add_argument("--stall-after-s", type=float, default=None,
@@ -49,7 +51,9 @@ def _show(args: argparse.Namespace, store: Any, out: TextIO) -> int:
     else:
         text = render(doc)
     print(text, file=out, flush=True)
-    return EXIT_ATTENTION if args.check and doc["diagnosis"]["needs_attention"] else EXIT_OK
+    if args.check and doc["diagnosis"]["needs_attention"]:
+        return EXIT_ATTENTION
+    return EXIT_CANCELLED if args.check and doc["state"] == "cancelled" else EXIT_OK
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -59,6 +63,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         _, store = open_run(args.run_dir, read_only=True)
     except RunDirError as e:
+        from tiderl.runlist import list_runs, render_runs
+
+        runs = list_runs(args.run_dir)
+        if runs and args.watch is None and not args.check:  # a directory of runs (`runs/`): one line each
+            print(json.dumps(runs) if args.json else render_runs(runs), file=out, flush=True)
+            return EXIT_OK
         print(f"tiderl status: {e}", file=sys.stderr)
         return EXIT_NOT_A_RUN
     try:

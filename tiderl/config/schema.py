@@ -15,7 +15,18 @@ import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
+from tiderl.config.yamlio import YAML_1_1_BOOLEANS
+
 _MISSING = dataclasses.MISSING
+
+
+def _bool_hint(value: Any, tp: Any) -> str:
+    """For a bool option given `yes`, `no`, `on` or `off`: why that is no boolean here, and what to write."""
+    takes_bool = tp is bool or bool in get_args(tp)
+    if takes_bool and isinstance(value, str) and value.lower() in YAML_1_1_BOOLEANS:
+        return (f" (config values read as YAML 1.2, where {value!r} is a string, not a boolean: "
+                "write true or false)")
+    return ""
 
 
 class ConfigError(ValueError):
@@ -83,7 +94,7 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
                 return _coerce(value, arg, source, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(source, key, f"expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(source, key, f"expected {_type_name(tp)}, got {value!r}{_bool_hint(value, tp)}")
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(source, key, f"expected {_type_name(tp)}, got {value!r}")
@@ -103,7 +114,7 @@ def _coerce(value: Any, tp: Any, source: str, key: str) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(source, key, f"expected true or false, got {value!r}")
+            raise ConfigError(source, key, f"expected true or false, got {value!r}{_bool_hint(value, tp)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

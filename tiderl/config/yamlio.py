@@ -1,8 +1,11 @@
-"""Reading config YAML: PyYAML's safe loader with the numbers of YAML 1.2, duplicate keys refused,
-and errors that name the file.
+"""Reading config YAML: PyYAML's safe loader with the numbers and booleans of YAML 1.2, duplicate keys
+refused, and errors that name the file.
 
 PyYAML implements YAML 1.1, where `1e-4` (no dot) and `1E5` are strings; YAML 1.2 (and every
-config a person writes, `lr: 1e-4`) reads them as floats. A key given twice in one mapping
+config a person writes, `lr: 1e-4`) reads them as floats. YAML 1.1 also reads `yes`, `no`, `on` and
+`off` (any case) as booleans; YAML 1.2 has only `true` and `false` (`True`, `TRUE`, ...), and reads the
+others as strings, as this loader does: a bool option given `yes` is a config error that says to write
+`true` (`tiderl.config.schema`). A key given twice in one mapping
 silently keeps the last in PyYAML; here it is an error naming both lines.
 
 Anchors and aliases (`base: &b {...}`, `<<: *b`) work as in any YAML, within a budget: a document
@@ -71,6 +74,17 @@ class ConfigLoader(yaml.SafeLoader):
 
 
 ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2, list("-+0123456789."))
+
+# YAML 1.2's booleans (the core schema): only true and false. The call above gave ConfigLoader its own copy of
+# the resolvers, so dropping YAML 1.1's bool resolver (yes/no/on/off) here leaves PyYAML's loaders as they are.
+BOOL_TAG = "tag:yaml.org,2002:bool"
+_BOOL_1_2 = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+for _first, _resolvers in ConfigLoader.yaml_implicit_resolvers.items():
+    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != BOOL_TAG]
+ConfigLoader.add_implicit_resolver(BOOL_TAG, _BOOL_1_2, list("tTfF"))
+
+# The words YAML 1.1 reads as booleans and YAML 1.2 as strings: named in the error of a bool option given one.
+YAML_1_1_BOOLEANS = frozenset({"yes", "no", "on", "off", "y", "n"})
 
 
 def _children(node: Node) -> list[Node]:

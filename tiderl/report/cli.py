@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 REPORT_DIR = "report"  # default output: RUN_DIR/report
+QUIET_S = 10.0  # no progress lines into a file or pipe before the report has run this long
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = args.out if args.out is not None else args.run_dir / REPORT_DIR
     try:
-        with Progress("tiderl report", total=len(FIGURES) + 2, unit="steps") as progress:
+        # Into a log or a pipe, only a report that takes a while says how far it is.
+        with Progress("tiderl report", total=len(FIGURES) + 2, unit="steps", quiet_s=QUIET_S) as progress:
             progress.step("reading the run store")
             try:
                 data = report_data.load(store)

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tiderl.config import JobConfig, load_job
+from tiderl.config import ConfigError, JobConfig, dump_job, load_job
+from tiderl.config.resume import Change, changes, refusal, resumable_keys
 from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
 from tiderl.run.supervise import Restarter, replace_child, restart_trainer_group
-from tiderl.rundir import create_run, model_checksum, open_run
+from tiderl.rundir import create_run, model_checksum, open_run, validate_job
 from tiderl.store import RunStore
 from tiderl.store.engine import StoreError
 from tiderl.store.types import RankState, Role, RunState
@@ -60,29 +61,82 @@ class Launch:
     paths: RunPaths
     store: RunStore
     resumed: bool
+    changes: tuple[Change, ...] = ()
+    """A resume's `--set` overrides, allowed (`tiderl.config.resume`) and not applied yet: `apply_changes`
+    writes them into RUN_DIR/config.yaml and the store before any process of the run starts."""
 
 
 def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None) -> Launch:
     """Validate and create (or reopen) the run. Raises ConfigError before touching the disk: a bad config,
-    or a model or trainer backend that cannot serve the run (`tiderl.models.preflight`; checked again on
-    resume, before the store is opened, since the model may have moved)."""
-    from tiderl.models.preflight import check_job
-
+    or a model or trainer backend that cannot serve the run (`tiderl.rundir.validate_job`, the check `tiderl
+    config` and `tiderl submit` make; on resume on the config merged with the overrides, checked again before
+    the store is opened, since the model may have moved). A resume's override of a key that may not change
+    on resume is refused here, nothing changed (`tiderl.config.resume`)."""
     use_private_umask()  # what the run's processes write is its user's alone (they inherit it)
     if resume is not None:
         saved = RunPaths(Path(resume)).config
+        found: tuple[Change, ...] = ()
         if saved.is_file():  # else open_run says what the directory lacks
-            check_job(load_job(saved, overrides))
+            merged = load_job(saved, overrides)
+            found = tuple(changes(load_job(saved), merged))
+            refuse_changes(found, overrides)
+            validate_job(merged)
         paths, _ = open_run(resume)
         config = load_job(paths.config, overrides)
         store = RunStore.for_run_dir(paths.root, config.store)
-        return Launch(config, paths, store, resumed=True)
+        return Launch(config, paths, store, resumed=True, changes=found)
     if job is None:
         raise LaunchError("give a job file, or --resume RUN_DIR")
     config = load_job(job, overrides)
-    check_job(config)
+    validate_job(config)
     paths, store = create_run(config, run_dir)
     return Launch(config, paths, store, resumed=False)
+
+
+def refuse_changes(found: tuple[Change, ...], overrides: list[str]) -> None:
+    """ConfigError (exit 2) naming the first override of a key that may not change on resume, and why."""
+    for change in found:
+        why = refusal(change)
+        if why is None:
+            continue
+        keys = {o: o.partition("=")[0].strip() for o in overrides}  # `env.options.high=3` changes env.options
+        given = [o for o, k in keys.items() if k == change.key or change.key.startswith(k + ".")
+                 or k.startswith(change.key + ".")]
+        raise ConfigError(f"--set {given[0]}" if given else "tiderl run --resume", change.key,
+                          f"cannot change on resume ({change.old!r} -> {change.new!r}): {why}; nothing was changed. "
+                          f"Keys that may change on resume: {', '.join(resumable_keys())}")
+
+
+def check_steps(launch: Launch, version: int) -> None:
+    """ConfigError for a resume whose `trainer.num_steps` is below `version`, the version the run published."""
+    steps = launch.config.trainer.num_steps
+    if steps < version:
+        raise ConfigError(f"--set trainer.num_steps={steps}", "trainer.num_steps",
+                          f"{launch.paths.root} has published version {version} already: a resumed run goes on to at "
+                          f"least that version (give {version} to end it there); nothing was changed")
+
+
+def apply_changes(launch: Launch, version: int, *, reopen: bool) -> None:
+    """Make a resume's overrides the run's config before any process starts: RUN_DIR/config.yaml (which the
+    control plane and the ranks load) written atomically, and in one store transaction the run's recorded
+    config and a `config_changed` event naming each key, old -> new (`reopen`: a finished run extended, back
+    to running). ConfigError (nothing changed) for a `trainer.num_steps` below `version` (`check_steps`);
+    the old config.yaml back if the store cannot record the change."""
+    from tiderl.paths import atomic_write_text
+
+    cfg, paths = launch.config, launch.paths
+    check_steps(launch, version)
+    if not launch.changes:
+        return
+    before = paths.config.read_text()
+    resolved = dump_job(cfg)
+    atomic_write_text(paths.config, resolved)
+    try:
+        launch.store.change_config(resolved, [{"key": c.key, "old": c.old, "new": c.new} for c in launch.changes],
+                                   reopen_message=f"extended to {cfg.trainer.num_steps} steps" if reopen else None)
+    except BaseException:
+        atomic_write_text(paths.config, before)
+        raise
 
 
 def _has_initial_version(store: RunStore) -> bool:
@@ -288,7 +342,7 @@ def end_previous_launch(store: RunStore, paths: RunPaths) -> None:
     for rank in store.ranks():
         if rank.state in (RankState.STOPPED, RankState.FAILED):
             store.set_rank_state(rank.rank, RankState.RUNNING)
-    store.reclaim_expired(0.0)
+    store.reclaim_expired(0.0, reason="was not running when the run resumed")
     shutil.rmtree(paths.rendezvous, ignore_errors=True)
 
 

@@ -1,8 +1,8 @@
 """`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run | --parsable | --json] [--wait]`.
 
-A run as one Slurm job. The config is validated, its model and trainer backend
-checked (`tiderl.models.preflight`), and it is laid out on the `slurm:`
-resources before anything is written (exit 2 on a bad one); resources that
+A run as one Slurm job. The config is validated as `tiderl run` and `tiderl config`
+validate it (`tiderl.rundir.validate_job`: env options, engine, model, trainer backend),
+and it is laid out on the `slurm:` resources before anything is written (exit 2 on a bad one); resources that
 look CPU-sized for a GPU job are warned about on stderr
 (`sbatch.resource_warnings`). `--dry-run` prints the sbatch script and the
 ranks' srun step, and stops there. Otherwise the request is checked against
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -58,9 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tiderl.config import load_job
-    from tiderl.models.preflight import check_job
     from tiderl.paths import use_private_umask
-    from tiderl.rundir import RunDirError, create_run, default_run_dir
+    from tiderl.rundir import RunDirError, create_run, default_run_dir, validate_job
     from tiderl.slurm.cluster import SlurmCluster, SlurmError
     from tiderl.slurm.runjobs import slurm_dir
     from tiderl.slurm.sbatch import SlurmScriptError, resource_warnings
@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.store.types import RunState
 
     config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
-    plan = check_job(config)  # the model, trainer backend and memory, likewise: before a dry run, before any queue
+    # The check `tiderl run` and `tiderl config` make (env options, engine, model, trainer backend, memory),
+    # likewise: before a dry run, before any queue.
+    plan = validate_job(config)
     run_dir = (args.run_dir if args.run_dir is not None else default_run_dir(config)).absolute()
     try:
         params = run_parameters(config, run_dir)
@@ -166,7 +168,7 @@ def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tupl
     from tiderl.slurm.job import SlurmRun
     from tiderl.slurm.runjobs import record_job, slurm_dir
     from tiderl.slurm.states import sbatch_cluster
-    from tiderl.slurm.submit import slurm_conf, submit_command
+    from tiderl.slurm.submit import batch_python, slurm_conf, submit_command
 
     class RunExecutor(submitit.SlurmExecutor):
         cluster: str | None = None
@@ -181,7 +183,9 @@ def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tupl
             self.cluster = sbatch_cluster(text)
             return submitit.SlurmExecutor._get_job_id_from_submission_command(text)
 
-    executor = RunExecutor(folder=slurm_dir(run_dir), max_num_timeout=max_time_limits)
+    # After `slurm.setup` (a venv, a module): the cluster's `python`, not this machine's interpreter.
+    python = shlex.quote(batch_python(params.get("setup", ())))
+    executor = RunExecutor(folder=slurm_dir(run_dir), max_num_timeout=max_time_limits, python=python)
     executor.update_parameters(**params)
     job = executor.submit(SlurmRun(str(run_dir)))
     record_job(run_dir, job.job_id, job_name=params["job_name"], slurm_conf=slurm_conf())

@@ -283,6 +283,25 @@ class RunStore:
             values["finished_at"] = now
         self.tx.write(lambda c: c.execute(update(runs).where(runs.c.id == 1).values(**values)))
 
+    def change_config(self, config_yaml: str, changed: Sequence[Mapping[str, Any]], *,
+                      reopen_message: str | None = None) -> None:
+        """A resume's `--set` overrides, in one transaction: the run's recorded config becomes `config_yaml`, a
+        `config_changed` event names each changed key (old -> new), and with `reopen_message` a finished run
+        that the change extends is running again (no end time)."""
+        now = time.time()
+        text = "; ".join(f"{c['key']}: {c['old']!r} -> {c['new']!r}" for c in changed)
+        values: dict[str, Any] = dict(config_yaml=config_yaml, updated_at=now)
+        if reopen_message is not None:
+            values |= dict(state=RunState.RUNNING.value, message=reopen_message, finished_at=None)
+
+        def write(c: Connection) -> None:
+            c.execute(update(runs).where(runs.c.id == 1).values(**values))
+            c.execute(insert(events).values(ts=now, rank=None, source="launcher", kind="config_changed",
+                                            message=f"config changed on resume: {text}",
+                                            data=json.dumps({"changes": list(changed)})))
+
+        self.tx.write(write)
+
     def _run_row(self, *columns: Any) -> Any:
         """The run's row (those columns, else all). NoRunError, not a bare SQL error, where the store's file
         exists but its run has not yet written the tables or the row: a look at a run that is starting."""
@@ -657,15 +676,16 @@ class RunStore:
             self.tx.write(lambda c: c.execute(insert(microbatches), rows))
 
     # ---- liveness ------------------------------------------------------------------------
-    def reclaim_expired(self, timeout_s: float, *, now: float | None = None,
-                        control_tick: bool = False) -> ReclaimResult:
+    def reclaim_expired(self, timeout_s: float, *, now: float | None = None, control_tick: bool = False,
+                        reason: str | None = None) -> ReclaimResult:
         """Mark ranks silent for `timeout_s` dead and return their claims to the pool. Also return
         tasks orphaned for `timeout_s` by a live rank: held by a rank that stopped or no longer
         rolls out (a rank releases its tasks when it leaves rollout; this is the safety net).
         With `control_tick` (the control plane's watch) it records the control plane's heartbeat
         in the same transaction, and a rank is declared dead for its silence only as `watch_verdict`
         allows: not when the watcher itself was away (stalled, starved, the store locked), nor most
-        ranks at once before a grace period has confirmed it."""
+        ranks at once before a grace period has confirmed it. `reason`: why the ranks are declared dead, where
+        it is not their silence (a resume: the previous launch's processes are gone)."""
         def write(c: Connection) -> ReclaimResult:
             t = now if now is not None else time.time()
             if control_tick:
@@ -697,8 +717,9 @@ class RunStore:
                 dead = [r for (r,) in c.execute(select(ranks.c.rank).where(live, ranks.c.heartbeat_at < t - timeout_s))]
             if not dead:
                 return ReclaimResult([], orphans, 0)
-            n_tasks, n_traj = _declare_dead(c, dead, t, {r: f"rank {r} missed heartbeats for {timeout_s:.0f} s; "
-                                                            "its claims returned to the pool" for r in dead})
+            why = reason or "missed heartbeats for {timeout_s:.0f} s"
+            n_tasks, n_traj = _declare_dead(c, dead, t, {r: f"rank {r} {why.format(timeout_s=timeout_s)}; its claims "
+                                                            "returned to the pool" for r in dead})
             return ReclaimResult(dead, n_tasks + orphans, n_traj)
 
         watched: list[WatchState | None] = [None]  # the watch's new state, kept once its transaction committed
