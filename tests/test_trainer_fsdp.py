@@ -228,3 +228,18 @@ def test_the_state_re_shards_from_two_actors_to_one_and_back_exactly(base: Path,
     still = torch.load(tmp_path / "still" / "two.pt", weights_only=True)
     worst = max(float((back["weights"][k] - still["weights"][k]).abs().max()) for k in still["weights"])
     assert worst <= 1e-5, worst
+
+
+def test_a_checkpoint_of_either_backend_resumes_the_other(base: Path, tmp_path: Path) -> None:
+    """Checkpoints are DCP's, keyed by parameter name: a run resumed with the other `trainer.backend` (one
+    actor) continues from the same weights and AdamW moments, bit for bit."""
+    plan = _plan(0, 2, ((0, 1),))
+    for first, second in (("torch", "fsdp"), ("fsdp", "torch")):
+        torch.manual_seed(0)
+        writer = make_backend(first, "actor", base, optim=OPTIM)
+        _step(writer, make_backend(first, "ref", base), TrainerComm(rank=0, actor_ranks=(0,)), plan)
+        checkpointer = Checkpointer(tmp_path / f"{first}-ckpt", every=1)
+        checkpointer.save(writer, step=1, version=1)
+        reader = make_backend(second, "actor", base, optim=OPTIM)
+        checkpointer.restore(reader, checkpointer.latest())
+        _equal(_full_state(reader), _full_state(writer))

@@ -8,7 +8,7 @@ often it evaluates and checkpoints and how much it keeps, liveness and monitorin
 waits, where the env servers are. Every other key is refused with the reason: the model, the tokenizer and
 chat format (the weights and the recorded tokens were made by them), the environment and its options (the
 tasks, sessions and rewards in the store), the ranks and their split (`launch.num_ranks`, `trainer.actor_ranks`:
-the plans, trainer groups and sharded checkpoints name them), the trainer backend (its checkpoint format),
+the plans, trainer groups and sharded checkpoints name them),
 the store's location, `system`, the seed and the group shape (the task feed), `slurm:` (fixed when the job
 was submitted).
 
@@ -35,6 +35,7 @@ RESUMABLE: dict[str, str] = {
     "trainer.checkpoint_every": "how often the optimizer state is checkpointed",
     "trainer.keep_checkpoints": "how many checkpoints are kept",
     "trainer.keep_versions": "how many weight versions are kept",
+    "trainer.backend": "checkpoints are DCP's, keyed by parameter name: either backend reads them, re-sharded",
     "rollout.eval_every_steps": "the evaluation cadence of the versions still to come",
     "launch.heartbeat_s": "liveness of the processes of the next launch",
     "launch.heartbeat_timeout_s": "liveness of the processes of the next launch",
@@ -61,7 +62,6 @@ REFUSED_BECAUSE: dict[str, str] = {
     "launch.num_ranks": "the run's plans, roles and trainer groups name its ranks",
     "launch.rollout_fraction": "the run's plans and roles were made for this split",
     "trainer.actor_ranks": "the actor group and its (sharded) checkpoints were made for these ranks",
-    "trainer.backend": "its checkpoints and weights are in this backend's format",
     "store.": "the run's store is where it is: moving it is not a resume",
     "slurm.": "fixed when the job was submitted: a resume submits nothing",
     "rollout.group_size": "the groups in the run's store have this many tasks",
