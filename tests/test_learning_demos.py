@@ -55,7 +55,7 @@ def test_the_job_sets_the_warm_start_demonstrations(monkeypatch: pytest.MonkeyPa
 
     root = Path(__file__).resolve().parents[1]
     built = []
-    monkeypatch.setattr(tiny_model, "init_model", lambda out, spec: built.append((out, spec)) or out)
+    monkeypatch.setattr(tiny_model, "init_model", lambda out, spec, **_: built.append((out, spec)) or out)
     for noise in ("0.05", "0.3"):
         job = load_job(root / "jobs/quickstart.yaml", [f"model.init_demo_noise={noise}", "model.init_train_steps=40"])
         for_job.model_dir(job)

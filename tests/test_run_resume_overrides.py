@@ -50,7 +50,7 @@ def created(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("override,key,reason", [
     ("launch.num_ranks=3", "launch.num_ranks", "the run's plans, roles and trainer groups name its ranks"),
-    ("rollout.group_size=8", "rollout.group_size", "the groups in the run's store have this many tasks"),
+    ("rollout.group_size=6", "rollout.group_size", "the groups in the run's store have this many tasks"),
     ("model.max_context_tokens=333", "model.max_context_tokens", "made with this model, tokenizer and chat format"),
     ("env.options.high=32", "env.options", "made by this environment and its options"),
     ("seed=7", "seed", "the task feed"),

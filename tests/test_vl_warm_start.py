@@ -96,7 +96,7 @@ def test_the_job_and_the_cli_set_the_vision_warm_start(tmp_path: Path, monkeypat
     from tiderl.models import for_job, tiny_vl_model
 
     built = []
-    monkeypatch.setattr(tiny_vl_model, "init_vl_model", lambda out, spec: built.append((out, spec)) or out)
+    monkeypatch.setattr(tiny_vl_model, "init_vl_model", lambda out, spec, **_: built.append((out, spec)) or out)
     for_job.model_dir(load_job(ROOT / "jobs/quickstart-vision.yaml", ["model.init_demo_noise=null"]))
     for_job.model_dir(load_job(ROOT / "jobs/quickstart-vision.yaml", ["model.init_train_steps=12"]))
     (dir_a, a), (dir_b, b) = built
