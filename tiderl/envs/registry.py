@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import EntryPoint, entry_points
 
-from tiderl.config.env import IMPORT_PATH
 from tiderl.envs.base import Environment
 
 ENTRY_POINT_GROUP = "tiderl.envs"
@@ -49,6 +48,10 @@ class EnvUnavailableError(RuntimeError):
 
 def is_import_path(name: str) -> bool:
     """Whether `name` has the form `module:Class` (whether that imports is another matter)."""
+    # The config's rule, imported here, not at the top: the sandbox's code imports this package with nothing
+    # but the standard library (no PyYAML, which the config package needs).
+    from tiderl.config.env import IMPORT_PATH
+
     return bool(IMPORT_PATH.match(name))
 
 

@@ -57,8 +57,9 @@ def _check_order(workload: str, cluster: str) -> None:
 class SimProgress:
     """Signs of life on stderr: a line per finished simulation, and one every `every_s` seconds without one."""
 
-    def __init__(self, out: TextIO = sys.stderr, every_s: float = 10.0) -> None:
-        self.out, self.every_s = out, every_s
+    def __init__(self, out: TextIO | None = None, every_s: float = 10.0) -> None:
+        self.out = out if out is not None else sys.stderr  # the stream of now, not of the import
+        self.every_s = every_s
         self.started = self.last = time.monotonic()
         self.finished, self.total = 0, 0
         self.lock = threading.Lock()
