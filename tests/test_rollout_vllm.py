@@ -242,7 +242,7 @@ def test_a_transfer_serves_exactly_the_trainers_weights_and_a_failed_one_loads_n
     """Weights without files: the trainer's server stages and commits a version, the engine pulls it through
     vLLM's weight-transfer API and samples from it (tied output layer included), its cache dropped. A
     version the server cannot give raises WeightsNotReceived and leaves the engine's weights as they were."""
-    from tiderl.rollout.vllm_engine import WeightsNotReceived
+    from tiderl.rollout.engine import WeightsNotReceived
     from tiderl.weightsync.server import WeightServer
 
     prompt = long_prompt(fmt)
