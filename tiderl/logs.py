@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AnyStr, TextIO
 
 from tiderl.roles import Role
+from tiderl.config.cli import at_least
 
 if TYPE_CHECKING:
     from tiderl.store import RunStore
@@ -279,24 +280,15 @@ def merge_by_time(streams: Sequence[Sequence[LogLine]]) -> list[tuple[int, LogLi
     return list(heapq.merge(*indexed, key=lambda item: item[1].at or datetime.min))
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="The run directory.")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=_non_negative, default=None, help="Only this rank's log.")
+    which.add_argument("--rank", type=at_least(0), default=None, help="Only this rank's log.")
     which.add_argument("--role", choices=[r.value for r in Role], default=None,
                        help="Only the logs of ranks holding this role now.")
     which.add_argument("--control", action="store_true", help="Only the control plane's log.")
-    parser.add_argument("-n", "--lines", type=_non_negative, default=20,
+    parser.add_argument("-n", "--lines", type=at_least(0), default=20,
                         help="Lines to show from the end of each file, after filtering (default 20; 0 with -f: "
                              "only new lines).")
     parser.add_argument("-f", "--follow", action="store_true",

@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from tiderl.advantages import group_advantages
 from tiderl.store import codec
+from tiderl.config.cli import at_least
 
 EXIT_OK, EXIT_NONE, EXIT_USAGE = 0, 1, 2
 MODEL, PROMPT, ENV = "model", "prompt", "env"
@@ -206,15 +207,6 @@ def load_decoder(path: Path) -> Any:
     return lambda ids: tok.decode(ids, skip_special_tokens=False)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
 
 def _version(text: str) -> int:
     try:
@@ -232,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     order = parser.add_mutually_exclusive_group()
     order.add_argument("--worst", action="store_true", help="Lowest reward first (default: most recent first).")
     order.add_argument("--best", action="store_true", help="Highest reward first (default: most recent first).")
-    parser.add_argument("-n", type=_positive, default=4, metavar="K", help="How many trajectories (default 4).")
+    parser.add_argument("-n", type=at_least(1), default=4, metavar="K", help="How many trajectories (default 4).")
     parser.add_argument("--eval", action="store_true", help="Evaluation trajectories instead of training ones.")
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                         help="Decode with the tokenizer in DIR (default: the run's base model, version 0).")

@@ -33,7 +33,7 @@ def lock_dir(path: Path = LOCK_DIR) -> Path:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        pass
+        pass  # an existing one is checked below, as a new one is
     except OSError as e:
         raise SandboxError(f"cannot create the sandbox uid lock directory {path}: {e}") from e
     st = os.lstat(path)
