@@ -77,6 +77,33 @@ def test_a_slow_dataset_config_is_stopped_at_the_time_limit() -> None:
     assert issubclass(TaskGenError, ValueError) and issubclass(EnvOptionError, ValueError)
 
 
+def test_the_task_helper_outlives_the_thread_that_started_it_and_comes_back_if_killed() -> None:
+    """A server's worker thread starts the helper; the helper must not end with that thread (the
+    hostile-code test's second server once found it gone), and one killed from outside is replaced."""
+    import os
+    import signal
+    import threading
+
+    from tiderl.envs import taskgen
+
+    if taskgen._helper.proc is not None:
+        taskgen._helper.proc.kill()
+        taskgen._helper.proc.wait()
+    thread = threading.Thread(target=taskgen.make_task, args=("basic_arithmetic", 1, {}))
+    thread.start()
+    thread.join()
+    first = taskgen._helper.proc
+    assert first is not None
+    time.sleep(0.5)
+    assert first.poll() is None  # still there after its starting thread ended
+    dataset, entry = taskgen.make_task("basic_arithmetic", 3, {})
+    assert taskgen._helper.proc is first and dataset.score_answer(str(entry["answer"]), entry) == 1.0
+    os.kill(first.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    dataset, entry = taskgen.make_task("basic_arithmetic", 4, {})
+    assert taskgen._helper.proc is not first and dataset.score_answer(str(entry["answer"]), entry) == 1.0
+
+
 def test_loopback_addresses_are_one_client() -> None:
     assert client_key("127.0.0.1") == client_key("127.0.0.2") == client_key("::1") == "loopback"
     assert client_key("::ffff:127.0.0.5") == "loopback"

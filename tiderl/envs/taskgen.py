@@ -63,7 +63,20 @@ _helper = _Helper()
 def make_task(name: str, seed: int, config: dict[str, Any], *, timeout_s: float = GEN_TIMEOUT_S,
               memory_bytes: int = MEMORY_BYTES) -> tuple[Any, dict[str, Any]]:
     """(dataset, entry) of reasoning-gym dataset `name` for `seed`; `TaskGenError` naming what went
-    wrong (its config refused, over `timeout_s`, over `memory_bytes`)."""
+    wrong (its config refused, over `timeout_s`, over `memory_bytes`). A helper that died with the
+    request (killed from outside) is started again and the request sent once more."""
+    try:
+        return _make_task_once(name, seed, config, timeout_s, memory_bytes)
+    except _HelperGone:
+        return _make_task_once(name, seed, config, timeout_s, memory_bytes)
+
+
+class _HelperGone(TaskGenError):
+    pass
+
+
+def _make_task_once(name: str, seed: int, config: dict[str, Any], timeout_s: float,
+                    memory_bytes: int) -> tuple[Any, dict[str, Any]]:
     read_fd, write_fd = os.pipe()
     try:
         try:
@@ -91,6 +104,9 @@ def make_task(name: str, seed: int, config: dict[str, Any], *, timeout_s: float 
         return pickle.loads(bytes(data[3:]))
     if data[:4] == b"err\n":
         raise TaskGenError(bytes(data[4:]).decode(errors="replace"))
+    proc = _helper.proc
+    if proc is not None and proc.poll() is not None:
+        raise _HelperGone(f"the task generator ended ({proc.returncode}) while making the task")
     raise TaskGenError(f"generating the task took longer than {timeout_s:g} s or needed more than "
                        f"{memory_bytes >> 20} MB (stopped)")
 
@@ -111,16 +127,19 @@ def _generate(request: dict[str, Any], fd: int) -> None:
         out = f"err\ngenerating it needed more than {request['memory_bytes'] >> 20} MB".encode()
     except BaseException as e:  # the config's fault, as the dataset says
         out = f"err\n{type(e).__name__}: {e}".encode()[:4000]
-    view = memoryview(out)
+    _write_all(fd, out)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
 def _serve(sock_fd: int) -> None:
     """The helper's loop: fork a child per request, kill it at its deadline, reap it."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the server
+    # No PR_SET_PDEATHSIG: it fires when the *thread* that started the helper ends (a server worker
+    # thread), not the server. The server's end closes the socket, and the loop below returns.
     import reasoning_gym  # noqa: F401  (once, here: every child has it)
 
     sock = socket.socket(fileno=sock_fd)
@@ -142,7 +161,13 @@ def _serve(sock_fd: int) -> None:
         if not message:
             return  # the server is gone
         request = json.loads(message)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:  # out of processes (a cgroup's pids.max, RLIMIT_NPROC): this task only
+            _write_all(fds[0], f"err\nno process to generate it in: {e}".encode())
+            for fd in fds:
+                os.close(fd)
+            continue
         if pid == 0:
             try:
                 sock.close()
