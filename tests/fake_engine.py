@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.envs.images import PngImage
-from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec, WeightsUpdate
+from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, Iteration, SamplingSpec, WeightsUpdate
 
 
 class FakeEngine(Engine):
@@ -50,6 +50,8 @@ class FakeEngine(Engine):
         self.prompts: list[tuple[int, ...]] = []
         self.images: list[tuple[PngImage, ...]] = []  # the images each prompt came with
         self.samplings: list[SamplingSpec] = []
+        self.iterations: list[Iteration] = []  # one a generation: its delay, its prefill, the others generating
+        self._generating = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -99,6 +101,8 @@ class FakeEngine(Engine):
         self._counts["prompt_tokens"] += len(prompt)
         self._touch(hashes)
         self._in_flight_tokens += len(prompt)
+        self._generating += 1
+        self.iterations.append(Iteration(self._delay_s, len(prompt) - cached * self._block_size, self._generating))
         try:
             if self._delay_s:
                 await asyncio.sleep(self._delay_s)
@@ -111,6 +115,7 @@ class FakeEngine(Engine):
                 finish = "stop"
         finally:
             self._in_flight_tokens -= len(prompt)
+            self._generating -= 1
         self._counts["generation_tokens"] += len(ids)
         self._touch(self._block_hashes(prompt + tuple(ids)))
         return Generation(
@@ -121,6 +126,10 @@ class FakeEngine(Engine):
             num_prompt_tokens=len(prompt),
             num_cached_tokens=cached * self._block_size,
         )
+
+    def take_iterations(self) -> list[Iteration]:
+        taken, self.iterations = self.iterations, []
+        return taken
 
     async def stats(self) -> EngineStats:
         return EngineStats(

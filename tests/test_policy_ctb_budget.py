@@ -238,39 +238,37 @@ def test_the_tracker_weighs_what_evicted_contexts_cost():
     assert tracker.budget_tokens == 1152 and tracker.cost == 0.0
 
 
-def test_the_cost_meter_fits_iteration_and_prefill_time_from_turns():
+def test_the_cost_meter_fits_a_fixed_part_decoding_and_prefill_from_iterations():
     from tiderl.policy.ctb_budget import CostMeter
     meter = CostMeter()
     rng = random.Random(17)
-    for i in range(40):  # 10 ms an iteration, 1 ms a prefilled token, 10 sequences decoding
-        g, p = rng.randint(1, 80), rng.choice([0, 16, 640, 2000])
-        meter.observe(0.01 * g + 0.001 * p, g, p, 10)
-        if i < 31:
-            assert meter.cost() is None  # fewer than 32 turns
-    tau, prefill = meter.fit()
-    assert tau == pytest.approx(0.01) and prefill == pytest.approx(0.001)
-    assert meter.cost() == pytest.approx(0.001 * 10 / 0.01)  # 1 generated token a re-prefilled token
-    alike = CostMeter(min_turns=2)  # prompts always twice the generation: the two cannot be told apart
-    for g in (10, 20, 30):
-        alike.observe(0.03 * g, g, 2 * g, 4)
-    assert alike.cost() is None
-    free = CostMeter(min_turns=2)  # wall time not growing with the prefill: no positive fit, the count rule
-    for g, p in ((10, 0), (10, 100), (20, 50)):
-        free.observe(0.01 * g, g, p, 4)
-    assert free.cost() is None
-    # Once a fit was positive, turns whose own fit is not (wall time falling with the prefill: noise) keep
-    # the last positive one: the cost rule goes on judging with the last cost the engine showed.
-    kept = CostMeter(min_turns=2, decay=0.5)
-    for g, p in ((10, 0), (20, 100), (5, 300)):
-        kept.observe(0.01 * g + 0.001 * p, g, p, 4)
-    assert kept.fit() == pytest.approx((0.01, 0.001))
-    for g, p in ((10, 100), (10, 0), (20, 50)) * 4:
-        kept.observe(0.01 * g - 0.0005 * p, g, p, 4)
-    gg, gp, pp, wg, wp = kept.sums
-    assert (gg * wp - gp * wg) / (gg * pp - gp * gp) < 0  # the recent turns alone: a negative prefill time
-    last = kept.last_fit
-    assert last is not None and last[1] > 0 and kept.fit() == last
-    assert kept.cost() == pytest.approx(last[1] * 4 / last[0])
+    walls, decodings = [], []
+    for i in range(100):  # 8 ms fixed, 0.1 ms a decoding sequence, 0.02 ms a prefilled token
+        d, p = rng.randint(1, 40), rng.choice([0, 0, 0, 32, 640, 2000])
+        walls.append(0.008 + 0.0001 * d + 0.00002 * p)
+        decodings.append(d)
+        meter.observe(walls[-1], p, d)
+        if i < 63:
+            assert meter.cost() is None  # fewer than 64 iterations
+    iteration_s, prefill_s, decoding = meter.fit()
+    assert prefill_s == pytest.approx(0.00002)
+    weights = [0.995 ** (99 - i) for i in range(100)]
+    assert iteration_s == pytest.approx(sum(w * x for w, x in zip(weights, walls)) / sum(weights))
+    assert decoding == pytest.approx(sum(w * x for w, x in zip(weights, decodings)) / sum(weights))
+    assert meter.cost() == pytest.approx(0.00002 * round(decoding) / iteration_s)
+
+    # The old per-turn fit's mistake: the fixed part charged to the prefill. Here prefill is free; a
+    # fit without a fixed part would find ~the overhead per prefilled token.
+    free = CostMeter(min_iterations=8)
+    for i in range(40):
+        free.observe(0.010 + 0.0002 * (i % 5), [0, 200][i % 2], 1 + i % 5)
+    assert free.cost() == pytest.approx(0.0, abs=1e-9)
+
+    never = CostMeter(min_iterations=8)  # no iteration prefilled: the parts cannot be told apart
+    for i in range(20):
+        never.observe(0.01 + 0.001 * (i % 3), 0, 1 + i % 3)
+    assert never.cost() is None
+    assert CostMeter(min_iterations=1).cost() is None
 
 
 def test_10_k_is_averaged_over_windows_so_one_unlucky_window_does_not_end_an_overcommit_that_pays():

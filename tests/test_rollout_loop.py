@@ -307,19 +307,19 @@ def test_an_adaptive_ctb_budget_grows_while_the_cache_keeps_what_it_held(fmt: Ch
     assert adaptive.max_resident_tasks > fixed.max_resident_tasks
 
 
-def test_the_worker_feeds_its_turns_to_the_cost_meter_and_the_cost_to_the_budget(fmt: ChatFormat,
-                                                                                 monkeypatch) -> None:
-    """The adaptive budget's cost rule as the worker wires it: every judged generation is observed with
-    its wall time, its generated tokens and its prompt tokens not served from the cache, and the meter's
-    cost reaches the budget's judgement."""
+def test_the_worker_feeds_the_engine_s_iterations_to_the_cost_meter_and_the_cost_to_the_budget(
+        fmt: ChatFormat, monkeypatch) -> None:
+    """The adaptive budget's cost rule as the worker wires it: every iteration the engine timed is
+    observed (wall time, prompt tokens prefilled, sequences decoding), and the meter's cost reaches the
+    budget's judgement."""
     from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker, CostMeter
 
     observed, judged = [], []
     observe, judge = CostMeter.observe, BudgetTracker.judge
 
-    def spy_observe(self, wall_s, generated, prefilled, decoding):
-        observed.append((wall_s, generated, prefilled, decoding))
-        return observe(self, wall_s, generated, prefilled, decoding)
+    def spy_observe(self, wall_s, prefilled, decoding):
+        observed.append((wall_s, prefilled, decoding))
+        return observe(self, wall_s, prefilled, decoding)
 
     def spy_judge(self, prefix, cached, block, generated=0, cost=None):
         judged.append((generated, cost))
@@ -333,10 +333,12 @@ def test_the_worker_feeds_its_turns_to_the_cost_meter_and_the_cost_to_the_budget
     got, _, _ = run_worker(fmt, engine, "ctb", groups, env=LocalEnvLink(latency="fixed:0.003"), budget_tokens=260,
                            budget_limits=BudgetLimits(floor_tokens=1, window_turns=4))
     assert len(got) == 16 and observed and judged
-    assert all(wall >= 0.002 and gen >= 1 and pre >= 0 and dec >= 1 for wall, gen, pre, dec in observed)
+    assert all(wall == 0.002 and pre >= 0 and dec >= 1 for wall, pre, dec in observed)
     assert all(cost == 2.5 and gen >= 1 for gen, cost in judged)
-    # At most one observation a turn; a first turn prefills its whole prompt (25 tokens or more here), a
-    # later one of a task kept resident only the new tokens past what the cache served (a few).
-    assert len(observed) <= sum(t.num_turns for t in got)
-    prefilled = [pre for _, _, pre, _ in observed]
+    # Every iteration the engine timed (one a generation here) reaches the meter once, but those after the
+    # last judged turn.
+    assert len(observed) + len(engine.iterations) == sum(t.num_turns for t in got) and len(engine.iterations) <= 16
+    # A first turn prefills its whole prompt (25 tokens or more here), a later one of a task kept
+    # resident only the new tokens past what the cache served (a few).
+    prefilled = [pre for _, pre, _ in observed]
     assert max(prefilled) >= 25 and min(prefilled) <= 6

@@ -88,6 +88,30 @@ def test_prefix_cache_counters_see_a_repeated_context(engine, fmt: ChatFormat) -
     assert delta.generation_tokens == len(first.token_ids) + len(second.token_ids)
 
 
+def test_the_engine_times_its_iterations_with_their_prefill_and_decoding(engine, fmt: ChatFormat) -> None:
+    """What CTB's cost meter learns from: every batch the core sends counted (each request's prompt less
+    its cached tokens prefilled once, every later token decoded), iterations timed while the core ran."""
+    import asyncio
+
+    engine.take_iterations()
+    clock = engine._clock
+    prefilled0, decoded0 = clock.prefilled_total, clock.decoded_total
+    base = long_prompt(fmt)
+    prompts = [base[: len(base) - 7 * i] for i in range(8)]
+    spec = SamplingSpec(max_new_tokens=6, temperature=0.0, stop_token_ids=())
+
+    async def all_at_once():
+        return await asyncio.gather(*(engine.generate(p, spec) for p in prompts))
+
+    gens = run(all_at_once())
+    # The first token of each comes with its prefill; every later one is a decoding step.
+    assert clock.decoded_total - decoded0 == sum(len(g.token_ids) - 1 for g in gens) > 0
+    assert clock.prefilled_total - prefilled0 == sum(g.num_prompt_tokens - g.num_cached_tokens for g in gens)
+    timed = engine.take_iterations()
+    assert timed and all(it.wall_s > 0 and it.decoding + it.prefill_tokens > 0 for it in timed)
+    assert sum(it.decoding for it in timed) <= 8 * 5 and engine.take_iterations() == []
+
+
 def _transformers_logprobs(weights_dir: Path, prompt: list[int], generated: tuple[int, ...]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM

@@ -209,47 +209,54 @@ def reprefill_cost(prefill_s_per_token: float, iteration_s: float, decoding_sequ
 
 @dataclass(slots=True)
 class CostMeter:
-    """What a re-prefilled token costs on a real engine, learned from its turns (the rollout worker's
-    input to :func:`reprefill_cost`): a least-squares fit, without intercept and over recent turns
-    (weights decaying by ``decay`` a turn), of each generation's wall time on its generated tokens (one
-    engine iteration each: ``iteration_s``) and its prompt tokens not served from the cache (prefilled:
-    ``prefill_s_per_token`` each). :meth:`cost` is None until ``min_turns`` turns were seen, and until a
-    fit is positive (then the count rule judges); once one was, a recent window of turns that cannot
-    tell the two apart (too alike, or a fit not positive) keeps the last positive fit: what a prefilled
-    token costs does not change between two turns, and a rank whose windows switched between the cost
-    rule and the count rule would be judged by two rules at once."""
+    """What a re-prefilled token costs on a real engine, learned from its iterations (the rollout
+    worker's input to :func:`reprefill_cost`): a least-squares fit, over recent iterations (weights
+    decaying by ``decay`` an iteration), of each iteration's wall time on a fixed part, the sequences it
+    decoded and the prompt tokens it prefilled: ``wall = c0 + c_d x decoding + c_p x prefilled``. ``c_p``
+    is ``prefill_s_per_token``; the mean iteration's wall time ``iteration_s``, and its mean decoding
+    sequences wait while a token is prefilled.
 
-    decay: float = 0.99
-    min_turns: int = 32
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    """Weighted sums of G x G, G x P, P x P, wall x G, wall x P."""
-    sequences: float = 0.0
-    """Weighted sum of the sequences decoding when each turn started."""
-    weight: float = 0.0
-    turns: int = 0
-    last_fit: tuple[float, float] | None = None
-    """The last positive fit (iteration_s, prefill_s_per_token)."""
+    Why iterations, with a fixed part: an engine's iteration costs a fixed overhead plus its tokens'
+    compute, and on a small model the overhead is most of it (a prefilled token then costs almost
+    nothing). A fit of each *turn's* wall time on its own generated and prefilled tokens, without a fixed
+    part, charged the overhead and the other sequences' work to the turns that prefilled: on the tiny
+    bench it priced a re-prefilled token at 0.36 generated tokens where the budget that evicted most ran
+    fastest (docs/rollout.md).
 
-    def observe(self, wall_s: float, generated_tokens: int, prefilled_tokens: int, decoding_sequences: int) -> None:
-        g, p, w = float(max(0, generated_tokens)), float(max(0, prefilled_tokens)), max(0.0, wall_s)
-        if g + p == 0:
+    :meth:`cost` is None until ``min_iterations`` iterations were seen, some of them prefilling and
+    some not (the fit needs both); once a fit was made, recent iterations that cannot tell the parts
+    apart keep the last fit. A fit with ``c_p <= 0`` (prefill free within the noise) costs 0."""
+
+    decay: float = 0.995
+    min_iterations: int = 64
+    sums: list[float] = field(default_factory=lambda: [0.0] * 9)
+    """Weighted sums of 1, D, P, D x D, D x P, P x P, wall, wall x D, wall x P."""
+    iterations: int = 0
+    last_fit: tuple[float, float, float] | None = None
+    """The last fit: (iteration_s, prefill_s_per_token, mean decoding sequences)."""
+
+    def observe(self, wall_s: float, prefilled_tokens: int, decoding: int) -> None:
+        """One engine iteration: its wall time, the prompt tokens it prefilled, the sequences it decoded."""
+        d, p, w = float(max(0, decoding)), float(max(0, prefilled_tokens)), max(0.0, wall_s)
+        if d + p == 0:
             return
         self.sums = [x * self.decay for x in self.sums]
-        for i, v in enumerate((g * g, g * p, p * p, w * g, w * p)):
+        for i, v in enumerate((1.0, d, p, d * d, d * p, p * p, w, w * d, w * p)):
             self.sums[i] += v
-        self.sequences = self.sequences * self.decay + max(1, decoding_sequences)
-        self.weight = self.weight * self.decay + 1.0
-        self.turns += 1
-        gg, gp, pp, wg, wp = self.sums
-        det = gg * pp - gp * gp
-        if self.turns < self.min_turns or det <= 1e-6 * gg * pp:
-            return  # too few turns, or the two too alike to tell apart: the last fit stands
-        iteration_s, prefill_s = (wg * pp - wp * gp) / det, (gg * wp - gp * wg) / det
-        if iteration_s > 0 and prefill_s > 0:
-            self.last_fit = (iteration_s, prefill_s)
+        self.iterations += 1
+        if self.iterations < self.min_iterations:
+            return
+        n, sd, sp, dd, dp, pp, sw, wd, wp = self.sums
+        solved = _solve3(((n, sd, sp), (sd, dd, dp), (sp, dp, pp)), (sw, wd, wp))
+        if solved is None:
+            return  # the parts cannot be told apart (no iteration prefilled, or every one did alike)
+        prefill_s = max(0.0, solved[2])
+        iteration_s = sw / n
+        if iteration_s > 0:
+            self.last_fit = (iteration_s, prefill_s, sd / n)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(iteration_s, prefill_s_per_token), or None (see the class)."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(iteration_s, prefill_s_per_token, mean decoding sequences), or None (see the class)."""
         return self.last_fit
 
     def cost(self) -> float | None:
@@ -257,7 +264,24 @@ class CostMeter:
         fit = self.fit()
         if fit is None:
             return None
-        return reprefill_cost(fit[1], fit[0], round(self.sequences / self.weight))
+        return reprefill_cost(fit[1], fit[0], round(fit[2]))
+
+
+def _solve3(a: tuple[tuple[float, float, float], ...], b: tuple[float, float, float]) -> tuple[float, ...] | None:
+    """x of the symmetric 3 x 3 system a x = b (Cramer's rule); None where a is near singular."""
+
+    def det(m: tuple[tuple[float, float, float], ...]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    whole = det(a)
+    if abs(whole) <= 1e-9 * a[0][0] * a[1][1] * a[2][2]:
+        return None
+    cols = []
+    for j in range(3):
+        m = tuple(tuple(b[i] if k == j else a[i][k] for k in range(3)) for i in range(3))
+        cols.append(det(m) / whole)
+    return tuple(cols)
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,15 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Iteration:
+    """One engine iteration (a forward of the running batch), as the engine core timed it."""
+
+    wall_s: float  # from the end of the previous iteration, the engine busy in between
+    prefill_tokens: int  # prompt tokens computed (not served from the prefix cache)
+    decoding: int  # sequences that decoded a token
+
+
 class Engine(ABC):
     """One rollout rank's inference engine. Async: many tasks of one rank share it."""
 
@@ -139,6 +148,12 @@ class Engine(ABC):
         :meth:`reload_weights` does; returns the version loaded. An engine that cannot raises
         :class:`EngineError` and keeps its weights (the rank then loads the version's files)."""
         raise EngineError(f"{type(self).__name__} cannot receive weights by transfer")
+
+    def take_iterations(self) -> list[Iteration]:
+        """The engine iterations timed since the last call (oldest first): what the rollout worker's
+        :class:`~tiderl.policy.ctb_budget.CostMeter` learns a re-prefilled token's cost from. An engine
+        that does not time its iterations returns none (CTB's adaptive budget then counts evictions)."""
+        return []
 
     @property
     def memory_released(self) -> bool:

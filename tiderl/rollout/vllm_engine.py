@@ -14,6 +14,7 @@ under ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import queue
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from tiderl.envs.images import PngImage
 from tiderl.rollout.chat import ImageTokens
-from tiderl.rollout.engine import Engine, EngineError, EngineStats, Generation, SamplingSpec, WeightsUpdate, engine_dtype
+from tiderl.rollout.engine import (Engine, EngineError, EngineStats, Generation, Iteration, SamplingSpec, WeightsUpdate,
+                                   engine_dtype)
 from tiderl.rollout.vllm_updates import EngineWeights
 from tiderl.rollout.vllm_worker import checkpoint_tensors
 
@@ -146,6 +148,8 @@ class VllmEngine(EngineWeights, Engine):
         self._transfer_address: str | None = None
         self._updating: asyncio.Lock | None = None
         self.last_update: WeightsUpdate | None = None
+        self._clock = IterationClock()
+        self._clock.attach(self._engine.engine_core)
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -200,6 +204,9 @@ class VllmEngine(EngineWeights, Engine):
         except asyncio.CancelledError:
             self._send("abort", request_id)  # free its KV blocks now
             raise
+
+    def take_iterations(self) -> list[Iteration]:
+        return self._clock.take()
 
     async def stats(self) -> EngineStats:
         metrics = await self._call(self._llm.get_metrics)
@@ -307,6 +314,65 @@ class VllmEngine(EngineWeights, Engine):
             num_cached_tokens=w.num_cached_tokens,
         )
         w.loop.call_soon_threadsafe(_set_result, w.future, generation)
+
+
+class IterationClock:
+    """Times the engine core's iterations from the outputs it sends (:meth:`Engine.take_iterations`).
+
+    Each batch of outputs the core sends is one iteration, stamped by the core when it finished
+    (`EngineCoreOutputs.timestamp`, the host's monotonic clock). Its wall time is the time since the
+    previous batch, counted only when that batch left a request running (the core then went on at
+    once; after a batch that finished every request it may have waited for new ones), and not across
+    a pause (:meth:`skip`, a weights update). A request's first output carries what its prefill
+    computed (`prefill_stats.num_computed_tokens`: its prompt less what the prefix cache served); the
+    others each decoded a token."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._samples: collections.deque[Iteration] = collections.deque(maxlen=keep)
+        self._last: float | None = None
+        self._running = False
+        self.prefilled_total = 0  # over every batch, timed or not
+        self.decoded_total = 0
+
+    def attach(self, core: Any) -> None:
+        """Time every batch `core.get_output()` hands the engine (vLLM's engine-core client)."""
+        get_output = core.get_output
+
+        def timed() -> Any:
+            outputs = get_output()
+            self.observe(outputs)
+            return outputs
+
+        core.get_output = timed
+
+    def observe(self, outputs: Any) -> None:
+        items = getattr(outputs, "outputs", None)
+        if not items:
+            return  # a utility answer, not an iteration
+        stamp = float(outputs.timestamp)
+        prefilled = decoding = 0
+        for item in items:
+            stats = getattr(item, "prefill_stats", None)
+            if stats is not None:
+                prefilled += int(stats.num_computed_tokens)
+            elif item.new_token_ids:
+                decoding += 1
+        self.prefilled_total += prefilled
+        self.decoded_total += decoding
+        if self._last is not None and self._running and stamp > self._last:
+            self._samples.append(Iteration(stamp - self._last, prefilled, decoding))
+        self._last = stamp
+        self._running = any(item.finish_reason is None for item in items)
+
+    def skip(self) -> None:
+        """The next batch follows a pause of the core: do not time it."""
+        self._last = None
+
+    def take(self) -> list[Iteration]:
+        out = []
+        while self._samples:
+            out.append(self._samples.popleft())
+        return out
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ class EngineWeights:
     last_update: WeightsUpdate | None
     _call: Callable[[Callable[[], Any]], Any]  # the engine thread's: run a function between two steps
     _take_queued: Callable[[], None]  # the engine thread's: take the outputs vLLM's core sampled already
+    _clock: Any  # the engine's IterationClock
 
     @property
     def memory_released(self) -> bool:
@@ -146,6 +147,7 @@ class EngineWeights:
                         raise EngineError("reload_weights: vLLM refused to reset its prefix cache after loading")
                     self._version = done.version
                 finally:
+                    self._clock.skip()  # the core stood still: the next batch's time is not an iteration's
                     self._llm.wake_up(tags=["scheduling"])
                 return replace(done, stall_s=time.monotonic() - t0, in_flight=in_flight)
 

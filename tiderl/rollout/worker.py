@@ -17,7 +17,8 @@ context from its prefix cache (`Generation.num_cached_tokens`)? Once a window of
 turns is judged, `tiderl.policy.ctb_budget.next_budget` sets the next budget:
 it grows while the budget holds tasks back and the cache keeps what the resident
 tasks left in it, and shrinks when it evicts them; where the worker's `CostMeter`
-has fitted what a re-prefilled token costs, by what the evicted contexts cost
+has fitted what a re-prefilled token costs (from the engine's timed iterations,
+`Engine.take_iterations`), by what the evicted contexts cost
 against what the overcommit could add. The bookkeeping is
 `tiderl.policy.ctb_budget.BudgetTracker`, which the simulator's rollout ranks
 keep the same way.
@@ -98,10 +99,10 @@ class RolloutWorker:
             budget_limits = dataclasses.replace(budget_limits, floor_tokens=floor)
         self.budget = BudgetTracker(floor, budget_limits)
         self._resident_since_generation: set[str] = set()
-        # What a re-prefilled token costs on this engine, fitted from the turns' wall times (the adaptive
-        # budget's cost rule): when each generation started, its prompt tokens, the sequences decoding.
+        # What a re-prefilled token costs on this engine, fitted from its timed iterations (the adaptive
+        # budget's cost rule); the context's tokens when each generation started (its generated tokens).
         self._cost_meter = CostMeter()
-        self._generation_started: dict[str, tuple[float, int, int]] = {}
+        self._generation_started: dict[str, int] = {}
         self.admission = AdmissionLimits(max_resident_tasks=max_resident_tasks)
         self.staleness_allowance = staleness_allowance
         self.on_failure = on_failure
@@ -300,11 +301,10 @@ class RolloutWorker:
         expected to lose its cache). Adjusts an adaptive budget once a window is judged."""
         cached, run.cached_tokens = run.cached_tokens, None
         task_id = run.spec.task_id
-        started, generated = self._generation_started.pop(task_id, None), 0
-        if started is not None and cached is not None:
-            t0, prompt_tokens, decoding = started
-            generated = max(0, run.context_tokens - prompt_tokens)
-            self._cost_meter.observe(time.monotonic() - t0, generated, prompt_tokens - cached, decoding)
+        prompt_tokens = self._generation_started.pop(task_id, None)
+        generated = max(0, run.context_tokens - prompt_tokens) if prompt_tokens is not None else 0
+        for it in self.engine.take_iterations():
+            self._cost_meter.observe(it.wall_s, it.prefill_tokens, it.decoding)
         resident = task_id in self._resident_since_generation
         self._resident_since_generation.add(task_id)
         if cached is None or not resident:
@@ -398,7 +398,7 @@ class RolloutWorker:
             await event.wait()
             await env.resume(run.session_id)
         run.phase = Phase.GENERATING
-        self._generation_started[run.spec.task_id] = (time.monotonic(), run.context_tokens, self.num_generating)
+        self._generation_started[run.spec.task_id] = run.context_tokens
         self._changed.set()
 
     def after_turn(self, run: TaskRun) -> None:
