@@ -195,3 +195,32 @@ def test_decoupled_off_policy_weights_the_gradient_by_the_truncated_importance_w
     with pytest.raises(ValueError, match="off_policy"):
         grpo_loss(lp, old, None, adv, mask, clip_eps=0.2, kl_coef=0.0, kl_estimator="k3", normalizer=2.0,
                   off_policy="tis-typo")
+
+
+def _reference_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
+                       banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """Plain torch: the Categorical's entropy of each position's tempered (allowed-ids) distribution, masked."""
+    scaled = logits[:, :-1].double() / temperature
+    if banned:
+        scaled[..., list(banned)] = float("-inf")
+    h = torch.distributions.Categorical(logits=scaled).entropy()
+    return torch.where(mask > 0, h, torch.zeros_like(h))
+
+
+@pytest.mark.parametrize("temperature,banned", [(1.0, ()), (0.7, ()), (1.3, (2, 5))])
+def test_token_entropy_is_the_categorical_entropy_at_the_trained_positions(monkeypatch, temperature, banned):
+    from tiderl.trainer import grpo
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 11, generator=g) * 3
+    logits.requires_grad_(True)
+    mask = (torch.rand(3, 8, generator=g) > 0.4).float()
+    want = _reference_entropy(logits.detach(), mask, temperature, banned)
+    for chunk in (1 << 24, 11, 23):  # whole, one position per chunk, two per chunk with a short last one
+        monkeypatch.setattr(grpo, "ENTROPY_CHUNK_ELEMENTS", chunk)
+        got = grpo.token_entropy(logits, mask, temperature=temperature, banned=banned)
+        assert not got.requires_grad and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, atol=1e-5), chunk
+    assert bool((got[mask == 0] == 0).all()) and bool((got[mask > 0] > 0).all())
+    with pytest.raises(ValueError, match="loss_mask"):
+        grpo.token_entropy(logits, mask[:, 1:])

@@ -48,7 +48,8 @@ def story(tmp_path: Path):
     claims = s.claim_tasks(1, 2)
     s.report(RankReport(rank=1, role=Role.ROLLOUT, finished=[
         FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], logprobs=[0, -1, -1, -1],
-                           token_versions=[-1, 0, 0, 0], num_turns=1, reward=float(i), success=bool(i))
+                           token_versions=[-1, 0, 0, 0], num_turns=2 + 2 * i, reward=float(i), success=bool(i),
+                           env=("hilo", "pytool")[i])
         for i, c in enumerate(claims)], metrics=[
         MetricPoint("rwt_s", 1.5, 0, "rollout"), MetricPoint("prefix_cache_queries", 200, 0, "rollout"),
         MetricPoint("prefix_cache_hits", 50, 0, "rollout"), MetricPoint("kv_usage", 0.25, 0, "rollout")]))
@@ -57,7 +58,9 @@ def story(tmp_path: Path):
                                     step_started_at=0.0, duration_s=2.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=0)
     s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[
-        MetricPoint("twt_s", 0.75, 0, "actor"), MetricPoint("logprob_mismatch_on_policy", 3e-7, 0, "actor")]))
+        MetricPoint("twt_s", 0.75, 0, "actor"), MetricPoint("logprob_mismatch_on_policy", 3e-7, 0, "actor"),
+        MetricPoint("entropy", 2.5, 0, "actor"), MetricPoint("grad_norm", 0.8, 0, "actor"),
+        MetricPoint("lr", 1e-5, 0, "actor"), MetricPoint("kl", 0.01, 0, "actor")]))
     server = MetricsServer.start(tmp_path / "r", s, config)
     assert server is not None
     yield tmp_path / "r", s, server
@@ -82,6 +85,15 @@ def test_scrape_the_control_plane_endpoint(story) -> None:
     assert value(m, "tiderl_rank_up", rank="1", role="rollout", state="running") == 1
     assert value(m, "tiderl_trajectory_staleness_versions_count") == 2
     assert value(m, "tiderl_train_success_rate") == 0.5
+    assert value(m, "tiderl_policy_entropy", rank="0", role="actor") == 2.5
+    assert value(m, "tiderl_trainer_grad_norm", rank="0", role="actor") == 0.8
+    assert value(m, "tiderl_trainer_learning_rate", rank="0", role="actor") == 1e-5
+    assert value(m, "tiderl_trainer_kl", rank="0", role="actor") == 0.01
+    assert value(m, "tiderl_train_turns_mean") == 3.0 and value(m, "tiderl_train_turns_max") == 4
+    assert value(m, "tiderl_train_env_reward_mean", env="hilo") == 0.0
+    assert value(m, "tiderl_train_env_reward_mean", env="pytool") == 1.0
+    assert value(m, "tiderl_train_env_success_rate", env="pytool") == 1.0
+    assert value(m, "tiderl_train_env_trajectories", env="hilo") == 1
     assert value(m, "tiderl_stalled") == 0
     assert value(m, "tiderl_endpoint_info", process="control", url=server.url) == 1
 

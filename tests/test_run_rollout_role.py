@@ -53,6 +53,7 @@ def check_trajectories(role: RolloutRole, version: int = 0) -> None:
         assert traj.success == (traj.reward > 0)
         assert traj.finish in ("done", "max_turns", "max_context")  # the store keeps how it ended
         assert traj.finish != "max_turns" or traj.num_turns == 4
+        assert traj.env == "hilo"  # the environment it played: the step's figures per environment read it
 
 
 @pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])

@@ -78,9 +78,10 @@ def test_a_step_claims_the_batch_trains_and_publishes_the_version(tmp_path: Path
     assert ctx.paths.checkpoint(1).is_dir()
     buf = ctx.store.buffer_state()
     assert buf.traj_consumed == 8 and buf.groups_ready == 1  # the third group waits for the next step
-    points = {m["name"]: m for m in ctx.store.metric_rows(["kl", "train_s", "twt_s", "clip_frac"])}
-    assert set(points) == {"kl", "train_s", "twt_s", "clip_frac"}
+    points = {m["name"]: m for m in ctx.store.metric_rows(["kl", "train_s", "twt_s", "clip_frac", "entropy"])}
+    assert set(points) == {"kl", "train_s", "twt_s", "clip_frac", "entropy"}
     assert points["train_s"]["value"] > 0 and points["kl"]["version"] == 0 and points["kl"]["role"] == "actor"
+    assert points["entropy"]["value"] > 0 and points["entropy"]["role"] == "actor"
 
 
 def test_a_streaming_system_trains_the_groups_that_are_ready_while_the_rest_are_generated(

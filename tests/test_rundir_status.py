@@ -87,15 +87,16 @@ def _story(run_dir: Path) -> None:
     claims = s.claim_tasks(0, 2)
     s.report(RankReport(rank=0, finished=[
         FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
-                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1,
-                           reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
+                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1 + 2 * i,
+                           reward=float(i), success=bool(i), env=("hilo", "pytool")[i]) for i, c in enumerate(claims)],
         metrics=[MetricPoint("rwt_s", 1.5), MetricPoint("twt_s", 0.25)]))
     got = s.claim_ready_groups(1, 4)
     s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                     step_started_at=0.0, duration_s=3.0, ras=1, tprm_s=0.5, ra2p_mode="colocated"),
                       owner=1)
     s.report(RankReport(rank=1, metrics=[MetricPoint("clip_frac", 0.125, 0, "actor"),
-                                         MetricPoint("logprob_mismatch_on_policy", 0.0625, 0, "actor")]))
+                                         MetricPoint("logprob_mismatch_on_policy", 0.0625, 0, "actor"),
+                                         MetricPoint("entropy", 0.75, 0, "actor")]))
     s.report(RankReport(rank=0, metrics=[MetricPoint(n, v, 1, "rollout") for n, v in (
         ("ctb_admitted", 2), ("ctb_pauses", 1), ("ctb_resumes", 1), ("ctb_prefix_kept", 3), ("ctb_prefix_evicted", 1),
         ("prefix_cache_queries", 100), ("prefix_cache_hits", 40), ("kv_usage", 0.5), ("ctb_budget_tokens", 1500))]))
@@ -112,11 +113,13 @@ def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert doc["rwt_s"] == 1.5 and doc["twt_s"] == 0.25
     assert [(r["rank"], r["role"]) for r in doc["ranks"]] == [(0, "rollout"), (1, "actor")]
     (step,) = doc["steps"]
-    assert step == {"version": 1, "success_rate": 0.5, "reward_mean": 0.5, "consumed_tokens": 6, "duration_s": 3.0,
-                    "goodput_tok_s": 2.0, "ras": 1, "tprm_s": 0.5, "ra2p_mode": "colocated", "max_staleness": 0,
-                    "eval": False}
+    assert step == {"version": 1, "success_rate": 0.5, "reward_mean": 0.5, "turns_mean": 2.0, "turns_max": 3,
+                    "consumed_tokens": 6, "duration_s": 3.0, "goodput_tok_s": 2.0, "ras": 1, "tprm_s": 0.5,
+                    "ra2p_mode": "colocated", "max_staleness": 0, "eval": False,
+                    "env_figures": {"hilo": {"num_trajectories": 1, "reward_mean": 0.0, "success_rate": 0.0},
+                                    "pytool": {"num_trajectories": 1, "reward_mean": 1.0, "success_rate": 1.0}}}
     assert doc["buffer"]["tasks_pending"] == 2 and doc["buffer"]["traj_consumed"] == 2
-    assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch_on_policy": 0.0625}
+    assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch_on_policy": 0.0625, "entropy": 0.75}
     assert doc["rollout"] == {"ctb_admitted": 3, "ctb_pauses": 1, "ctb_resumes": 1, "ctb_prefix_kept": 3,
                               "ctb_prefix_evicted": 1, "prefix_cache_queries": 200, "prefix_cache_hits": 40,
                               "kv_usage": 0.5, "ctb_budget_tokens": 1500.0}
@@ -128,7 +131,10 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "run quickstart (tiderl): running" in out
     assert "colocated" in out and "rollout" in out and "tasks pending 2" in out
-    assert "trainer (last step): clip_frac 0.125, logprob_mismatch_on_policy 0.0625" in out
+    assert "trainer (last step): entropy 0.75, clip_frac 0.125, logprob_mismatch_on_policy 0.0625" in out
+    assert "version  success  reward  turns  tokens" in out and "      1     0.50    0.50    2.0       6" in out
+    assert ("per environment (last step): hilo reward 0.00 success 0.00 (1 trajectories); "
+            "pytool reward 1.00 success 1.00 (1 trajectories)") in out
     assert ("rollout (run so far): admitted 3, paused 1, resumed 1; turns whose context the prefix cache kept 3, "
             "evicted 1; prefix-cache hit rate 0.20; KV usage 0.50; CTB budget 1500 tokens") in out
 

@@ -21,14 +21,15 @@ def _step(s, version: int) -> None:
     claims = s.claim_tasks(1, 2)
     s.report(RankReport(rank=1, finished=[
         FinishedTrajectory(task_id=c.task_id, token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
-                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1,
-                           reward=float(i), success=bool(i)) for i, c in enumerate(claims)],
+                           logprobs=[0, -1, -1, -1], token_versions=[-1, 0, 0, 0], num_turns=1 + 2 * i,
+                           reward=float(i), success=bool(i), env=("hilo", "pytool")[i]) for i, c in enumerate(claims)],
         metrics=[MetricPoint("rwt_s", 1.5, version - 1, "rollout")]))
     got = s.claim_ready_groups(0, 4)
     s.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="c",
                                     trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=2.0,
                                     ras=1, tprm_s=0.5, ra2p_mode="colocated"), owner=0)
-    s.report(RankReport(rank=0, metrics=[MetricPoint("clip_frac", 0.25 * version, version - 1, "actor")]))
+    s.report(RankReport(rank=0, metrics=[MetricPoint("clip_frac", 0.25 * version, version - 1, "actor"),
+                                         MetricPoint("entropy", 1.5, version - 1, "actor")]))
     s.plan_roles(version, {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.IDLE})
 
 
@@ -58,12 +59,19 @@ def test_per_step_scalars_are_written_once_and_a_restart_carries_on(tmp_path: Pa
     assert _scalars(d, "train/success_rate") == [(1, 0.5)]
     assert _scalars(d, "trainer/clip_frac") == [(1, 0.25)]
     assert _scalars(d, "roles/idle") == [(1, 1.0)] and _scalars(d, "wait/rwt_s") == [(1, 1.5)]
+    assert _scalars(d, "trainer/entropy") == [(1, 1.5)]
+    # Turns per task (1 and 3), and each environment's share of the step (one trajectory each here).
+    assert _scalars(d, "train/turns_mean") == [(1, 2.0)] and _scalars(d, "train/turns_max") == [(1, 3.0)]
+    assert _scalars(d, "train/reward_mean/hilo") == [(1, 0.0)] and _scalars(d, "train/success_rate/hilo") == [(1, 0.0)]
+    assert _scalars(d, "train/reward_mean/pytool") == [(1, 1.0)]
+    assert _scalars(d, "train/success_rate/pytool") == [(1, 1.0)]
     # A restarted control plane writes only what is new.
     _step(s, 2)
     again = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
     again.close()
     assert _scalars(d, "train/success_rate") == [(1, 0.5), (2, 0.5)]
     assert _scalars(d, "trainer/clip_frac") == [(1, 0.25), (2, 0.5)]
+    assert _scalars(d, "train/success_rate/pytool") == [(1, 1.0), (2, 1.0)]
     assert _scalars(d, "wait/rwt_s") == [(1, 1.5), (2, 3.0)]
 
 
@@ -146,6 +154,9 @@ def test_wandb_gets_the_same_scalars_offline_against_the_version(tmp_path: Path,
     assert ("*", "version") in run.defined and run.finished
     assert {"train/success_rate": 0.5, "version": 1} in run.logged
     assert {"trainer/clip_frac": 0.25, "version": 1} in run.logged
+    assert {"trainer/entropy": 1.5, "version": 1} in run.logged
+    assert {"train/turns_mean": 2.0, "version": 1} in run.logged
+    assert {"train/reward_mean/pytool": 1.0, "version": 1} in run.logged
     assert not _scalars(paths.root / "tensorboard", "train/success_rate")  # TensorBoard off: no event file
     # Asked for but not installed: a warning, and no writer at all when TensorBoard is off too.
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)

@@ -72,7 +72,7 @@ def test_actor_offload_keeps_accumulated_gradients(model_dir):
     assert any(s.advantage != 0 for s in samples)
     mb = collate(samples)
     acc = grpo_step.StepAccumulator(version=0)
-    grpo_step.finish(actor, mb, actor.forward(mb), None, grpo_step.LossConfig(kl_coef=0.0), 10.0, acc)
+    grpo_step.finish(actor, mb, actor.train_forward(mb), None, grpo_step.LossConfig(kl_coef=0.0), 10.0, acc)
     grads = [p.grad.clone() for p in actor.params]
     actor.offload()
     actor.onload()
@@ -102,11 +102,39 @@ def test_the_compute_dtype_keeps_fp32_weights_and_moments(model_dir, backend):
     mb = collate(random_samples(1, 2, seed=3))
     fp32 = make_backend(backend, "actor", model_dir, dtype="auto")
     bf16 = make_backend(backend, "actor", model_dir, dtype="bfloat16", activation_checkpointing=True)
-    full, half = fp32.forward(mb), bf16.forward(mb)
+    full, out = fp32.forward(mb), bf16.train_forward(mb)
+    half = out.logprobs
     assert half.dtype == torch.float32 and 0 < float((half - full).detach().abs().max()) < 0.1
-    grpo_step.finish(bf16, mb, half, None, grpo_step.LossConfig(kl_coef=0.0), 10.0, grpo_step.StepAccumulator(0))
+    grpo_step.finish(bf16, mb, out, None, grpo_step.LossConfig(kl_coef=0.0), 10.0, grpo_step.StepAccumulator(0))
     bf16.step()
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
     assert all(v.dtype == torch.float32 for st in bf16.optimizer.state.values() for v in st.values() if v.dim())
     ref = make_backend(backend, "ref", model_dir, dtype="bfloat16")
     assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_the_step_entropy_is_the_token_weighted_mean_over_the_micro_batches(model_dir, backend):
+    """`entropy`: the policy's mean entropy over every trained token of the step, from the logits of the actor's
+    own forward (at the sampling temperature), weighted by tokens across micro-batches of unequal size (not a
+    mean of their means), and without a gradient of its own."""
+    temperature = 0.05  # the random model's logits are nearly flat: sharpened, entropies differ between tokens
+    actor = make_backend(backend, "actor", model_dir, temperature=temperature)
+    samples = random_samples(1, 4, min_tokens=8, max_tokens=40, seed=5)
+    mbs = [collate(samples[:1], 0), collate(samples[1:], 1)]
+    counts = [int((mb.loss_mask > 0).sum()) for mb in mbs]
+    assert counts[0] != counts[1]
+    sums = []
+    with torch.no_grad():
+        for mb in mbs:
+            logits = actor.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].double()
+            h = torch.distributions.Categorical(logits=logits / temperature).entropy()
+            sums.append(float(h[mb.loss_mask > 0].sum()))
+    acc = grpo_step.StepAccumulator(version=0)
+    for mb in mbs:
+        out = grpo_step.forward(actor, mb, acc)
+        assert out.logprobs.requires_grad and not out.entropy.requires_grad
+        grpo_step.finish(actor, mb, out, None, grpo_step.LossConfig(kl_coef=0.0), float(sum(counts)), acc)
+    stats = grpo_step.reduce_stats(acc, grad_norm=0.0, optimizer_s=0.0, started=0.0, group=None)
+    assert stats.entropy == pytest.approx(sum(sums) / sum(counts), rel=1e-5)
+    assert stats.entropy != pytest.approx(sum(s / n for s, n in zip(sums, counts)) / 2, rel=1e-3)

@@ -57,6 +57,8 @@ def test_all_modes_and_dp_layouts_give_the_same_step(base, tmp_path):
         assert stats["num_sequences"] == 12, mode
         assert stats["loss"] == pytest.approx(single.loss, abs=1e-4), mode
         assert stats["grad_norm"] == pytest.approx(single.grad_norm, rel=1e-4), mode
+        # token-weighted over both actors' shares, as the loss: the one process's mean over every trained token
+        assert stats["entropy"] == pytest.approx(single.entropy, rel=1e-5), mode
     # the decoupled ref rank served every share of both actors, and no actor swapped
     dec = [records[r]["decoupled"][0] for r in range(3)]
     assert dec[2]["num_served"] == dec[0]["num_micro_batches"] and dec[0]["num_swaps"] == 0

@@ -157,6 +157,8 @@ def test_every_ra2p_mode_of_a_sharded_group_gives_the_one_process_step(base: Pat
         _close(torch.load(tmp_path / "out" / f"rank0-{mode.value}.pt"), single.actor.full_weights())
         assert not (tmp_path / "out" / f"rank1-{mode.value}.pt").exists()  # only the first rank gathers
         assert records[0][mode.value][0]["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-4), mode
+        # the padding passes of the lockstep count no entropy
+        assert records[0][mode.value][0]["entropy"] == pytest.approx(stats.entropy, rel=1e-5), mode
         assert (tmp_path / "run" / mode.value / "weights" / "v1").is_dir(), mode
 
 

@@ -64,6 +64,16 @@ LEVELS = {
     "logprob_mismatch_on_policy": ("tiderl_logprob_mismatch_on_policy", "Mean |trainer - engine| log-prob (nats) of "
                                    "the last step's tokens sampled with the weights it trained: the engine's own "
                                    "error (~1e-6 in fp32).", 1.0),
+    "entropy": ("tiderl_policy_entropy", "Mean entropy (nats) of the policy over the last step's trained tokens.",
+                1.0),
+    "pg_loss": ("tiderl_trainer_pg_loss", "Policy-gradient part of the last step's GRPO loss, per trained token.", 1.0),
+    "kl": ("tiderl_trainer_kl", "Mean KL(policy || reference) estimate over the last step's trained tokens.", 1.0),
+    "grad_norm": ("tiderl_trainer_grad_norm", "Gradient norm of the last step, before clipping.", 1.0),
+    "lr": ("tiderl_trainer_learning_rate", "Learning rate of the last step.", 1.0),
+    "clip_frac": ("tiderl_trainer_clip_fraction", "Share of the last step's trained tokens whose ratio was clipped.",
+                  1.0),
+    "response_tokens_mean": ("tiderl_trainer_response_tokens_mean", "Mean response (trained) tokens per sequence of the last "
+                             "step.", 1.0),
     "logprob_mismatch_stale": ("tiderl_logprob_mismatch_stale", "Mean |trainer - engine| log-prob (nats) of the last "
                                "step's tokens sampled with older weights: mostly the policy's change since.", 1.0),
 }
@@ -205,6 +215,22 @@ def _step_families(steps: list[dict[str, Any]]) -> list[Metric]:
                        last.get("reward_mean")))
     fams.append(_gauge("tiderl_train_success_rate", "Success rate (0..1) of the last step's trajectories.",
                        last.get("success_rate")))
+    fams.append(_gauge("tiderl_train_turns_mean", "Mean agent turns per task of the last step's trajectories.",
+                       last.get("turns_mean")))
+    fams.append(_gauge("tiderl_train_turns_max", "Most agent turns of a task among the last step's trajectories.",
+                       last.get("turns_max")))
+    envs = last.get("env_figures") or {}
+    for key, prom, help_text in (
+            ("reward_mean", "tiderl_train_env_reward_mean", "Mean reward of the last step's trajectories of "
+             "each environment."),
+            ("success_rate", "tiderl_train_env_success_rate", "Success rate (0..1) of the last step's "
+             "trajectories of each environment."),
+            ("num_trajectories", "tiderl_train_env_trajectories", "Trajectories of each environment the last "
+             "step trained.")):
+        fam = GaugeMetricFamily(prom, help_text, labels=["env"])
+        for env, figures in envs.items():
+            fam.add_metric([env], float(figures[key]))
+        fams.append(fam)
     return fams + [mode]
 
 

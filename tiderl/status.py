@@ -15,8 +15,8 @@ from typing import Any
 
 from tiderl import diagnose as dg
 
-STEP_KEYS = ("version", "success_rate", "reward_mean", "consumed_tokens", "duration_s", "goodput_tok_s",
-             "ras", "tprm_s", "ra2p_mode", "max_staleness")
+STEP_KEYS = ("version", "success_rate", "reward_mean", "turns_mean", "turns_max", "consumed_tokens", "duration_s",
+             "goodput_tok_s", "ras", "tprm_s", "ra2p_mode", "max_staleness", "env_figures")
 RWT_WINDOW_S = 30.0  # a rollout rank counts as waiting if it recorded RWT within this window
 ENV_PROBE_TIMEOUT_S = 2.0
 # What CTB decided and what the prefix cache kept (metrics of the rollout ranks: increments summed; levels averaged).
@@ -26,9 +26,9 @@ CTB_LEVELS = ("kv_usage", "ctb_budget_tokens")
 SEVERITY_MARK = {"error": "!!", "warning": " !", "info": " -"}
 
 
-TRAINER_KEYS = ("loss", "grad_norm", "lr", "response_tokens_mean", "kl", "clip_frac", "logprob_mismatch_on_policy",
-                "logprob_mismatch_stale", "is_weight_mean",
-                "is_truncated_frac", "staleness_max")
+TRAINER_KEYS = ("loss", "grad_norm", "lr", "response_tokens_mean", "entropy", "kl", "clip_frac",
+                "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean", "is_truncated_frac",
+                "staleness_max")
 
 
 def collect(store: Any) -> dict[str, Any]:
@@ -215,12 +215,18 @@ def render(doc: dict[str, Any]) -> str:
               "{tasks_failed}; trajectories waiting-for-group {traj_waiting_group}, ready {traj_ready} "
               "({ready_tokens} tokens), claimed {traj_claimed}, consumed {traj_consumed}".format(**b)]
     if doc["steps"]:
-        lines += ["", "version  success  reward  tokens  step_s  tok/s    RAS  TPRM_s  mode"]
+        lines += ["", "version  success  reward  turns  tokens  step_s  tok/s    RAS  TPRM_s  mode"]
         for s in doc["steps"][-10:]:
             lines.append(f"{s['version']:>7}  {_f(s['success_rate'], 2):>7}  {_f(s['reward_mean'], 2):>6}  "
-                         f"{s['consumed_tokens']:>6}  {_f(s['duration_s'], 1):>6}  {_f(s['goodput_tok_s'], 0):>5}  "
+                         f"{_f(s['turns_mean'], 1):>5}  {s['consumed_tokens']:>6}  {_f(s['duration_s'], 1):>6}  "
+                         f"{_f(s['goodput_tok_s'], 0):>5}  "
                          f"{s['ras'] if s['ras'] is not None else '-':>5}  {_f(s['tprm_s'], 2):>6}  "
                          f"{s['ra2p_mode'] or '-'}")
+        envs = doc["steps"][-1].get("env_figures") or {}
+        if len(envs) > 1:
+            lines.append("per environment (last step): " + "; ".join(
+                f"{env} reward {_f(f['reward_mean'], 2)} success {_f(f['success_rate'], 2)} "
+                f"({f['num_trajectories']} trajectories)" for env, f in envs.items()))
     r = doc.get("rollout") or {}
     if r:
         hits = f"{r['prefix_cache_hits'] / r['prefix_cache_queries']:.2f}" if r["prefix_cache_queries"] else "-"

@@ -7,8 +7,11 @@ of every scalar is the weights version a training step published, so curves of a
 run continue where they were: the versions and metric rows already written are kept in
 `RUN_DIR/tensorboard/written.json`, and a restarted control plane carries on from there.
 
-Scalars: `train/` (success rate, reward, trained tokens, step seconds, RAS, TPRM, staleness),
-`trainer/` (KL, clip fraction, log-prob mismatch, importance weights: the actor's step metrics),
+Scalars: `train/` (success rate, reward, turns per task (mean, max), trained tokens, step seconds, RAS, TPRM,
+staleness; `reward_mean/ENV` and `success_rate/ENV` of each environment the step trained, written for every step
+even when the job plays one environment: `tiderl.store.step_figures`),
+`trainer/` (loss, gradient norm, learning rate, response length, policy entropy, KL, clip fraction, log-prob
+mismatch, importance weights: the actor's step metrics, ACTOR_METRICS),
 `wait/` (RWT and TWT seconds so far: the slope is the waiting), `roles/` (ranks per role of the version's plan),
 `eval/` (success rate of each evaluation once all its tasks are in, with its 95% interval) and
 `throughput/goodput_tok_s`.
@@ -32,12 +35,14 @@ from tiderl.store.engine import StoreError
 log = logging.getLogger(__name__)
 TB_DIR = "tensorboard"
 STEP_SCALARS = {"success_rate": "train/success_rate", "reward_mean": "train/reward_mean",
+                "turns_mean": "train/turns_mean", "turns_max": "train/turns_max",
                 "consumed_tokens": "train/consumed_tokens", "duration_s": "train/step_s", "ras": "train/ras",
                 "tprm_s": "train/tprm_s", "max_staleness": "train/max_staleness",
                 "goodput_tok_s": "throughput/goodput_tok_s"}
-ACTOR_METRICS = ("loss", "pg_loss", "grad_norm", "lr", "response_tokens_mean", "kl", "clip_frac",
+ACTOR_METRICS = ("loss", "pg_loss", "grad_norm", "lr", "response_tokens_mean", "entropy", "kl", "clip_frac",
                  "logprob_mismatch_on_policy", "logprob_mismatch_stale", "is_weight_mean", "is_truncated_frac", "staleness_max",
                  "train_s", "chunks")
+ENV_SCALARS = ("reward_mean", "success_rate")  # of each environment: train/reward_mean/ENV, train/success_rate/ENV
 WAITS = ("rwt_s", "twt_s")
 
 
@@ -121,6 +126,9 @@ class TensorBoardLog:
             for key, tag in STEP_SCALARS.items():
                 if s.get(key) is not None:
                     self._scalar(tag, float(s[key]), v)
+            for env, figures in (s.get("env_figures") or {}).items():
+                for key in ENV_SCALARS:
+                    self._scalar(f"train/{key}/{env}", float(figures[key]), v)
             for name, value in self.waits.items():
                 self._scalar(f"wait/{name}", value, v)
             plan = self.store.plan_at(v)

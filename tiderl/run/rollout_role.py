@@ -88,7 +88,7 @@ class RolloutRole:
             task_id=claim.task_id, token_ids=traj.token_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
             token_versions=traj.versions, num_turns=traj.num_turns, reward=traj.reward,
             success=bool(found) if found is not None else traj.reward > 0, env_s=traj.env_s, finish=traj.finish or None,
-            images=tuple(i.data for i in traj.images), prunes=tuple(traj.prunes)))
+            images=tuple(i.data for i in traj.images), prunes=tuple(traj.prunes), env=traj.task.env))
 
     def _failed(self, spec: TaskSpec, error: BaseException) -> None:
         claim = self.claims.pop(spec.task_id)

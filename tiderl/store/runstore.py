@@ -82,6 +82,7 @@ from tiderl.store.schema import (
     trajectories,
     versions,
 )
+from tiderl.store.step_figures import parse_env_figures, step_figures
 from tiderl.store.types import (
     BufferState,
     StepWindow,
@@ -632,8 +633,8 @@ class RunStore:
             if _already_published(c, step):
                 return  # an earlier attempt of this call committed before its connection was cut
             rows = c.execute(select(trajectories.c.id, trajectories.c.num_generated, trajectories.c.num_tokens,
-                                    trajectories.c.reward, trajectories.c.success,
-                                    trajectories.c.min_version).where(
+                                    trajectories.c.reward, trajectories.c.success, trajectories.c.num_turns,
+                                    trajectories.c.env, trajectories.c.min_version).where(
                 trajectories.c.id.in_(ids), trajectories.c.state == TrajectoryState.CLAIMED.value,
                 trajectories.c.claim_owner == owner)).all()
             if len(rows) != len(set(ids)):
@@ -645,13 +646,13 @@ class RunStore:
             if step.version != current + 1:
                 raise StoreError(f"run store {self.label}: version {step.version} published after {current}")
             c.execute(update(runs).where(runs.c.id == 1).values(version=step.version, updated_at=time.time()))
-            n = len(rows)
+            figures = step_figures(rows)
             c.execute(insert(versions).values(
                 version=step.version, path=step.path, checksum=step.checksum, created_at=time.time(),
-                step_started_at=step.step_started_at, duration_s=step.duration_s, num_trajectories=n,
+                step_started_at=step.step_started_at, duration_s=step.duration_s, num_trajectories=len(rows),
                 consumed_tokens=sum(r.num_generated for r in rows), trained_tokens=sum(r.num_tokens for r in rows),
-                reward_mean=sum(r.reward for r in rows) / n if n else None,
-                success_rate=sum(r.success for r in rows) / n if n else None,
+                reward_mean=figures.reward_mean, success_rate=figures.success_rate, turns_mean=figures.turns_mean,
+                turns_max=figures.turns_max, env_figures=figures.env_json(),
                 max_staleness=max((step.version - 1 - r.min_version for r in rows), default=None),
                 ras=step.ras, tprm_s=step.tprm_s,
                 ra2p_mode=None if step.ra2p_mode is None else Ra2pMode.parse(step.ra2p_mode).value, loss=step.loss))
@@ -854,7 +855,9 @@ class RunStore:
         return BufferState(**{f: int(row[f] or 0) for f in BufferState.__slots__})
 
     def steps(self) -> list[dict[str, Any]]:
-        return self.view("step_summary")
+        """The `step_summary` view, each step's `env_figures` read back as a dict (step_figures.py; {} in the view
+        of a store an earlier TideRL made, read without upgrading it)."""
+        return [s | {"env_figures": parse_env_figures(s.get("env_figures"))} for s in self.view("step_summary")]
 
     # ---- reading for monitoring (tiderl status, tiderl report, the Prometheus exporter) ----------
     def outstanding_groups(self) -> list[dict[str, Any]]:
@@ -952,7 +955,8 @@ class RunStore:
             select(versions.c.version, versions.c.created_at, versions.c.step_started_at, versions.c.duration_s,
                    versions.c.num_trajectories, versions.c.consumed_tokens, versions.c.reward_mean,
                    versions.c.success_rate, versions.c.max_staleness, versions.c.ras, versions.c.tprm_s,
-                   versions.c.ra2p_mode, versions.c.loss).order_by(versions.c.version)).mappings()])
+                   versions.c.ra2p_mode, versions.c.loss, versions.c.turns_mean,
+                   versions.c.turns_max).order_by(versions.c.version)).mappings()])
 
     def control_rows(self) -> list[dict[str, Any]]:
         """Every role record (version, rank, role, ra2p_mode, created_at), ascending by version."""
@@ -1071,7 +1075,7 @@ def _accept_trajectories(c: Connection, rank: int, finished: Sequence[FinishedTr
             logprobs=codec.pack_floats(t.logprobs), token_versions=codec.pack_ints(t.token_versions),
             num_tokens=len(t.token_ids), num_generated=len(gen_versions), num_turns=t.num_turns,
             reward=float(t.reward), success=int(bool(t.success)), min_version=min(gen_versions, default=0),
-            max_version=max(gen_versions, default=0), finished_at=now, env_s=t.env_s, finish=t.finish,
+            max_version=max(gen_versions, default=0), finished_at=now, env_s=t.env_s, finish=t.finish, env=t.env,
             images=codec.pack_blobs(t.images) if t.images else None,
             prunes=json.dumps([list(p) for p in t.prunes]) if t.prunes else None))
     if rows:

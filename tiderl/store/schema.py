@@ -146,6 +146,7 @@ trajectories = Table(
     Column("num_tokens", Integer, nullable=False),
     Column("num_generated", Integer, nullable=False),
     Column("num_turns", Integer, nullable=False),
+    Column("env", String),  # the environment the task played (TaskSpec.env; null: a store of an earlier TideRL)
     Column("reward", Float, nullable=False),
     Column("success", Integer, nullable=False),
     Column("advantage", Float),
@@ -191,8 +192,11 @@ versions = Table(
     Column("num_trajectories", Integer, nullable=False, default=0),
     Column("consumed_tokens", Integer, nullable=False, default=0),  # generated tokens trained on
     Column("trained_tokens", Integer),  # every token of the trajectories trained on (prompt, generated, env)
-    Column("reward_mean", Float),
+    Column("reward_mean", Float),  # this and the next four: the trained trajectories' (store/step_figures.py)
     Column("success_rate", Float),
+    Column("turns_mean", Float),  # agent turns per trained task
+    Column("turns_max", Integer),
+    Column("env_figures", SafeText),  # JSON {env: {num_trajectories, reward_mean, success_rate}} (null: none recorded)
     Column("max_staleness", Integer),
     Column("ras", Integer),
     Column("tprm_s", Float),
@@ -239,7 +243,8 @@ VIEWS: dict[str, str] = {
     "step_summary": """
         SELECT v.version, v.duration_s, v.num_trajectories, v.consumed_tokens,
                CASE WHEN v.duration_s > 0 THEN v.consumed_tokens / v.duration_s END AS goodput_tok_s,
-               v.reward_mean, v.success_rate, v.max_staleness, v.ras, v.tprm_s, v.ra2p_mode, v.loss
+               v.reward_mean, v.success_rate, v.max_staleness, v.ras, v.tprm_s, v.ra2p_mode, v.loss,
+               v.turns_mean, v.turns_max, v.env_figures
         FROM versions v WHERE v.version > 0 ORDER BY v.version""",
     "rank_roles": """
         SELECT r.rank, r.role, r.state, r.version, r.host, r.pid,

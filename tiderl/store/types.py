@@ -177,6 +177,7 @@ class FinishedTrajectory:
     finish: str | None = None  # how the task ended: "done", or cut (CUT_FINISHES); None: not recorded
     images: tuple[bytes, ...] = ()  # the task's PNG images, in order (one image placeholder id each)
     prunes: tuple[tuple[int, int], ...] = ()  # where the sliding image window split it (rollout.trajectory.Prune)
+    env: str | None = None  # the environment the task played (TaskSpec.env; step_figures reports per environment)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

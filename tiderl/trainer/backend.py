@@ -50,6 +50,17 @@ class OptimStats:
     lr: float
 
 
+@dataclass(frozen=True, slots=True)
+class ActorForward:
+    """The actor's forward of a micro-batch: what its loss and its step statistics need of the logits."""
+
+    logprobs: torch.Tensor
+    """``[B, T-1]`` log-probabilities of the tokens, with the autograd graph kept for the backward."""
+    entropy: torch.Tensor
+    """``[B, T-1]`` entropy (nats) of the policy where the loss mask is set, 0 elsewhere; no graph
+    (tiderl.trainer.grpo.token_entropy)."""
+
+
 class SwappableModel(ABC):
     """A model that can leave the accelerator for host memory and come back."""
 
@@ -83,8 +94,13 @@ class ActorBackend(SwappableModel):
     rank writes its shards of a checkpoint)."""
 
     @abstractmethod
+    def train_forward(self, mb: MicroBatch) -> ActorForward:
+        """The forward the GRPO step trains on: the micro-batch's logprobs, with the autograd graph kept for a
+        later :meth:`backward`, and the policy's entropy at its trained tokens, from the same logits."""
+
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """``[B, T-1]`` logprobs with the autograd graph kept for a later :meth:`backward`."""
+        """``[B, T-1]`` logprobs with the autograd graph kept for a later :meth:`backward` (:meth:`train_forward`'s)."""
+        return self.train_forward(mb).logprobs
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:

@@ -38,10 +38,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tiderl.trainer import state
-from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats
+from tiderl.trainer.backend import ActorBackend, ActorForward, OptimConfig, OptimStats
 from tiderl.trainer.batch import MicroBatch
-from tiderl.trainer.torch_backend import (HostSwap, TorchRef, _banned, _load, _logprobs, autocast, compute_dtype,
-                                         optimizer_step, set_lr)
+from tiderl.trainer.torch_backend import (HostSwap, TorchRef, _actor_forward, _banned, _load, autocast,
+                                         compute_dtype, optimizer_step, set_lr)
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks, each sharded on its own: the modules that transformers itself keeps
@@ -129,12 +129,12 @@ class FsdpActor(ActorBackend):
         self._resident = resident
         return time.perf_counter() - t0
 
-    def forward(self, mb: MicroBatch) -> torch.Tensor:
+    def train_forward(self, mb: MicroBatch) -> ActorForward:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
         # Sharded, the mixed-precision policy casts; unsharded, autocast computes in the same dtype.
         with autocast(self.device, torch.float32 if self._group is not None else self.compute_dtype):
-            return _logprobs(self.model, mb, self.device, self.temperature, self.banned)
+            return _actor_forward(self.model, mb, self.device, self.temperature, self.banned)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -56,6 +56,41 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
 
+ENTROPY_CHUNK_ELEMENTS = 1 << 24  # logits one chunk of token_entropy reads (64 MiB in fp32; a few such temporaries)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0,
+                  banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """Entropy (nats) of the policy at each trained position: of softmax(logits / temperature) over the ids
+    the engine may sample (`banned` left out), the distribution :func:`token_logprobs` takes the log-probability
+    of. ``[B, T, V]`` logits, ``[B, T-1]`` loss mask -> ``[B, T-1]`` float32, detached, 0 where the mask is 0.
+
+    Computed only where the mask is set, ``logsumexp(x) - sum(softmax(x) * x)`` over chunks of positions of at
+    most ENTROPY_CHUNK_ELEMENTS logits: no second ``[B, T, V]`` tensor, and no gradient."""
+    if logits.dim() != 3 or loss_mask.shape != (logits.shape[0], logits.shape[1] - 1):
+        raise ValueError(f"token_entropy: logits {tuple(logits.shape)} do not match loss_mask {tuple(loss_mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"token_entropy: temperature must be > 0, got {temperature}")
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=logits.device)
+    rows, cols = torch.nonzero(loss_mask.to(logits.device) > 0, as_tuple=True)
+    ids = torch.tensor(banned, device=logits.device) if banned else None
+    step = max(1, ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
+    for i in range(0, rows.numel(), step):
+        r, c = rows[i:i + step], cols[i:i + step]
+        x = logits[r, c].to(torch.float32)  # [n, V]: a copy (advanced indexing), changed in place below
+        if temperature != 1.0:
+            x.div_(temperature)
+        if ids is not None:
+            x.index_fill_(-1, ids, float("-inf"))
+        lse = torch.logsumexp(x, dim=-1)
+        p = torch.exp(x - lse.unsqueeze(-1))
+        if ids is not None:
+            x.index_fill_(-1, ids, 0.0)  # p is 0 there: 0 * 0, not 0 * -inf
+        out[r, c] = lse - p.mul_(x).sum(dim=-1)
+    return out
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from samples of pi.
 

@@ -163,11 +163,11 @@ def _actor_decoupled(
     for i in mine:
         mb = plan.micro_batches[i]
         acc.wait_data_s += ready.wait(i)
-        logprobs = grpo_step.forward(actor, mb, acc)
+        out = grpo_step.forward(actor, mb, acc)
         t0 = time.perf_counter()
         works[i].wait()  # the loss needs ref_logprobs only now, right before backward
         acc.wait_ref_s += time.perf_counter() - t0
-        grpo_step.finish(actor, mb, logprobs, buffers.pop(i), loss, normalizer, acc)
+        grpo_step.finish(actor, mb, out, buffers.pop(i), loss, normalizer, acc)
 
 
 def _actor_colocated(

@@ -1,6 +1,7 @@
 """The GRPO step mechanics shared by every RA2P mode.
 
-A micro-batch goes through ``forward`` (actor logprobs, graph kept) and
+A micro-batch goes through ``forward`` (actor logprobs, graph kept, and the
+policy's entropy at the trained tokens, from the same logits) and
 ``finish`` (loss built from the forward output and the micro-batch's
 ``ref_logprobs``, then backward). RA2P's decoupled mode calls ``finish`` only
 when the reference result arrives; the other modes call it right away.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tiderl.trainer.backend import ActorBackend, RefBackend
+from tiderl.trainer.backend import ActorBackend, ActorForward, RefBackend
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer.grpo import KlEstimator, LossParts, OffPolicy, grpo_loss
 
@@ -42,6 +43,7 @@ class StepAccumulator:
     version: int
     pg_sum: float = 0.0
     kl_sum: float = 0.0
+    entropy_sum: float = 0.0
     ratio_sum: float = 0.0
     clipped_sum: float = 0.0
     mismatch_sum: float = 0.0
@@ -65,9 +67,13 @@ class StepAccumulator:
     actor_backward_s: float = 0.0  # loss + backward
     trajectory_ids: list[int | str] = field(default_factory=list)
 
-    def add(self, mb: MicroBatch, parts: LossParts, logprobs: torch.Tensor | None = None) -> None:
+    def add(self, mb: MicroBatch, parts: LossParts, logprobs: torch.Tensor | None = None,
+            entropy: torch.Tensor | None = None) -> None:
         """Add a trained micro-batch; `logprobs` (the trainer's, [B, T-1]) splits the engine mismatch by
-        whether a token was sampled with the weights being trained."""
+        whether a token was sampled with the weights being trained; `entropy` ([B, T-1], ActorForward's) is
+        summed over the trained tokens."""
+        if entropy is not None:
+            self.entropy_sum += float(torch.where(mb.loss_mask > 0, entropy.detach().cpu(), 0.0).sum())
         if logprobs is not None:
             on_policy = (mb.loss_mask > 0) & (mb.token_versions == self.version)
             gap = (logprobs.detach().cpu() - mb.old_logprobs).abs()
@@ -105,6 +111,8 @@ class StepStats:
     loss: float
     pg_loss: float
     kl: float
+    entropy: float
+    """Mean entropy (nats) of the policy over the trained tokens, at the start of the step (token-weighted)."""
     clip_frac: float
     ratio_mean: float
     grad_norm: float
@@ -132,11 +140,11 @@ class StepStats:
     is_truncated_frac: float = 0.0  # share of tokens whose weight was truncated at trainer.is_cap
 
 
-def forward(actor: ActorBackend, mb: MicroBatch, acc: StepAccumulator) -> torch.Tensor:
+def forward(actor: ActorBackend, mb: MicroBatch, acc: StepAccumulator) -> ActorForward:
     t0 = time.perf_counter()
-    logprobs = actor.forward(mb)
+    out = actor.train_forward(mb)
     acc.actor_forward_s += time.perf_counter() - t0
-    return logprobs
+    return out
 
 
 def reference(ref: RefBackend, mb: MicroBatch, acc: StepAccumulator) -> torch.Tensor:
@@ -150,14 +158,16 @@ def reference(ref: RefBackend, mb: MicroBatch, acc: StepAccumulator) -> torch.Te
 def finish(
     actor: ActorBackend,
     mb: MicroBatch,
-    logprobs: torch.Tensor,
+    out: ActorForward,
     ref_logprobs: torch.Tensor | None,
     loss: LossConfig,
     normalizer: float,
     acc: StepAccumulator,
 ) -> None:
-    """Build the micro-batch's GRPO loss (needs ``ref_logprobs`` when kl_coef > 0) and backward it."""
+    """Build the micro-batch's GRPO loss from the actor's forward `out` (needs ``ref_logprobs`` when
+    kl_coef > 0) and backward it."""
     t0 = time.perf_counter()
+    logprobs = out.logprobs
     device = logprobs.device
     parts = grpo_loss(
         logprobs,
@@ -175,7 +185,7 @@ def finish(
     )
     actor.backward(parts.loss)
     acc.actor_backward_s += time.perf_counter() - t0
-    acc.add(mb, parts, logprobs)
+    acc.add(mb, parts, logprobs, out.entropy)
 
 
 def reduce_stats(
@@ -185,7 +195,8 @@ def reduce_stats(
     sums = torch.tensor(
         [acc.loss_sum, acc.pg_sum, acc.kl_sum, acc.ratio_sum, acc.clipped_sum, acc.num_tokens,
          acc.num_sequences, acc.num_micro_batches, acc.staleness_sum, acc.num_swaps, acc.mismatch_sum,
-         acc.is_weight_sum, acc.is_truncated_sum, acc.on_policy_mismatch_sum, acc.on_policy_tokens],
+         acc.is_weight_sum, acc.is_truncated_sum, acc.on_policy_mismatch_sum, acc.on_policy_tokens,
+         acc.entropy_sum],
         dtype=torch.float64,
     )
     per = max(acc.num_micro_batches, 1)
@@ -197,13 +208,14 @@ def reduce_stats(
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
     (loss, pg, kl, ratio, clipped, tokens, seqs, mbs, stale, swaps, mismatch, weight, truncated, fresh_mismatch,
-     fresh) = sums.tolist()
+     fresh, entropy) = sums.tolist()
     n = max(tokens, 1.0)
     return StepStats(
         version=acc.version,
         loss=loss,
         pg_loss=pg / n,
         kl=kl / n,
+        entropy=entropy / n,
         clip_frac=clipped / n,
         ratio_mean=ratio / n,
         grad_norm=grad_norm,

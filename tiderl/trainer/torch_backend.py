@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from tiderl.trainer.backend import ActorBackend, OptimConfig, OptimStats, RefBackend
+from tiderl.trainer.backend import ActorBackend, ActorForward, OptimConfig, OptimStats, RefBackend
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer import state
-from tiderl.trainer.grpo import token_logprobs
+from tiderl.trainer.grpo import token_entropy, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -120,13 +120,24 @@ def _load(model_path: Path, device: torch.device, dtype: torch.dtype = torch.flo
     return model.to(device)
 
 
-def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
-              banned: tuple[int, ...] = ()) -> torch.Tensor:
-    out = model(
+def _logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    return model(
         input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False,
         **{name: t.to(device) for name, t in mb.vision.items()},  # images through the vision tower
-    )
-    return token_logprobs(out.logits, mb.input_ids.to(device), temperature=temperature, banned=banned)
+    ).logits
+
+
+def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
+              banned: tuple[int, ...] = ()) -> torch.Tensor:
+    return token_logprobs(_logits(model, mb, device), mb.input_ids.to(device), temperature=temperature, banned=banned)
+
+
+def _actor_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
+                   banned: tuple[int, ...] = ()) -> ActorForward:
+    """The actor's log-probabilities and, from the same logits, its entropy at the trained tokens."""
+    logits = _logits(model, mb, device)
+    return ActorForward(token_logprobs(logits, mb.input_ids.to(device), temperature=temperature, banned=banned),
+                        token_entropy(logits, mb.loss_mask, temperature=temperature, banned=banned))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -216,11 +227,11 @@ class TorchActor(ActorBackend):
     def onload(self) -> float:
         return self._swap.onload()
 
-    def forward(self, mb: MicroBatch) -> torch.Tensor:
+    def train_forward(self, mb: MicroBatch) -> ActorForward:
         if not self.is_resident:
             raise RuntimeError("actor model is offloaded; onload() it before a forward pass")
         with autocast(self.device, self.compute_dtype):
-            return _logprobs(self.model, mb, self.device, self.temperature, self.banned)
+            return _actor_forward(self.model, mb, self.device, self.temperature, self.banned)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
