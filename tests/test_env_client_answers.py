@@ -105,7 +105,7 @@ async def flaky_server(garbled: dict[str, bool]) -> AsyncIterator[str]:
 
 
 def test_a_start_holds_while_the_only_server_answers_garbage_and_goes_on_when_it_recovers():
-    from tiderl.envs.client import EnvPool
+    from tiderl.envs.pool import EnvPool
 
     async def go() -> None:
         garbled = {"on": True}
@@ -122,7 +122,8 @@ def test_a_start_holds_while_the_only_server_answers_garbage_and_goes_on_when_it
 
 
 def test_a_start_held_longer_than_hold_s_fails_naming_the_server():
-    from tiderl.envs.client import EnvConnectionError, EnvPool
+    from tiderl.envs.client import EnvConnectionError
+    from tiderl.envs.pool import EnvPool
 
     async def go() -> None:
         async with flaky_server({"on": True}) as url:
@@ -136,7 +137,7 @@ def test_a_start_held_longer_than_hold_s_fails_naming_the_server():
 
 
 def test_a_bad_start_answer_from_a_healthy_server_fails_at_once_and_keeps_it_in_rotation():
-    from tiderl.envs.client import EnvPool
+    from tiderl.envs.pool import EnvPool
 
     async def go() -> None:
         async with flaky_server({"on": False, "bad_start": True}) as url:

@@ -27,7 +27,9 @@ from tiderl.envs import Environment, StepResult, register_env
 from tiderl.envs.client import EnvClient, EnvConnectionError
 from tiderl.envs.hilo import HiloEnv
 from tiderl.envs.protocol import ErrorCode, ProtocolError, parse_body
-from tiderl.envs.server import RepeatFilter, RunningServer, ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serverlog import RepeatFilter
+from tiderl.envs.serving import RunningServer, start_server
 from tiderl.envs.sessions import SessionTable
 
 

@@ -13,7 +13,8 @@ from tiderl.envs import EnvOptionError, make_env, sandbox
 from tiderl.envs.client import EnvBadRequestError, EnvClient
 from tiderl.envs.pytool import HINT, format_run
 from tiderl.envs.sandbox import SandboxResult, SandboxUnavailableError, check_bwrap
-from tiderl.envs.server import ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serving import start_server
 
 pytest.importorskip("reasoning_gym")
 

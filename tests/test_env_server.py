@@ -11,9 +11,11 @@ import aiohttp
 import pytest
 
 from tiderl.envs import Environment, StepResult, register_env
-from tiderl.envs.client import EnvClient, EnvConflictError, EnvConnectionError, EnvNotFoundError, EnvPool
+from tiderl.envs.client import EnvClient, EnvConflictError, EnvConnectionError, EnvNotFoundError
+from tiderl.envs.pool import EnvPool
 from tiderl.envs.hilo import HiloEnv
-from tiderl.envs.server import RunningServer, ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serving import RunningServer, start_server
 
 
 class ExplodingEnv(Environment):
@@ -378,7 +380,7 @@ def test_pool_with_every_server_dead_says_so() -> None:
 def test_a_server_on_every_interface_advertises_the_hostname() -> None:
     import socket
 
-    from tiderl.envs.server import advertised_host
+    from tiderl.envs.serving import advertised_host
 
     assert advertised_host("0.0.0.0") == socket.gethostname() == advertised_host("::")
     assert advertised_host("10.1.2.3") == "10.1.2.3" and advertised_host("::1") == "[::1]"

@@ -17,7 +17,8 @@ from tiderl.envs import StepResult, make_env, register_env
 from tiderl.envs.client import EnvClient, EnvConflictError, EnvFailedError, EnvProtocolError, StepWithImages
 from tiderl.envs.gridimage import GridImageEnv
 from tiderl.envs.images import ImageEnvironment, encode_png
-from tiderl.envs.server import RunningServer, ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serving import RunningServer, start_server
 
 RED_2X2 = encode_png(2, 2, bytes((255, 0, 0)) * 4)
 

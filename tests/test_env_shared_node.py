@@ -20,7 +20,8 @@ import pytest
 from tiderl.envs.bwrap import bwrap_argv, scratch_dir
 from tiderl.envs.connguard import client_key
 from tiderl.envs.seccomp import filter_program
-from tiderl.envs.server import ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serving import start_server
 from tiderl.envs.sessions import SessionTable
 from tiderl.envs.uids import lock_dir
 from tiderl.envs.sandbox_errors import SandboxError

@@ -10,7 +10,8 @@ import pytest
 
 from tiderl.envs import EnvOptionError, make_env
 from tiderl.envs.client import EnvClient
-from tiderl.envs.server import ServerOptions, start_server
+from tiderl.envs.server_options import ServerOptions
+from tiderl.envs.serving import start_server
 from tiderl.envs.textworld_env import CACHE_ENV_VAR, clean_feedback, game_command
 
 pytest.importorskip("textworld")

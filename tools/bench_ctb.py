@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiderl.envs.client import EnvPool
+from tiderl.envs.pool import EnvPool
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.rollout.agent_loop import LoopLimits
 from tiderl.rollout.chat import ChatFormat

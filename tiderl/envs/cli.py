@@ -91,7 +91,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from tiderl.envs.server import ServerOptions, start_server
+    from tiderl.envs.server_options import ServerOptions
+    from tiderl.envs.serving import start_server
 
     options = ServerOptions(
         envs=tuple(name.strip() for name in args.env.split(",") if name.strip()),

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tiderl.config.env import EnvConfig
-from tiderl.envs.client import EnvPool
+from tiderl.envs.pool import EnvPool
 from tiderl.envs.protocol import TOKEN_ENV_VAR
 from tiderl.paths import RunPaths, atomic_write_text
 

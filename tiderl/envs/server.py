@@ -1,9 +1,7 @@
 """The env server: sessions of registered environments behind the HTTP protocol
-of `tiderl.envs.protocol`, on aiohttp: the application, its middlewares and handlers,
-and `start_server`.
-
-(Over 450 lines: every handler and the middlewares that bound misbehaving clients must be read
-together to see that each input is answered 4xx; the protocol and the work queue are apart.)
+of `tiderl.envs.protocol`, on aiohttp: the application, its middlewares and handlers.
+Its options are `server_options.ServerOptions`; `serving.start_server` starts it on an
+event loop.
 
 One process serves many concurrent sessions from one event loop. Environments
 marked `blocking` run their reset/step in a thread pool so a slow step never
@@ -25,17 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import socket
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from tiderl.envs.base import Environment, EnvOptionError
-from tiderl.envs.images import ImageEnvironment, ImageError, ImageLimits
-from tiderl.envs.connguard import LINGER_S, ConnectionGuard, GuardedSite, client_key, connection_cap
+from tiderl.envs.images import ImageEnvironment, ImageError
+from tiderl.envs.connguard import ConnectionGuard, client_key, connection_cap
 from tiderl.envs.httpio import (
     ClientGone,
     check_token,
@@ -56,76 +52,10 @@ from tiderl.envs.protocol import (
     parse_step,
 )
 from tiderl.envs.registry import env_class
-from tiderl.envs.serverlog import RepeatFilter as RepeatFilter  # re-exported: callers import it from here
-from tiderl.envs.serverlog import conn_log, http_log, log, log_loop_error
+from tiderl.envs.serverlog import conn_log, log
+from tiderl.envs.server_options import ServerOptions
 from tiderl.envs.sessions import Session, SessionState, SessionTable
 from tiderl.envs.workqueue import CallDropped, WorkQueue
-
-
-_IMAGE_DEFAULTS = ImageLimits()
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerOptions:
-    envs: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_sessions: int = 512
-    idle_timeout_s: float = 300.0
-    max_paused_s: float = 3600.0  # a session paused longer than this expires
-    max_sessions_per_client: int | None = None  # None: see `client_cap`
-    latency: str = "none"
-    token: str | None = None
-    max_workers: int = 32  # threads for blocking environments
-    max_queued_steps: int = 256  # blocking env calls that may wait for a thread; more get 429
-    max_body_bytes: int = 4 << 20
-    max_connections: int = 1024  # lowered to fit the open-file limit (`connection_cap`)
-    header_timeout_s: float = 10.0  # a request's headers must arrive within this
-    body_timeout_s: float = 30.0  # a request's body must arrive within this once its headers have
-    keepalive_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
-    latency_seed: int = 0  # the delays' key (LatencyProfile.keyed_s) holds it: the run launcher sets seed and server
-    max_images_per_observation: int = _IMAGE_DEFAULTS.max_images  # an environment's observation with more fails
-    max_image_bytes: int = _IMAGE_DEFAULTS.max_bytes  # PNG bytes of one image
-    max_image_pixels: int = _IMAGE_DEFAULTS.max_pixels  # width * height of one image
-    # Per client (`client_key`: every loopback address is one): connections, and those still awaiting
-    # their request's headers. None: a quarter of max_connections, and 64.
-    max_connections_per_client: int | None = None
-    max_half_open_per_client: int = 64
-    # The operator's, never the client's: options an environment marks operator-only (pytool's
-    # sandbox: unsafe) are refused (403) unless the server was started allowing them.
-    allow_unsafe_sandbox: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_workers", "max_body_bytes", "max_connections",
-                     "max_images_per_observation", "max_image_bytes", "max_image_pixels",
-                     "max_half_open_per_client"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "max_paused_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_queued_steps < 0:
-            raise ValueError(f"max_queued_steps must be >= 0, got {self.max_queued_steps}")
-        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
-            raise ValueError(f"max_connections_per_client must be >= 1, got {self.max_connections_per_client}")
-        if self.max_sessions_per_client is not None and self.max_sessions_per_client < 1:
-            raise ValueError(f"max_sessions_per_client must be >= 1, got {self.max_sessions_per_client}")
-
-    @property
-    def image_limits(self) -> ImageLimits:
-        return ImageLimits(max_images=self.max_images_per_observation, max_bytes=self.max_image_bytes,
-                           max_pixels=self.max_image_pixels)
-
-    @property
-    def client_cap(self) -> int:
-        """Sessions one client may hold: `max_sessions_per_client` if set; else, with a token,
-        all of `max_sessions` (every holder of the token is one client, the run itself), and
-        without one, all but a quarter, so that no one address can take every slot."""
-        if self.max_sessions_per_client is not None:
-            return self.max_sessions_per_client
-        if self.token is not None:
-            return self.max_sessions
-        return max(1, self.max_sessions - self.max_sessions // 4)
 
 
 def _percentile_ms(values: deque[float], q: float) -> float | None:
@@ -492,52 +422,3 @@ class EnvServer:
                 "uptime_s": time.monotonic() - self.started_s,
             }
         )
-
-
-class RunningServer:
-    """A started server: `url` is where it listens (the real port when port 0 was asked)."""
-
-    def __init__(self, server: EnvServer, runner: web.AppRunner, url: str, *, owns_loop_handler: bool = False) -> None:
-        self.server = server
-        self.runner = runner
-        self.url = url
-        self._owns_loop_handler = owns_loop_handler
-
-    async def close(self) -> None:
-        await self.runner.cleanup()
-        self.server.guard.close_refused()
-        loop = asyncio.get_running_loop()
-        if self._owns_loop_handler and loop.get_exception_handler() is log_loop_error:
-            loop.set_exception_handler(None)
-
-    async def __aenter__(self) -> RunningServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-async def start_server(options: ServerOptions) -> RunningServer:
-    """Start serving on the running event loop; returns once the socket is bound."""
-    server = EnvServer(options)
-    runner = web.AppRunner(
-        server.app, access_log=None, handle_signals=False, logger=http_log,
-        keepalive_timeout=options.keepalive_timeout_s, lingering_time=LINGER_S,
-    )
-    await runner.setup()
-    site = GuardedSite(runner, options.host, options.port, server.guard)
-    await site.start()
-    loop = asyncio.get_running_loop()
-    owns_loop_handler = loop.get_exception_handler() is None
-    if owns_loop_handler:
-        loop.set_exception_handler(log_loop_error)
-    return RunningServer(server, runner, f"http://{advertised_host(options.host)}:{site.port}",
-                         owns_loop_handler=owns_loop_handler)
-
-
-def advertised_host(listen_host: str) -> str:
-    """The host other machines reach a server listening on `listen_host` at: the machine's
-    hostname for a wildcard address (ranks on other nodes read the URL), else the address."""
-    if listen_host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return listen_host if ":" not in listen_host else f"[{listen_host}]"
