@@ -1,15 +1,27 @@
-"""Rules of the package's shape, read from the source with `ast` (nothing is imported):
+"""Rules of the package's shape, read from the source with `ast` (except the last, which imports):
 one name per concept (no top-level class name defined in two modules), no import cycle
 among the modules' module-level imports, and none among the subpackages (the layers), counting
-the imports inside functions too (a lazy import hides a cycle between layers, it does not remove it)."""
+the imports inside functions too (a lazy import hides a cycle between layers, it does not remove it).
+The modules docs/ARCHITECTURE.md calls pure are imported, each in a fresh interpreter, and must load
+nothing heavy (no SQLAlchemy, torch, vLLM, HTTP server...)."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "tiderl"
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+# What a pure module must not load: the database, the accelerators' stacks, HTTP, array and weight files, Slurm.
+HEAVY = ("sqlalchemy", "psycopg", "torch", "vllm", "transformers", "aiohttp", "numpy", "safetensors", "submitit")
+# Pure modules the code map names outside the diagram's `pure` line: Slurm as text.
+MORE_PURE = ("tiderl.slurm.sbatch", "tiderl.slurm.submit", "tiderl.slurm.states")
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, Path]:
@@ -205,3 +217,49 @@ def test_a_module_over_450_lines_says_why_at_its_top():
     silent = [name for name, path in long.items()
               if "Over 450 lines" not in (ast.get_docstring(ast.parse(path.read_text())) or "")]
     assert silent == []
+
+
+# ---- pure modules load nothing heavy -------------------------------------------------------------
+
+def documented_pure_modules(doc: Path = ARCHITECTURE) -> list[str]:
+    """The modules on the `pure` line (and its continuation lines) of the module diagram in `doc`:
+    `policy/ (ctb, ra2p)` is tiderl.policy.ctb and tiderl.policy.ra2p, `run/rollout_tick.py` is
+    tiderl.run.rollout_tick."""
+    diagram = doc.read_text().split("## Modules, and each role's loop", 1)[1].split("```")[1].splitlines()
+    start = next(i for i, line in enumerate(diagram) if line.split()[:1] == ["pure"])
+    text = diagram[start].split("pure", 1)[1]
+    for line in diagram[start + 1:]:
+        if line[:14].strip():  # the next layer's label
+            break
+        text += " " + line
+    modules = []
+    for package, names in re.findall(r"([\w/]+)/ \(([^)]*)\)", text):
+        modules += [f"tiderl.{package.replace('/', '.')}.{n.strip()}" for n in names.split(",")]
+    text = re.sub(r"[\w/]+/ \([^)]*\)", " ", text)
+    modules += ["tiderl." + m.removesuffix(".py").replace("/", ".") for m in re.findall(r"[\w/]+\.py", text)]
+    return modules
+
+
+def heavy_modules_loaded(module: str) -> list[str]:
+    """The heavy top-level packages that importing `module` loads, in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}, sys; print(' '.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True, cwd=PACKAGE.parent, timeout=120)
+    return sorted({name.split(".")[0] for name in out.stdout.split()} & set(HEAVY))
+
+
+PURE_MODULES = documented_pure_modules() + list(MORE_PURE)
+
+
+def test_the_docs_name_the_pure_modules_and_each_exists():
+    assert {"tiderl.policy.ers", "tiderl.run.rollout_tick", "tiderl.systems", "tiderl.store.types"} <= set(PURE_MODULES)
+    assert [m for m in PURE_MODULES if m not in module_files()] == []
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_a_pure_module_loads_nothing_heavy(module: str):
+    assert heavy_modules_loaded(module) == [], f"{module} is documented pure but loads them"
+
+
+def test_the_pure_check_sees_a_heavy_import():
+    assert "sqlalchemy" in heavy_modules_loaded("tiderl.store.runstore")
+    assert heavy_modules_loaded("tiderl.store") == []  # the package loads SQLAlchemy only when RunStore is named

@@ -286,7 +286,7 @@ def test_the_real_group_holding_reads_the_steady_groups_life_from_the_store(tmp_
         store.publish_version(VersionRecord(version=version, path=f"weights/v{version}", checksum="c",
                                             trajectory_ids=[t.id for t in got], step_started_at=0.0,
                                             duration_s=0.1), owner=0)
-    published = {r["version"]: r["created_at"] for r in store.version_rows()}
+    published = {r["version"]: r["created_at"] for r in store.measure.version_rows()}
     created, completed, claimed, at = store.tx.read(lambda c: c.exec_driver_sql(
         "select g.created_at, g.completed_at, min(r.claimed_at), v.created_at from task_groups g"
         " join trajectories r on r.group_id = g.id join versions v on v.version = r.consumed_version"

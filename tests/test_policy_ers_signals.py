@@ -108,7 +108,7 @@ def test_the_control_plane_builds_its_signals_from_the_store_like_the_builder(tm
     store.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c", trajectory_ids=[t.id for t in got],
                                         step_started_at=0.0, duration_s=1.0), owner=0)
     signals = plane.signals(1, roles)
-    rows = {r["version"]: r for r in store.version_rows()}
+    rows = {r["version"]: r for r in store.measure.version_rows()}
     duration = rows[1]["created_at"] - rows[0]["created_at"]
     created, completed = store.tx.read(lambda c: c.exec_driver_sql(
         "select created_at, completed_at from task_groups").one())
@@ -205,14 +205,14 @@ def test_the_store_marks_a_step_during_which_an_evaluation_group_was_open(tmp_pa
     root = Path(__file__).resolve().parents[1]
     _, store = create_run(load_job(root / "jobs" / "quickstart.yaml", []), tmp_path / "run")
     t0 = time.time()
-    assert not store.step_window(1, t0 - 10, t0 + 10).evaluation
+    assert not store.measure.step_window(1, t0 - 10, t0 + 10).evaluation
     store.add_groups([NewGroup(TaskKind.EVAL, 3, 1, eval_version=0)])
     t1 = time.time()
-    assert store.step_window(1, t0 - 10, t1 + 10).evaluation  # open, created before the step's end
-    assert not store.step_window(1, t0 - 20, t0 - 10).evaluation  # created after that step ended
+    assert store.measure.step_window(1, t0 - 10, t1 + 10).evaluation  # open, created before the step's end
+    assert not store.measure.step_window(1, t0 - 20, t0 - 10).evaluation  # created after that step ended
     store.tx.write(lambda c: c.exec_driver_sql(f"update task_groups set state='evaluated', completed_at={t1 + 1}"))
-    assert store.step_window(2, t1 + 0.5, t1 + 10).evaluation  # completed during the step
-    assert not store.step_window(3, t1 + 2, t1 + 10).evaluation  # completed before it
+    assert store.measure.step_window(2, t1 + 0.5, t1 + 10).evaluation  # completed during the step
+    assert not store.measure.step_window(3, t1 + 2, t1 + 10).evaluation  # completed before it
 
 
 def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(tmp_path: Path) -> None:
@@ -239,10 +239,10 @@ def test_the_store_counts_the_tokens_of_the_groups_dropped_as_stale_in_the_step(
     t1 = time.time()
     dropped = sum(t.num_tokens for t in got if t.group_id == groups[0])
     assert dropped > 0
-    assert store.step_window(1, t0 - 0.001, t1 + 1).stale_dropped_tokens == dropped
-    assert store.step_window(1, t1 + 1, t1 + 2).stale_dropped_tokens == 0  # dropped before that step
-    assert store.dropped_groups() == groups[:1] == store.dropped_groups(t0 - 0.001, t1 + 1)
-    assert store.dropped_groups(t1 + 1, t1 + 2) == []
+    assert store.measure.step_window(1, t0 - 0.001, t1 + 1).stale_dropped_tokens == dropped
+    assert store.measure.step_window(1, t1 + 1, t1 + 2).stale_dropped_tokens == 0  # dropped before that step
+    assert store.measure.dropped_groups() == groups[:1] == store.measure.dropped_groups(t0 - 0.001, t1 + 1)
+    assert store.measure.dropped_groups(t1 + 1, t1 + 2) == []
 
 
 def test_a_group_s_wait_for_a_task_slot_is_taken_out_of_its_generation_latency():

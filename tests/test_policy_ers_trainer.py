@@ -9,8 +9,8 @@ import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers_rate import Split, split_of
-from tiderl.policy.ers_trainer import readiness, refs_needed, repartition, step_compute_s
-from tiderl.policy.ra2p import StageTimes, colocated_cost_s
+from tiderl.policy.ers_trainer import readiness, repartition, step_compute_s
+from tiderl.policy.ra2p import StageTimes, colocated_cost_s, refs_needed
 from tiderl.roles import Role
 
 R, A, F = Role.ROLLOUT, Role.ACTOR, Role.REF

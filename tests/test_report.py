@@ -72,7 +72,7 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     data = load(s)
     assert [v["version"] for v in data.versions] == [1, 2] and data.consumed_tokens == 8
-    assert data.holding == s.group_holding(1) | {"from_version": 1} and data.holding["groups"] == 1
+    assert data.holding == s.reader.group_holding(1) | {"from_version": 1} and data.holding["groups"] == 1
     assert [(x.rank, x.role) for x in data.roles] == [(0, "actor"), (1, "rollout"), (1, "idle")]
     assert [e["eval_version"] for e in data.evals] == [0]
     assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 0

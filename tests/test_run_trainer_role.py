@@ -78,7 +78,7 @@ def test_a_step_claims_the_batch_trains_and_publishes_the_version(tmp_path: Path
     assert ctx.paths.checkpoint(1).is_dir()
     buf = ctx.store.buffer_state()
     assert buf.traj_consumed == 8 and buf.groups_ready == 1  # the third group waits for the next step
-    points = {m["name"]: m for m in ctx.store.metric_rows(["kl", "train_s", "twt_s", "clip_frac", "entropy"])}
+    points = {m["name"]: m for m in ctx.store.reader.metric_rows(["kl", "train_s", "twt_s", "clip_frac", "entropy"])}
     assert set(points) == {"kl", "train_s", "twt_s", "clip_frac", "entropy"}
     assert points["train_s"]["value"] > 0 and points["kl"]["version"] == 0 and points["kl"]["role"] == "actor"
     assert points["entropy"]["value"] > 0 and points["entropy"]["role"] == "actor"
@@ -106,11 +106,11 @@ def test_a_streaming_system_trains_the_groups_that_are_ready_while_the_rest_are_
     _feed(ctx, range(1), version=0)  # one group ready at the start, the other 0.5 s later
     asyncio.run(step_while_generating(ctx))
     assert chunks == [4, 4]
-    assert [m["value"] for m in ctx.store.metric_rows(["chunks"])] == [2]
+    assert [m["value"] for m in ctx.store.reader.metric_rows(["chunks"])] == [2]
     assert ctx.paths.bell("published").is_file()  # rung after the commit: the control plane plans at once
     (step,) = ctx.store.steps()
     assert step["num_trajectories"] == 8 and verify(ctx.paths.weights_version(1))
-    twt = sum(m["value"] for m in ctx.store.metric_rows(["twt_s"]))
+    twt = sum(m["value"] for m in ctx.store.reader.metric_rows(["twt_s"]))
     assert 0.3 < twt < step["duration_s"]  # the wait for the second group, not the first chunk's training
 
     chunks.clear()
@@ -217,7 +217,7 @@ def test_a_decoupled_data_parallel_step_runs_as_one_trainer_group(tmp_path: Path
     assert [(s["num_trajectories"], s["ra2p_mode"]) for s in steps] == [(8, "decoupled")] * 2
     assert verify(ctx.paths.weights_version(1)) and verify(ctx.paths.weights_version(2))
     assert ctx.paths.data_ready(0, 1).is_file() and not ctx.paths.rendezvous_generation(0).exists()
-    trained = {(m["rank"], m["name"]) for m in ctx.store.metric_rows(["train_s"])}
+    trained = {(m["rank"], m["name"]) for m in ctx.store.reader.metric_rows(["train_s"])}
     assert {(0, "train_s"), (3, "train_s")} <= trained  # both actors trained their share
 
 

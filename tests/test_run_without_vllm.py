@@ -66,8 +66,8 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
         asked = store.ranks_with_event("engine_wanted", since_start=False)
         # Weights without files (trainer.weight_sync: transfer): the rollout ranks pulled the versions from the
         # trainer leader's server, every bucket checked; with files, they read weights/vN.
-        received = {r["version"] for r in store.metric_rows(["weights_transfer_stall_s"])}
-        read = {r["version"] for r in store.metric_rows(["weights_files_stall_s"])}
+        received = {r["version"] for r in store.reader.metric_rows(["weights_transfer_stall_s"])}
+        read = {r["version"] for r in store.reader.metric_rows(["weights_files_stall_s"])}
         failed = store.recent_events(kinds=["weights_transfer_failed"])
     finally:
         store.close()

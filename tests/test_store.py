@@ -179,7 +179,7 @@ def test_failed_task_retries_then_fails_its_group(tmp_path: Path, store_url: str
 
 def test_a_failed_task_waits_its_backoff_doubling_with_each_failure(tmp_path: Path, store_url: str | None,
                                                                     monkeypatch) -> None:
-    import tiderl.store.runstore as rs
+    import tiderl.store.rank_side as rs
 
     clock = [1000.0]
     monkeypatch.setattr(rs.time, "time", lambda: clock[0])
@@ -255,7 +255,7 @@ def test_a_retry_after_a_cut_off_commit_claims_and_publishes_nothing_twice(tmp_p
     record = VersionRecord(version=1, path="weights/v1", checksum="x", trajectory_ids=[t.id for t in got],
                            step_started_at=0.0, duration_s=1.0)
     s.publish_version(record, owner=2)
-    assert s.run_info().version == 1 and len(s.version_rows()) == 2
+    assert s.run_info().version == 1 and len(s.measure.version_rows()) == 2
     buf = s.buffer_state()
     assert buf.traj_consumed == 2 and buf.tasks_running == 2 and buf.tasks_pending == 0
     s.close()
@@ -387,5 +387,5 @@ def test_open_groups_holding_a_trajectory_older_than_the_bound_are_dropped(tmp_p
         == "failed"
     event = s.tx.read(lambda c: c.execute(select(events.c.data).where(events.c.kind == "groups_dropped")).all())
     assert [json.loads(d)["groups"] for (d,) in event] == [[old]]
-    assert s.dropped_groups() == [old]
+    assert s.measure.dropped_groups() == [old]
     assert s.claim_ready_groups(2, 10) == []

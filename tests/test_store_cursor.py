@@ -9,7 +9,7 @@ from tiderl.store.cursor import MetricCursor
 
 
 class Visible:
-    """The rows a reader sees (a unit-test stand-in for RunStore.metric_rows_after)."""
+    """The rows a reader sees (a unit-test stand-in for a store's RunReader)."""
 
     def __init__(self, dialect: str) -> None:
         self.dialect = dialect

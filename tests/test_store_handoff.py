@@ -80,12 +80,12 @@ def test_whereabouts_of_running_tasks_reach_the_diagnosis(tmp_path: Path, store_
         TaskWhereabouts(b.task_id, turn=1, phase="generate", phase_since=1090.0)]))
     store.report(RankReport(rank=9, whereabouts=[  # not the owner: ignored
         TaskWhereabouts(b.task_id, turn=9, phase="paused", phase_since=0.0)]))
-    rows = {t["id"]: t for g in store.outstanding_groups() for t in g["unfinished"]}
+    rows = {t["id"]: t for g in store.reader.outstanding_groups() for t in g["unfinished"]}
     assert (rows[a.task_id]["turn"], rows[a.task_id]["phase"], rows[a.task_id]["env_server"]) == (
         4, "env", "http://env-7:8000")
     assert (rows[b.task_id]["turn"], rows[b.task_id]["phase"]) == (1, "generate")
     store.report(RankReport(rank=3, released=[a.task_id]))
     store.register_rank(4, Role.ROLLOUT)
     store.claim_tasks(4, 1)
-    rows = {t["id"]: t for g in store.outstanding_groups() for t in g["unfinished"]}
+    rows = {t["id"]: t for g in store.reader.outstanding_groups() for t in g["unfinished"]}
     assert rows[a.task_id]["phase"] is None and rows[a.task_id]["owner_rank"] == 4  # a new claim starts afresh

@@ -116,7 +116,7 @@ def test_views_give_plain_numbers_and_text_keeps_nul(pg_server, tmp_path: Path) 
     for name in ("step_summary", "rank_roles", "buffer_state", "eval_summary"):
         for row in s.view(name):
             assert not any(isinstance(v, Decimal) for v in row.values()), (name, row)
-    assert not any(isinstance(v, Decimal) for r in s.eval_rows() for v in r.values())
+    assert not any(isinstance(v, Decimal) for r in s.reader.eval_rows() for v in r.values())
     # PostgreSQL refuses NUL in text; a failure reason quoting a model's output may hold one.
     (c,) = s.claim_tasks(0, 1)
     s.report(RankReport(rank=0, failed=[TaskFailure(c.task_id, "env said \x00 boom")]))
@@ -174,7 +174,7 @@ def test_a_dead_rank_comes_back_and_the_run_resumes_from_its_store(pg_server, tm
         store.publish_version(VersionRecord(version=3, path="weights/v3", checksum="c3",
                                             trajectory_ids=[t.id for t in got], step_started_at=0.0, duration_s=1.0),
                               owner=1)
-    assert [v["version"] for v in store.version_rows()] == [0, 1, 2]
+    assert [v["version"] for v in store.measure.version_rows()] == [0, 1, 2]
     assert store.buffer_state().traj_consumed == 4
     store.close()
 

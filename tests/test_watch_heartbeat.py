@@ -16,8 +16,8 @@ from tiderl.config import load_job
 from tiderl.run.control import ControlPlane
 from tiderl.rundir import create_run
 from tiderl.store import RankDeclaredDeadError, RunStore
-from tiderl.store import runstore
-from tiderl.store.runstore import MASS_GRACE_FRACTION, WatchState, watch_verdict
+from tiderl.store import control_side, rank_side, runstore, trainer_side
+from tiderl.store.watch import MASS_GRACE_FRACTION, WatchState, watch_verdict
 from tiderl.store.types import RankState, Role
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,8 @@ def plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[ControlPlane
     store.register_initial_version("model", "0")
     clock = Clock(2_000_000_000.0)
     # The store's wall clock (beats, watches) and the control plane's watch interval run on `clock`.
-    monkeypatch.setattr(runstore, "time", clock.module())
+    for module in (runstore, rank_side, trainer_side, control_side):
+        monkeypatch.setattr(module, "time", clock.module())
     monkeypatch.setattr("tiderl.run.control.time", clock.module())
     for r, role in enumerate((Role.ACTOR, Role.ROLLOUT, Role.ROLLOUT, Role.REF)):
         store.register_rank(r, role)

@@ -125,11 +125,11 @@ class RunCollector(Collector):
         fams.append(_gauge("tiderl_stalled", "1 when no version was published for longer than "
                            "monitor.stall_after_s.", 1.0 if diag.is_stalled else 0.0))
         fams += _step_families(steps)
-        fams += _eval_families(store.eval_rows())
+        fams += _eval_families(store.reader.eval_rows())
         fams += self._rank_families(snap)
         fams += self._point_families()
         fams += _buffer_families(store.buffer_state())
-        fams.append(_staleness_histogram(store.staleness_counts()))
+        fams.append(_staleness_histogram(store.reader.staleness_counts()))
         findings = GaugeMetricFamily("tiderl_diagnosis_findings", "Findings of the diagnosis (tiderl status), by "
                                      "kind and severity.", labels=["kind", "severity"])
         counts: dict[tuple[str, str], int] = defaultdict(int)
@@ -143,7 +143,7 @@ class RunCollector(Collector):
 
     # ---- parts -------------------------------------------------------------------------------------
     def _read_points(self, store: Any) -> None:
-        for r in self._points.read(store):
+        for r in self._points.read(store.reader):
             key = (r["name"], _label(r["rank"]), r["role"] or "")
             if r["name"] in COUNTERS:
                 self._totals[key] += float(r["value"])

@@ -136,7 +136,9 @@ class RunPaths:
     def env_port(self, index: int) -> Path:
         return self.root / f"env{index}.port"
 
-    def rank_log(self, rank: int) -> Path:
+    def rank_log(self, rank: int | str) -> Path:
+        """Rank `rank`'s log; `rank` may be a pattern Slurm fills in per task (srun's ``%t``: the ranks' step
+        writes each task's output there, ``tiderl.slurm.submit.rank_step_argv``)."""
         return self.logs / f"rank{rank}.log"
 
     def control_log(self) -> Path:
@@ -148,6 +150,16 @@ class RunPaths:
     def weight_versions(self) -> list[int]:
         """Published weight versions on disk, ascending (half-written `*.tmp` dirs excluded)."""
         return weight_versions_in(self.weights)
+
+    def checkpoint_steps(self) -> list[int]:
+        """Committed checkpoint steps on disk, ascending."""
+        return checkpoint_steps_in(self.ckpt)
+
+    def uncommitted(self, version: int) -> list[Path]:
+        """The weight versions and checkpoints on disk newer than the store's `version`: written by a step
+        that crashed before its commit (the actor deletes them before it trains again)."""
+        return ([self.weights_version(v) for v in self.weight_versions() if v > version]
+                + [self.checkpoint(step) for step in self.checkpoint_steps() if step > version])
 
     def create(self) -> "RunPaths":
         for d in (self.root, self.weights, self.ckpt, self.logs):

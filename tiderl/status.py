@@ -39,10 +39,10 @@ def collect(store: Any) -> dict[str, Any]:
     elapsed_s = max(end - info.created_at, 1e-9)
     consumed = sum(s["consumed_tokens"] or 0 for s in steps)
     wait: dict[str, float] = {}
-    for row in store.metric_sums(["rwt_s", "twt_s"]):
+    for row in store.reader.metric_sums(["rwt_s", "twt_s"]):
         wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
     rollout = dict.fromkeys(CTB_SUMS, 0.0)
-    for row in store.metric_sums(CTB_SUMS):
+    for row in store.reader.metric_sums(CTB_SUMS):
         rollout[row["name"]] += float(row["value"])
     return {
         "name": info.name,
@@ -61,8 +61,8 @@ def collect(store: Any) -> dict[str, Any]:
         "buffer": dataclasses.asdict(store.buffer_state()),
         "steps": [{k: s.get(k) for k in STEP_KEYS} | {"eval": False} for s in steps],
         "eval": [_with_interval(e) | {"eval": True} for e in store.view("eval_summary")],
-        "trainer": store.latest_metrics(TRAINER_KEYS),
-        "rollout": ({k: int(v) for k, v in rollout.items()} | store.latest_metrics(CTB_LEVELS)
+        "trainer": store.measure.latest_metrics(TRAINER_KEYS),
+        "rollout": ({k: int(v) for k, v in rollout.items()} | store.measure.latest_metrics(CTB_LEVELS)
                     if any(rollout.values()) else {}),
     }
 
@@ -100,19 +100,19 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
 
     info = store.run_info()
     version = info.version
-    last = [v for v in store.version_rows() if v["version"] == version]
+    last = [v for v in store.measure.version_rows() if v["version"] == version]
     progress_at = max([info.created_at, info.updated_at] + ([last[0]["created_at"]] if last else []))
-    groups = store.outstanding_groups()
+    groups = store.reader.outstanding_groups()
     running: dict[int, int] = {}
     for g in groups:
         for t in g["unfinished"]:
             if t["state"] == "running" and t["owner_rank"] is not None:
                 running[t["owner_rank"]] = running.get(t["owner_rank"], 0) + 1
     rwt: dict[int, float] = {}
-    for row in store.metric_sums(["rwt_s"], since=now - limits.rwt_window_s):
+    for row in store.reader.metric_sums(["rwt_s"], since=now - limits.rwt_window_s):
         if row["rank"] is not None:
             rwt[row["rank"]] = rwt.get(row["rank"], 0.0) + float(row["value"])
-    claims = {c["rank"]: c for c in store.trainer_claims() if c["rank"] is not None}
+    claims = {c["rank"]: c for c in store.reader.trainer_claims() if c["rank"] is not None}
     planned = {r["rank"]: r["planned_role"] for r in store.view("rank_roles")}
     ranks = tuple(dg.RankStatusView(
         rank=r.rank, role=r.role.value, state=r.state.value, version=r.version,
@@ -123,7 +123,7 @@ def snapshot(store: Any, limits: dg.Limits, *, now: float, env_servers: tuple[dg
         up_s=now - r.started_at)
         for r in store.ranks())
     plan = store.plan_at(version)
-    mismatch = store.latest_metrics(["logprob_mismatch_on_policy"]).get("logprob_mismatch_on_policy")
+    mismatch = store.measure.latest_metrics(["logprob_mismatch_on_policy"]).get("logprob_mismatch_on_policy")
     return dg.Snapshot(
         state=info.state.value, version=version, message=info.message, since_progress_s=max(0.0, now - progress_at),
         control_age_s=now - info.control_seen_at if info.control_seen_at else None,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tiderl.policy.admission import inflight_bound
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.store.types import Role
 
@@ -122,9 +123,7 @@ def feed_allowance(outstanding_groups: int, batch_groups: int, max_staleness: in
     Groups created but not yet trained are at most (staleness + 1) batches: a
     group generated now is then trained within `max_staleness` versions in
     the steady state (the trainer's stale filter enforces the bound exactly).
-    `cap`: a smaller limit planned by ERS (tiderl.policy.admission), never above that bound.
+    `cap`: a smaller limit planned by ERS (tiderl.policy.admission), never above that bound
+    (`admission.inflight_bound`, the one computation of it).
     """
-    limit = (max_staleness + 1) * batch_groups
-    if cap is not None:
-        limit = min(limit, cap)
-    return max(0, limit - outstanding_groups)
+    return max(0, inflight_bound(batch_groups, max_staleness, cap) - outstanding_groups)

@@ -113,7 +113,7 @@ class TensorBoardLog:
             log.warning("TensorBoard not updated, the disk is full: %s", e)
 
     def _write(self) -> None:
-        for row in self.points.read(self.store):
+        for row in self.points.read(self.store.reader):
             v = row["version"]
             if row["name"] in WAITS:
                 self.waits[row["name"]] += float(row["value"])

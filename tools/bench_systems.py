@@ -148,7 +148,7 @@ def idle_seconds(run_dir: Path) -> float:
 
     store = RunStore.for_run_dir(run_dir)
     try:
-        return sum(float(r["value"]) for r in store.metric_sums(["rollout_idle_s"]))
+        return sum(float(r["value"]) for r in store.reader.metric_sums(["rollout_idle_s"]))
     finally:
         store.close()
 

@@ -126,14 +126,14 @@ def real_steps(run_dir: Path) -> list[dict]:
 
 
 def real_group_holding(run_dir: Path, from_version: int = 1) -> dict:
-    """The real run's `group_holding` (RunStore.group_holding): the trained groups created at the
+    """The real run's `group_holding` (RunReader.group_holding): the trained groups created at the
     publication of `from_version` or later (the steady window: one created during the start-up waits
     for the engines to start)."""
     from tiderl.store import RunStore
 
     store = RunStore.for_run_dir(run_dir)
     try:
-        return store.group_holding(from_version)
+        return store.reader.group_holding(from_version)
     finally:
         store.close()
 
@@ -148,7 +148,7 @@ def real_stale_drops(run_dir: Path) -> int:
 
     store = RunStore.for_run_dir(run_dir)
     try:
-        return len(store.dropped_groups())
+        return len(store.measure.dropped_groups())
     finally:
         store.close()
 

@@ -2,9 +2,11 @@
 trainer drops (ERS's `adaptive_admission`).
 
 AReaL's rule keeps at most (staleness + 1) x B groups released and not yet trained
-(:func:`tiderl.systems.feed_allowance`). The trainer's bound is strict (step v trains nothing started
-before v - staleness, :func:`tiderl.systems.oldest_trainable_version`) and it takes the B groups that
-finish first: the groups of a feed that finish after the last step that may train them are dropped,
+(:func:`inflight_bound`, the one computation of that bound: the feed's :func:`tiderl.systems.feed_allowance`,
+the rate planner's Little's law and the simulator's latency bound call it, with this module's cap where
+ERS sets one). The trainer's bound is strict (step v trains nothing started before v - staleness,
+:func:`tiderl.systems.oldest_trainable_version`) and it takes the B groups that finish first: the groups
+of a feed that finish after the last step that may train them are dropped,
 generation that is never trained (`tiderl sim` counts the dropped groups of a workload). Fewer groups in flight leave fewer stragglers to drop, and more trainer waits.
 
 The rule, at each sync boundary, over the newest ``WINDOW_STEPS`` finished steps that ran no
@@ -40,10 +42,18 @@ WINDOW_STEPS = 3
 BUSY_SHARE = 0.8
 
 
+def inflight_bound(batch: int, max_staleness: int, cap: int | None = None) -> int:
+    """The most training groups released and not yet trained (or dropped): (staleness + 1) x `batch`, the
+    staleness bound's (AReaL's rule), or `cap` where smaller (ERS's adaptive admission, :func:`inflight_cap`;
+    None: no cap)."""
+    full = (max_staleness + 1) * batch
+    return full if cap is None else min(full, cap)
+
+
 def inflight_cap(previous: int | None, steps: Sequence[StepObservation], batch: int, max_staleness: int) -> int:
     """The most training groups released and not yet trained (or dropped) for the next step, from the
     finished steps (oldest first; the newest ``WINDOW_STEPS`` that ran no evaluation count)."""
-    full = (max_staleness + 1) * batch
+    full = inflight_bound(batch, max_staleness)
     cap = full if previous is None else min(full, max(batch, previous))
     if not steps or steps[-1].evaluation:
         return cap

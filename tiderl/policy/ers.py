@@ -23,7 +23,8 @@ Roles and moves
   rank only if the decoupled mode then beats the colocated one (RA2P cost
   model), otherwise an actor rank.
 - A ref rank is added only while there is none or the refs cannot keep up
-  with the actors (M t_ref / R > t_act_f + t_act_b): a further one would idle.
+  with the actors (M t_ref / R > t_act_f + t_act_b, :func:`tiderl.policy.ra2p.refs_keep_up`): a further
+  one would idle.
 - ``IDLE`` ranks are put back to rollout at cold start and evaluation (on a shared host, while it has
   room for them).
 - Engines on demand (``engines_on_demand``, a shared host): a rank that holds no engine yet
@@ -118,7 +119,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiderl.policy.host import HostShare
-from tiderl.policy.ra2p import Ra2pMode, StageTimes, break_even_ras, choose_mode
+from tiderl.policy.ra2p import Ra2pMode, StageTimes, break_even_ras, choose_mode, refs_keep_up
 from tiderl.roles import Role
 
 __all__ = [
@@ -349,6 +350,9 @@ class ErsSignals:
     slot_wait_s: float = 0.0
     """Mean seconds a group of the window waited for a task slot (0: not measured); part of group_latency_s
     (tiderl.policy.ers_signals)."""
+    inflight_cap: int | None = None
+    """ERS's adaptive admission cap the feed keeps now (tiderl.policy.admission; None: the staleness bound's
+    (staleness + 1) batches): the rate planner's groups in flight are ``admission.inflight_bound`` with it."""
     micro_batch_tokens: int = 0
     """Tokens of one actor rank's share of a micro-batch (trainer.micro_batch_tokens; 0: unknown)."""
     pre_evaluation_roles: tuple[Role, ...] | None = None
@@ -459,7 +463,7 @@ def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits
         new = list(current)
         for _ in range(budget):
             ref_room = limits.max_ref_ranks is None or num_ref < limits.max_ref_ranks
-            ref_room = ref_room and (num_ref == 0 or _refs_short(num_actor, num_ref, signals.stage_times))
+            ref_room = ref_room and not refs_keep_up(num_actor, num_ref, signals.stage_times)
             if ref_room and (not limits.elastic_actors or _decoupled_pays(num_actor, num_ref + 1, signals)):
                 target = Role.REF
                 num_ref += 1
@@ -485,13 +489,6 @@ def plan_paper(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits
         return finish_plan(current, new, fetch, ErsReason.GENERATION_DEFICIT)
 
     return finish_plan(current, current, fetch, ErsReason.STEADY)
-
-
-def _refs_short(num_actor: int, num_ref: int, times: StageTimes | None) -> bool:
-    """The ref ranks are the decoupled pipeline's bottleneck (M t_ref / R > t_act_f + t_act_b)."""
-    if times is None:
-        return False
-    return num_actor * times.t_ref_s / num_ref > times.t_act_f_s + times.t_act_b_s
 
 
 def _decoupled_pays(num_actor: int, num_ref: int, signals: ErsSignals) -> bool:

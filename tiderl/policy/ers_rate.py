@@ -8,14 +8,18 @@ candidate splits and the moves are one planner whose parts only make sense toget
 of the file is this statement of its model and invariants.)
 
 Model (every rate from the signals' window of recent steps, as measured)
-- Generation, by Little's law: at most (max_staleness + 1) x groups_ideal
-  groups are in flight (released, not yet trained); a group resides its
+- Generation, by Little's law: at most F = (max_staleness + 1) x groups_ideal
+  groups are in flight (released, not yet trained), fewer where ERS's adaptive
+  admission caps them (``signals.inflight_cap``, the cap the feed keeps:
+  :func:`tiderl.policy.admission.inflight_bound`, as the control plane's feed and
+  the simulator's apply it); a group resides its
   generation latency ``L``, then on average half a step in the buffer, then
   the trainer's tail after the step's last arrival (the last micro-batch's
   work, :func:`_tail_s`) and its overhead (optimizer, publish) until the
   step ends and frees its place. With the trainer keeping up,
-  ``G = F / (L + T / 2 + tail + overhead)`` and ``T = B tok / G`` give
-  ``G_gen(n, M, R) = (s + 1/2) B tok / (L(n) + tail(M, R) + overhead)``:
+  ``G = F tok / (L + T / 2 + tail + overhead)`` and ``T = B tok / G`` give
+  ``G_gen(n, M, R) = (F - B/2) tok / (L(n) + tail(M, R) + overhead)``, which is
+  ``(s + 1/2) B tok / (...)`` without a cap:
   while the staleness bound binds, a faster trainer still raises goodput.
 - Task slots: a rollout rank plays at most ``limits.rank_tasks`` tasks at
   once. A split's supply is at most what its slots play with every slot
@@ -121,7 +125,7 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    rollout ranks never increase. What the window measured overrides the
    model's extrapolation (:func:`regime`).
 5. Ref ranks are added only while the refs do not keep up with the actors
-   (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move).
+   (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move: :func:`tiderl.policy.ra2p.refs_keep_up`).
 6. The fetch size is always groups_ideal.
 7. Without a shared host no rank is moved to IDLE; idle ranks only return
    to rollout. Host speed factors are 1 without a shared host.
@@ -154,12 +158,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tiderl.policy.admission import inflight_bound
 from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
                                move_roles)
 from tiderl.policy.ers_signals import MIN_WINDOW_STEPS, task_times
-from tiderl.policy.ers_trainer import coordination_s, ready_compute_s, refs_needed, repartition, step_compute_s
+from tiderl.policy.ers_trainer import coordination_s, ready_compute_s, repartition, step_compute_s
 from tiderl.policy.host import HostShare
-from tiderl.policy.ra2p import StageTimes
+from tiderl.policy.ra2p import StageTimes, refs_keep_up, refs_needed
 
 __all__ = ["RateModel", "Split", "busy_trainer_ranks", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
            "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "slot_tok_s", "split_of"]
@@ -202,7 +207,8 @@ class RateModel:
     rollout_ranks: int
     """Rollout ranks of the split the latency was measured on."""
     little_tokens: float
-    """(s + 1/2) x B x tokens per group (Little's law, see the module docstring)."""
+    """(F - B/2) x tokens per group, F the groups in flight ((s + 1/2) x B without an admission cap; Little's
+    law, see the module docstring)."""
     group_latency_s: float | None
     """Measured latency of a group from its creation to its completion (None: not measured)."""
     group_env_s: float
@@ -210,7 +216,8 @@ class RateModel:
     gen_curve: tuple[tuple[int, float], ...] = ()
     """Measured (rollout ranks, L_gen seconds), the current split's included (see gen_latency_at)."""
     inflight_groups: float = math.inf
-    """Groups the staleness bound keeps in flight: (s + 1) x B."""
+    """Groups the feed keeps in flight, F: (s + 1) x B, or the admission cap where smaller
+    (``admission.inflight_bound``)."""
     rank_groups: float = math.inf
     """Groups one rollout rank plays at once (rank_tasks / group_size; inf: no bound)."""
     host: HostShare | None = None
@@ -291,6 +298,8 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks,
                               max(0.0, (latency or 0.0) - env - signals.slot_wait_s))
     slot = task_times(window)
+    # The groups in flight: the staleness bound's, or the admission cap the feed keeps where smaller.
+    inflight = inflight_bound(limits.groups_ideal, limits.max_staleness, signals.inflight_cap)
     model = RateModel(
         supply_tok_s_per_rank=produced / busy_rank_s,
         step_tokens=step_tokens,
@@ -299,11 +308,11 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         micro_batch_tokens_per_actor=per_actor_mb,
         consumed_tok_s_per_actor=per_actor_rate,
         rollout_ranks=last.rollout_ranks,
-        little_tokens=(limits.max_staleness + 0.5) * limits.groups_ideal * per_group,
+        little_tokens=(inflight - limits.groups_ideal / 2) * per_group,
         group_latency_s=latency,
         group_env_s=env,
         gen_curve=curve,
-        inflight_groups=(limits.max_staleness + 1) * limits.groups_ideal,
+        inflight_groups=inflight,
         rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks else math.inf,
         host=limits.host,
         busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
@@ -422,7 +431,8 @@ def _tail_s(actors: int, refs: int, times: StageTimes | None) -> float:
 
 
 def concurrency_share(rollout: int, model: RateModel) -> float:
-    """Share of the staleness bound's groups in flight that `rollout` ranks can play at once (at most 1)."""
+    """Share of the groups the feed keeps in flight (the staleness bound's, or the admission cap) that
+    `rollout` ranks can play at once (at most 1)."""
     if model.inflight_groups <= 0 or math.isinf(model.rank_groups):
         return 1.0
     return min(1.0, rollout * model.rank_groups / model.inflight_groups)
@@ -660,7 +670,7 @@ def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLim
         return None
     if now.rollout > target.rollout and now.rollout > limits.min_rollout_ranks:
         ref_room = limits.max_ref_ranks is None or now.refs < limits.max_ref_ranks
-        if now.refs < target.refs and ref_room and (now.refs == 0 or _refs_short(now, times)):
+        if now.refs < target.refs and ref_room and not refs_keep_up(now.actors, now.refs, times):
             return move_roles(roles, Role.ROLLOUT, Role.REF, 1), replace(now, rollout=now.rollout - 1,
                                                                          refs=now.refs + 1)
         if limits.host is not None and now.idle < target.idle:
@@ -670,12 +680,6 @@ def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLim
             return move_roles(roles, Role.ROLLOUT, Role.ACTOR, 1), replace(now, rollout=now.rollout - 1,
                                                                            actors=now.actors + 1)
     return None
-
-
-def _refs_short(now: Split, times: StageTimes | None) -> bool:
-    if times is None:
-        return False
-    return now.actors * times.t_ref_s / now.refs > times.t_act_f_s + times.t_act_b_s
 
 
 def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> dict[str, float] | None:

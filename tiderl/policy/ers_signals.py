@@ -114,6 +114,9 @@ class ErsSnapshot:
     """The role map the running evaluation's preemptive plan replaced (:class:`EvaluationMemory`)."""
     engine_ranks: frozenset[int] | None = None
     """Ranks whose rollout engine is up now, in the role map's order (None: not tracked)."""
+    inflight_cap: int | None = None
+    """ERS's adaptive admission cap the feed keeps now (``admission.inflight_cap``, decided with the previous
+    plan; None: no cap, the staleness bound's)."""
 
 
 @dataclass(slots=True)
@@ -174,6 +177,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
         engine_ranks=snapshot.engine_ranks,
+        inflight_cap=snapshot.inflight_cap,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
     )
 

@@ -1,6 +1,6 @@
-"""The trainer's side of ERS: how many ref ranks keep up with the actors, and
-the rate planner's trainer re-partition (``ers.policy: rate`` with
-``ers.elastic_actors``).
+"""The trainer's side of ERS: the rate planner's trainer re-partition
+(``ers.policy: rate`` with ``ers.elastic_actors``) and its step model. How many
+ref ranks keep up with the actors is :func:`tiderl.policy.ra2p.refs_needed`.
 
 Pure: no torch, no database, no HTTP, no processes.
 
@@ -26,7 +26,7 @@ Invariants (tests/test_policy_ers_trainer.py)
 1. No re-partition without ``elastic_actors``, stage times and a window.
 2. It keeps the trainer's rank count; actors stay at or above
    ``min_actor_ranks``; refs stay within ``max_ref_ranks`` and at most
-   :func:`refs_needed` for the new actor count (a further ref would idle).
+   :func:`tiderl.policy.ra2p.refs_needed` for the new actor count (a further ref would idle).
 3. Only for a predicted compute saving above ``rate_margin`` over the
    current partition (ties go to the fewest moves); a partition with ref
    ranks pays ``limits.decoupled_step_s`` a step.
@@ -46,27 +46,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
-from tiderl.policy.ra2p import StageTimes, colocated_cost_s
+from tiderl.policy.ra2p import StageTimes, colocated_cost_s, refs_needed
 
 if TYPE_CHECKING:
     from tiderl.policy.ers_rate import Split
 
-__all__ = ["coordination_s", "readiness", "ready_compute_s", "refs_needed", "repartition", "step_compute_s"]
+__all__ = ["coordination_s", "readiness", "ready_compute_s", "repartition", "step_compute_s"]
 
 
 def coordination_s(refs: int, decoupled_step_s: float) -> float:
     """A step's decoupled coordination: `decoupled_step_s` (``limits.decoupled_step_s``) with ref ranks, else 0."""
     return decoupled_step_s if refs > 0 else 0.0
-
-
-def refs_needed(actors: int, times: StageTimes | None) -> int:
-    """Ref ranks beyond which a further one idles: the smallest R with M t_ref / R <= t_act_f + t_act_b."""
-    if times is None or actors < 1:
-        return 0
-    work = times.t_act_f_s + times.t_act_b_s
-    if work <= 0:
-        return actors
-    return max(1, math.ceil(actors * times.t_ref_s / work))
 
 
 def readiness(step: StepObservation, actors: int, per_actor_mb: float) -> list[float]:

@@ -83,6 +83,8 @@ __all__ = [
     "colocated_cost_s",
     "decoupled_cost_s",
     "ready_at_start",
+    "refs_keep_up",
+    "refs_needed",
     "smallest_last_microbatches",
     "time_per_ready_microbatch_s",
     "vanilla_stream_cost_s",
@@ -174,6 +176,32 @@ def decoupled_cost_s(
             prev = a
         total += max(delta, period)
     return total
+
+
+KEEP_UP_TOLERANCE = 1e-9
+"""A tie of :func:`refs_needed` (M t_ref / R equal to t_act_f + t_act_b) keeps up, within this relative
+share: float rounding must not decide it (with the roofline's t_ref = t_act_f, t_act_b = 2 t_act_f, one
+ref rank per three actors is such a tie)."""
+
+
+def refs_needed(actors: int, times: StageTimes | None) -> int:
+    """The fewest ref ranks that keep up with `actors` actor ranks in the decoupled pipeline: the smallest
+    R >= 1 with M t_ref / R <= t_act_f + t_act_b (a further ref rank would idle; fewer set the period, see
+    :func:`decoupled_cost_s`). 0 without stage times or actors (nothing to keep up with); `actors` where
+    the actors' work is 0 (no count keeps up then: one per actor). The one rule of "the refs keep up":
+    the ERS planners and the simulator's fixed splits call it (or :func:`refs_keep_up`)."""
+    if times is None or actors < 1:
+        return 0
+    work = times.t_act_f_s + times.t_act_b_s
+    if work <= 0:
+        return actors
+    return max(1, math.ceil(actors * times.t_ref_s / (work * (1 + KEEP_UP_TOLERANCE))))
+
+
+def refs_keep_up(actors: int, refs: int, times: StageTimes | None) -> bool:
+    """Whether `refs` ref ranks keep up with `actors` actor ranks (at least :func:`refs_needed`); no ref
+    rank never does. A further ref rank is worth adding only while this is False."""
+    return refs >= 1 and refs >= refs_needed(actors, times)
 
 
 def colocated_cost_s(

@@ -41,7 +41,7 @@ class ReportData:
     """Each step's engine log-prob mismatch, on-policy and stale tokens apart (MISMATCH_METRICS)."""
     holding: dict[str, Any] = field(default_factory=dict)
     """Where the trained groups created from version `from_version`'s publication on spent their time in
-    flight (RunStore.group_holding): from version 1 (the start-up left out), or from version 0 where no
+    flight (RunReader.group_holding): from version 1 (the start-up left out), or from version 0 where no
     group created after version 1 was trained (a run of a step or two)."""
 
     @property
@@ -53,27 +53,27 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
     info = store.run_info()
     t0 = info.created_at
     end = info.finished_at or (now if now is not None else time.time())
-    versions = [v | {"t_s": v["created_at"] - t0} for v in store.version_rows() if v["version"] > 0]
+    versions = [v | {"t_s": v["created_at"] - t0} for v in store.measure.version_rows() if v["version"] > 0]
     publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
     points = [p | {"t_s": p["ts"] - t0}
-              for p in store.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS
+              for p in store.reader.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS
                                                              + MISMATCH_METRICS)))]
     dead = [e | {"t_s": e["ts"] - t0} for e in store.recent_events(10_000, kinds=["rank_dead"])]
-    evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.eval_rows()]
+    evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.reader.eval_rows()]
     return ReportData(
         info=info, t0=t0, end_s=end - t0, versions=versions, evals=evals,
         waits=[p for p in points if p["name"] in WAIT_METRICS],
         cache=[p for p in points if p["name"] in CACHE_METRICS],
-        staleness=store.staleness_counts(), ctb=ctb_by_version(points), holding=group_holding(store),
+        staleness=store.reader.staleness_counts(), ctb=ctb_by_version(points), holding=group_holding(store),
         mismatch={n: [float(p["value"]) for p in points if p["name"] == n] for n in MISMATCH_METRICS},
-        roles=role_spans(store.control_rows(), publish_s, dead, end - t0,
+        roles=role_spans(store.reader.control_rows(), publish_s, dead, end - t0,
                          restarted_s={r.rank: r.started_at - t0 for r in store.ranks()}))
 
 
 def group_holding(store: Any) -> dict[str, Any]:
     """The store's group holding from version 1 on, or over the whole run where that has no group."""
     for version in (1, 0):
-        held = store.group_holding(version)
+        held = store.reader.group_holding(version)
         if held["groups"]:
             return held | {"from_version": version}
     return held | {"from_version": 0}

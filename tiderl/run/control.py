@@ -208,7 +208,7 @@ class ControlPlane:
         """The ERS signals of the boundary before `version`, through the builder the simulator uses too."""
         cfg = self.config
         buf = self.store.buffer_state()
-        oldest = self.store.oldest_ready_at()
+        oldest = self.store.measure.oldest_ready_at()
         previous = self.store.plan_at(version - 1) if version > 0 else None
         before = self.store.plan_at(version - 2) if version > 1 else None
         change = 0
@@ -226,7 +226,8 @@ class ControlPlane:
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
             pre_evaluation_roles=self._evaluation_memory.roles,
-            engine_ranks=self.store.ranks_with_event("engine_up"))
+            engine_ranks=self.store.ranks_with_event("engine_up"),
+            inflight_cap=self._inflight_cap)  # the cap the feed keeps now, as the simulator hands it
         return build_signals(snapshot, cfg.ers.history_steps)
 
     def _ask_engines(self, version: int, ranks: tuple[int, ...]) -> None:
@@ -244,7 +245,7 @@ class ControlPlane:
     def _observations(self, version: int) -> tuple[ers.StepObservation, ...]:
         """The finished steps up to `version` (the newest HISTORY_FACTOR x history_steps), read from the
         store once each."""
-        rows = {r["version"]: r for r in self.store.version_rows()}
+        rows = {r["version"]: r for r in self.store.measure.version_rows()}
         first = version - HISTORY_FACTOR * self.config.ers.history_steps
         wanted = [v for v in range(max(1, first), version + 1) if v in rows]
         for v in wanted:
@@ -254,7 +255,7 @@ class ControlPlane:
 
     def _observe(self, version: int, before: dict, row: dict) -> ers.StepObservation:
         start, end = float(before["created_at"]), float(row["created_at"])
-        window = self.store.step_window(version, start, end)
+        window = self.store.measure.step_window(version, start, end)
         roles = self.store.roles_at(version - 1)  # the roles of the step that trained version - 1 into `version`
         counts = {role: sum(1 for r in roles.values() if r is role) for role in Role}
         actors = max(1, counts[Role.ACTOR])
@@ -276,7 +277,7 @@ class ControlPlane:
 
     def _stage_times(self) -> StageTimes | None:
         names = ("t_ref_s", "t_act_f_s", "t_act_b_s", "t_swap_s")
-        values = self.store.latest_metrics(names)
+        values = self.store.measure.latest_metrics(names)
         return StageTimes(**values) if len(values) == len(names) else None
 
     def _record_step(self, version: int) -> None:

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from tiderl.paths import atomic_write_text, checkpoint_steps_in, when_room
+from tiderl.paths import atomic_write_text, when_room
 from tiderl.run import handoff
 from tiderl.run.bell import SLICE_S
 from tiderl.run.context import RankContext
@@ -61,12 +61,8 @@ log = logging.getLogger(__name__)
 
 def _discard_uncommitted(ctx: RankContext, version: int) -> None:
     """Weights and checkpoints of steps after `version` were never committed: delete them."""
-    for v in ctx.paths.weight_versions():
-        if v > version:
-            shutil.rmtree(ctx.paths.weights_version(v), ignore_errors=True)
-    for step in checkpoint_steps_in(ctx.paths.ckpt):
-        if step > version:
-            shutil.rmtree(ctx.paths.checkpoint(step), ignore_errors=True)
+    for path in ctx.paths.uncommitted(version):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _sharded(ctx: RankContext, actors: list[int]) -> bool:
@@ -235,28 +231,41 @@ def _samples(ctx: RankContext, trajectories: list[ReadyTrajectory]) -> tuple:
 
 
 async def _lead(ctx: RankContext, actor: ActorRank, comm: TrainerComm | None, plan: PlanRecord, gather: StepGather,
-                chunk: list[ReadyTrajectory], chunk_tokens: int | None,
+                first: list[ReadyTrajectory], chunk_tokens: int | None,
                 announce: Callable[[int], None] | None) -> PublishedStep | StepStats:
     """The leader's step: hand each chunk to the group (marker, then broadcast) and train its share."""
     import torch.distributed as dist
 
     from tiderl.trainer.rank import StepChunk
 
+    async def chunk(k: int) -> StepChunk:
+        claimed = first if k == 0 else await gather.next(chunk_tokens)
+        msg = StepChunk(plan.version, plan.ra2p_mode, _samples(ctx, claimed), last=gather.complete)
+        if comm is not None:
+            if k and announce is not None:
+                announce(k)
+            dist.broadcast_object_list([msg], src=0)
+        return msg
+
     with _joined(actor, comm):
-        k = 0
-        while True:
-            msg = StepChunk(plan.version, plan.ra2p_mode, _samples(ctx, chunk), last=gather.complete)
-            if comm is not None:
-                if k and announce is not None:
-                    announce(k)
-                dist.broadcast_object_list([msg], src=0)
-            if k == 0:
-                _begin(actor, comm, msg)
-            actor.feed(msg.samples)
-            if msg.last:
-                return actor.finish_step()
-            chunk = await gather.next(chunk_tokens)
-            k += 1
+        return await _train_chunks(actor, chunk, lambda msg: _begin(actor, comm, msg))
+
+
+async def _train_chunks(rank: ActorRank | RefRank, chunk: Callable[[int], Awaitable[StepChunk]],
+                        begin: Callable[[StepChunk], None]) -> PublishedStep | StepStats | None:
+    """The chunk loop of every trainer rank in a step (the leader, a data-parallel follower, a ref): take
+    chunk k (`chunk(k)`: the leader claims and broadcasts it, the others receive it), `begin` the step
+    with chunk 0, feed each chunk's samples to `rank`, and after the last chunk return `rank`'s
+    `finish_step()`."""
+    k = 0
+    while True:
+        msg = await chunk(k)
+        if k == 0:
+            begin(msg)
+        rank.feed(msg.samples)
+        if msg.last:
+            return rank.finish_step()
+        k += 1
 
 
 @contextlib.contextmanager
@@ -303,18 +312,11 @@ async def _follow_actor_step(ctx: RankContext, plan: PlanRecord, actors: list[in
     held = None if sharded else _actor(ctx, plan.version, leader=False)
     members, generation = await _wait_marker(ctx, plan.version, Role.ACTOR)
 
-    async def follow(comm: TrainerComm) -> PublishedStep | StepStats:
+    async def follow(comm: TrainerComm) -> PublishedStep | StepStats | None:
         actor = held or _actor(ctx, plan.version, leader=False, comm=comm)
         with _joined(actor, comm):
-            k = 0
-            while True:
-                msg = await _next_chunk(ctx, plan.version, generation, k, Role.ACTOR)
-                if k == 0:
-                    _begin(actor, comm, msg)
-                actor.feed(msg.samples)
-                if msg.last:
-                    return actor.finish_step()
-                k += 1
+            return await _train_chunks(actor, lambda k: _next_chunk(ctx, plan.version, generation, k, Role.ACTOR),
+                                       lambda msg: _begin(actor, comm, msg))
 
     stats = await _in_group(ctx, plan, generation, actors, members, follow)
     ctx.store.report(RankReport(rank=ctx.rank, role=Role.ACTOR, version=plan.version, metrics=[
@@ -403,16 +405,8 @@ async def run_ref_step(ctx: RankContext, plan: PlanRecord) -> None:
     async def serve(comm: TrainerComm) -> None:
         previous, ref.comm = ref.comm, comm
         try:
-            k = 0
-            while True:
-                msg = await _next_chunk(ctx, plan.version, generation, k, Role.REF)
-                if k == 0:
-                    ref.begin_step(msg.version, msg.mode)
-                ref.feed(msg.samples)
-                if msg.last:
-                    ref.finish_step()
-                    return
-                k += 1
+            await _train_chunks(ref, lambda k: _next_chunk(ctx, plan.version, generation, k, Role.REF),
+                                lambda msg: ref.begin_step(msg.version, msg.mode))
         finally:
             ref.comm = previous
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from tiderl.policy.admission import inflight_bound
 from tiderl.sim.costs import Costs, describe
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def in_flight_limit_groups(sim: Simulation) -> int:
     """The staleness bound's most training groups in flight: (max_staleness + 1) x the largest batch
     the feeder keeps out (B_ideal; ERS's adaptive retention only fetches fewer)."""
     batch = max([sim.b_ideal, sim.fetch] + [r.fetch_groups for r in sim.records])
-    return (sim.staleness + 1) * batch
+    return inflight_bound(batch, sim.staleness)
 
 
 def latency_bound_parts(sim: Simulation) -> dict:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
+from tiderl.policy.ra2p import StageTimes, refs_needed
 from tiderl.sim.costs import Costs, derive_costs
 from tiderl.sim.simulator import Simulation
 from tiderl.sim.spec import ClusterSpec, load_cluster, load_workload
@@ -103,12 +104,10 @@ FIXED = "tiderl-noers"
 
 def refs_to_keep_up(costs: Costs, actors: int) -> int:
     """The fewest ref ranks (at least 1) that keep up with `actors` actor ranks in the decoupled
-    pipeline: the smallest R with M t_ref / R <= t_act_f + t_act_b (the cost model's stage times of
-    one share, as in Simulation._stage_times; their ratio does not depend on the sequence length)."""
-    refs = 1
-    while actors * costs.ref_ratio > refs * (1.0 + costs.backward_ratio) * (1 + 1e-9):
-        refs += 1
-    return refs
+    pipeline: :func:`tiderl.policy.ra2p.refs_needed` (the planners' rule) on the cost model's stage times
+    of one share, as in Simulation._stage_times (their ratio does not depend on the sequence length)."""
+    times = StageTimes(t_ref_s=costs.ref_ratio, t_act_f_s=1.0, t_act_b_s=costs.backward_ratio, t_swap_s=0.0)
+    return max(1, refs_needed(actors, times))
 
 
 def fixed_partitions(cluster: ClusterSpec) -> list[System]:

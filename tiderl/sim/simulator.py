@@ -412,6 +412,7 @@ class Simulation:
             # Engine starts not priced (engine_start_s 0): every rank joins rollout at a reload's cost.
             engine_ranks=(frozenset(r for r, up in self.engines.items() if up <= t) if self.costs.engine_start_s
                           else None),
+            inflight_cap=self.inflight_cap,  # the cap the feed keeps now, as the control plane hands it
         )
         return build_signals(snapshot, self.history_steps)
 

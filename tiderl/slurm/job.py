@@ -28,6 +28,7 @@ from pathlib import Path
 
 import submitit
 
+from tiderl.paths import RunPaths
 from tiderl.run import procs
 from tiderl.run.launcher import Interrupted, Launch, prepare, run_launch
 from tiderl.slurm.submit import SRUN_LOG, rank_step_env, rank_step_of
@@ -95,7 +96,7 @@ class SlurmRun(submitit.helpers.Checkpointable):
         if code == 130:
             return f"run {self.run_dir} cancelled"
         raise RunNotFinished(f"run {self.run_dir} did not finish (launcher exit code {code}): "
-                             f"see {Path(self.run_dir) / 'logs'}")
+                             f"see {RunPaths(Path(self.run_dir)).logs}")
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
         # The run store and the trainer's checkpoints are the state: the same call resumes them.

@@ -29,7 +29,6 @@ from tiderl.paths import RunPaths
 from tiderl.slurm.sbatch import LOG_NAME, PREEMPT_SIGNAL, SlurmScriptError, job_name, ranks_per_node
 
 SUBMITIT_MAIN = "submitit.core._submit"
-RANK_LOG = "rank%t.log"  # srun's %t is the task's rank in the step: RunPaths.rank_log(R)
 SRUN_LOG = "ranks-srun.log"
 
 
@@ -93,7 +92,7 @@ def executor_parameters(slurm: SlurmConfig, *, name: str, num_ranks: int, log_di
 def run_parameters(config: JobConfig, run_dir: Path) -> dict[str, Any]:
     """`executor_parameters` of a job config and its run directory."""
     return executor_parameters(config.slurm, name=job_name(config.slurm, config.name),
-                               num_ranks=config.launch.num_ranks, log_dir=Path(run_dir) / "logs")
+                               num_ranks=config.launch.num_ranks, log_dir=RunPaths(Path(run_dir)).logs)
 
 
 def batch_python(setup: Sequence[str]) -> str:
@@ -120,14 +119,14 @@ def rank_step_argv(run_dir: Path, *, num_ranks: int, num_tasks_per_node: int, cp
                    gpus: bool = False, python: str = sys.executable) -> list[str]:
     """The srun step of the ranks: one task per rank, each learning its rank from Slurm, logs per rank.
     With `gpus`, each task gets one GPU of its node (Slurm sets its CUDA_VISIBLE_DEVICES)."""
-    logs = Path(run_dir) / "logs"
+    paths = RunPaths(Path(run_dir))
     return [
         "srun", "--unbuffered",
         # One rank dying ends the step: the launcher sees it and records the run failed.
         "--kill-on-bad-exit=1",
         f"--ntasks={num_ranks}", f"--ntasks-per-node={num_tasks_per_node}", f"--cpus-per-task={cpus_per_task}",
         *(["--gpus-per-task=1"] if gpus else []),
-        f"--output={logs / RANK_LOG}", "--open-mode=append",
+        f"--output={paths.rank_log('%t')}", "--open-mode=append",  # srun's %t: the task's rank in the step
         python, "-m", "tiderl.run.rank", str(run_dir),
     ]
 

@@ -4,7 +4,7 @@ commits that wrote them became visible in.
 A metric row's id is drawn when it is inserted, and it becomes visible when its transaction commits.
 On SQLite the writers take turns (one write lock per database), so ids become visible in their order
 and "every id above the last one read" is the whole news. On PostgreSQL the ranks' reports commit
-without taking turns (tiderl.store.runstore): a report that drew id 9 may commit just after one that
+without taking turns (tiderl.store.rank_side): a report that drew id 9 may commit just after one that
 drew id 10, and a reader that had moved on to "above 10" would never see 9. The cursor therefore keeps
 re-reading above the highest id it knows settled, passes over the ids it already returned, and counts
 an id as settled once a read that saw a larger one is ``settle_s`` old: a report draws its metric ids in
@@ -24,7 +24,7 @@ READ_LIMIT = 50_000
 
 
 class MetricCursor:
-    """Reads the points of `names` (RunStore.metric_rows_after) once each, in the order they become visible."""
+    """Reads the points of `names` (`RunReader.metric_rows_after`) once each, in the order they become visible."""
 
     def __init__(self, names: Sequence[str], *, settled: int = 0, seen: Sequence[int] = (),
                  settle_s: float = SETTLE_S) -> None:
@@ -34,13 +34,14 @@ class MetricCursor:
         self.settle_s = settle_s
         self._marks: deque[tuple[float, int]] = deque()  # (monotonic time of a read, highest id it saw)
 
-    def read(self, store: Any) -> list[dict[str, Any]]:
-        """The points that became visible since the last read (id, ts, version, rank, role, name, value)."""
-        settle_s = self.settle_s if store.dialect == "postgresql" else 0.0
+    def read(self, reader: Any) -> list[dict[str, Any]]:
+        """The points that became visible since the last read (id, ts, version, rank, role, name, value), read
+        through `reader` (a store's `RunReader`, `store.reader`)."""
+        settle_s = self.settle_s if reader.dialect == "postgresql" else 0.0
         new: list[dict[str, Any]] = []
         after, top = self.settled, self.settled
         while True:
-            rows = store.metric_rows_after(after, self.names, limit=READ_LIMIT)
+            rows = reader.metric_rows_after(after, self.names, limit=READ_LIMIT)
             new += [r for r in rows if r["id"] not in self.seen]
             if rows:
                 after = top = max(top, rows[-1]["id"])

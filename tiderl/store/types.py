@@ -144,7 +144,7 @@ class TaskClaim:
 
 @dataclass(frozen=True, slots=True)
 class StepWindow:
-    """One step as the store saw it, for ERS (RunStore.step_window)."""
+    """One step as the store saw it, for ERS (StepMeasure.step_window, `store.measure`)."""
 
     groups_completed: int
     produced_tokens: int  # trajectory tokens of the training groups completed in the step

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.config.trainer import TrainerConfig
+from tiderl.paths import RunPaths
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.trainer.rank import StepInput
 from tiderl.trainer.synthetic import random_samples
@@ -58,7 +59,7 @@ class _ModeSource:
 class LocalGroupJob:
     config: TrainerConfig
     base_model: Path
-    run_dir: Path  # weights/ and ckpt/ go here
+    run_dir: Path  # one run directory per mode under it (RunPaths: its weights/ and ckpt/)
     out_dir: Path
     source: SyntheticSource
     modes: tuple[Ra2pMode, ...]
@@ -88,7 +89,7 @@ def _rank_main(rank: int, job: LocalGroupJob) -> None:
     try:
         ref = RefRank(job.config, comm, base_model=job.base_model) if rank >= job.num_actors else None
         for mode in job.modes:
-            run_dir = job.run_dir / mode.value
+            paths = RunPaths(job.run_dir / mode.value)
             out: list[dict[str, Any]] = []
             # Rank 0 makes each step's input and broadcasts it, as the leader does with the run store.
             source = BroadcastSource(_ModeSource(job.source, mode) if rank == 0 else None, rank)
@@ -98,8 +99,8 @@ def _rank_main(rank: int, job: LocalGroupJob) -> None:
                     if mode is Ra2pMode.DECOUPLED:
                         out.append(dataclasses.asdict(ref.serve_step(inp)))
             else:
-                node = ActorRank(job.config, comm, base_model=job.base_model, weights_root=run_dir / "weights",
-                                 ckpt_root=run_dir / "ckpt", with_ref=mode is not Ra2pMode.DECOUPLED, resume=False)
+                node = ActorRank(job.config, comm, base_model=job.base_model, weights_root=paths.weights,
+                                 ckpt_root=paths.ckpt, with_ref=mode is not Ra2pMode.DECOUPLED, resume=False)
                 for _ in range(total):
                     result = node.train_step(source.next_step(node.version))
                     stats = result if isinstance(result, StepStats) else result.stats
