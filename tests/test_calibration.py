@@ -226,15 +226,25 @@ def test_steady_figures_from_literal_steps():
 
 
 def test_the_steady_window_starts_once_every_engine_is_up():
+    from tiderl.store.step_figures import steady_from_version, steady_goodput
+
     published = [(0, 0.0), (1, 50.0), (2, 60.0), (3, 70.0), (4, 80.0)]
     # An engine came up after version 1 (a second rollout rank, an idle rank's): the window starts at 3.
-    assert bench_systems.steady_from_version(published, [40.0, 65.0]) == 3
-    assert bench_systems.steady_from_version(published, [40.0, 70.0]) == 3  # published as it came up
+    assert steady_from_version(published, [40.0, 65.0]) == 3
+    assert steady_from_version(published, [40.0, 70.0]) == 3  # published as it came up
     # Every engine up before version 1 (or none recorded): version 1, the start of the old window.
-    assert bench_systems.steady_from_version(published, [20.0, 45.0]) == 1
-    assert bench_systems.steady_from_version(published, []) == 1
+    assert steady_from_version(published, [20.0, 45.0]) == 1
+    assert steady_from_version(published, []) == 1
     # The last engine after the last version: no window left (the last version).
-    assert bench_systems.steady_from_version(published, [90.0]) == 4
+    assert steady_from_version(published, [90.0]) == 4
+    # The goodput of that window: the tokens of the versions after its first, over the time between.
+    rows = [(v, at, 10 * v) for v, at in published]
+    got = steady_goodput(rows, [40.0, 65.0], run_created_at=5.0)
+    assert got.from_version == 3 and got.tok_s == pytest.approx(40 / 10) and got.startup_s == pytest.approx(65.0)
+    assert steady_goodput(rows, [], run_created_at=5.0, from_version=1).tok_s == pytest.approx((20 + 30 + 40) / 30)
+    late = steady_goodput(rows, [90.0], run_created_at=5.0)
+    assert late.from_version == 4 and late.tok_s is None and late.startup_s == pytest.approx(75.0)
+    assert steady_goodput([], [], run_created_at=5.0) == type(late)(1, None, None)
 
 
 def test_compare_reports_errors_and_what_is_over_threshold():

@@ -122,7 +122,8 @@ def test_status_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert doc["trainer"] == {"clip_frac": 0.125, "logprob_mismatch_on_policy": 0.0625, "entropy": 0.75}
     assert doc["rollout"] == {"ctb_admitted": 3, "ctb_pauses": 1, "ctb_resumes": 1, "ctb_prefix_kept": 3,
                               "ctb_prefix_evicted": 1, "prefix_cache_queries": 200, "prefix_cache_hits": 40,
-                              "kv_usage": 0.5, "ctb_budget_tokens": 1500.0}
+                              "kv_usage": 0.5, "kv_usage_peak": 0.5, "ctb_budget_tokens": 1500.0}
+    assert doc["steady_from_version"] == 1 and doc["startup_s"] is not None and doc["steady_goodput_tok_s"] is None
 
 
 def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,7 +137,7 @@ def test_status_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert ("per environment (last step): hilo reward 0.00 success 0.00 (1 trajectories); "
             "pytool reward 1.00 success 1.00 (1 trajectories)") in out
     assert ("rollout (run so far): admitted 3, paused 1, resumed 1; turns whose context the prefix cache kept 3, "
-            "evicted 1; prefix-cache hit rate 0.20; KV usage 0.50; CTB budget 1500 tokens") in out
+            "evicted 1; prefix-cache hit rate 0.20; KV usage 0.50 (peak 0.50); CTB budget 1500 tokens") in out
 
 
 def test_status_of_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,12 +38,14 @@ def collect(store: Any) -> dict[str, Any]:
     end = info.finished_at or time.time()
     elapsed_s = max(end - info.created_at, 1e-9)
     consumed = sum(s["consumed_tokens"] or 0 for s in steps)
+    steady = steady_of(store)
     wait: dict[str, float] = {}
     for row in store.reader.metric_sums(["rwt_s", "twt_s"]):
         wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
     rollout = dict.fromkeys(CTB_SUMS, 0.0)
     for row in store.reader.metric_sums(CTB_SUMS):
         rollout[row["name"]] += float(row["value"])
+    kv_peak = max((float(r["max"]) for r in store.reader.metric_sums(["kv_usage"])), default=None)
     return {
         "name": info.name,
         "system": info.system,
@@ -53,6 +55,10 @@ def collect(store: Any) -> dict[str, Any]:
         "elapsed_s": round(elapsed_s, 3),
         "consumed_tokens": consumed,
         "goodput_tok_s": consumed / elapsed_s,
+        # Once the run is up: from the first version published after the last engine came up (start-up apart).
+        "steady_goodput_tok_s": steady.tok_s,
+        "steady_from_version": steady.from_version,
+        "startup_s": None if steady.startup_s is None else round(steady.startup_s, 1),
         "rwt_s": wait.get("rwt_s", 0.0),
         "twt_s": wait.get("twt_s", 0.0),
         "ranks": [{"rank": r["rank"], "role": r["role"], "state": r["state"], "version": r["version"],
@@ -63,6 +69,7 @@ def collect(store: Any) -> dict[str, Any]:
         "eval": [_with_interval(e) | {"eval": True} for e in store.view("eval_summary")],
         "trainer": store.measure.latest_metrics(TRAINER_KEYS),
         "rollout": ({k: int(v) for k, v in rollout.items()} | store.measure.latest_metrics(CTB_LEVELS)
+                    | ({} if kv_peak is None else {"kv_usage_peak": kv_peak})
                     if any(rollout.values()) else {}),
     }
 
@@ -203,6 +210,9 @@ def render(doc: dict[str, Any]) -> str:
         f"run {doc['name']} ({doc['system']}): {doc['state']}" + (f" - {doc['message']}" if doc["message"] else ""),
         f"version {doc['version']}  elapsed {doc['elapsed_s']:.0f} s  consumed {doc['consumed_tokens']} tokens  "
         f"goodput {doc['goodput_tok_s']:.1f} tok/s  RWT {doc['rwt_s']:.1f} s  TWT {doc['twt_s']:.1f} s",
+        *([f"steady goodput {doc['steady_goodput_tok_s']:.1f} tok/s from version {doc['steady_from_version']} "
+           f"(start-up before it {doc['startup_s']:.0f} s: model, engines, first steps)"]
+          if doc.get("steady_goodput_tok_s") is not None else []),
         "",
         "rank  role     state     version  heartbeat_age_s  planned",
     ]
@@ -234,6 +244,7 @@ def render(doc: dict[str, Any]) -> str:
                      f"{r['ctb_resumes']}; turns whose context the prefix cache kept {r['ctb_prefix_kept']}, evicted "
                      f"{r['ctb_prefix_evicted']}; prefix-cache hit rate {hits}"
                      + (f"; KV usage {r['kv_usage']:.2f}" if "kv_usage" in r else "")
+                     + (f" (peak {r['kv_usage_peak']:.2f})" if "kv_usage_peak" in r else "")
                      + (f"; CTB budget {r['ctb_budget_tokens']:.0f} tokens" if "ctb_budget_tokens" in r else ""))
     t = doc.get("trainer") or {}
     if t:
@@ -309,6 +320,16 @@ def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, 
             + f"  buffer pending {b['tasks_pending']} running {b['tasks_running']} ready {b['traj_ready']}"
             + (f"  engines {engines[0]}/{engines[1]} up" if engines is not None and engines[0] < engines[1] else "")
             + "   ")
+
+
+def steady_of(store: Any, from_version: int | None = None) -> Any:
+    """The run's :class:`tiderl.store.step_figures.SteadyGoodput` (from_version None: from the first version
+    published after the last engine came up)."""
+    from tiderl.store.step_figures import steady_goodput
+
+    published = [(r["version"], r["created_at"], r["consumed_tokens"] or 0) for r in store.measure.version_rows()]
+    ups = [e["ts"] for e in store.recent_events(100_000, kinds=["engine_up"])]
+    return steady_goodput(published, ups, store.run_info().created_at, from_version)
 
 
 def summary(store: Any) -> str:

@@ -41,37 +41,19 @@ sys.path.insert(0, str(ROOT))
 SYSTEMS = ("sync", "async", "stream", "tiderl")
 
 
-def steady_from_version(published: list[tuple[int, float]], engines_up_at: list[float]) -> int:
-    """The first version (>= 1) published at or after the last engine came up; `published` holds
-    (version, publication time) in order. Where none is, the last version (no steady window)."""
-    last_up = max(engines_up_at, default=0.0)
-    after = [v for v, at in published if v >= 1 and at >= last_up]
-    return after[0] if after else max((v for v, _ in published), default=1)
-
-
 def steady_goodput(run_dir: Path, from_version: int | None = None) -> tuple[float | None, int]:
     """(trained tokens of the versions after `from_version` per second between its publication and
-    the last one's, that version); `from_version` None: `steady_from_version` of the run."""
-    from sqlalchemy import select
-
+    the last one's, that version); `from_version` None: `steady_from_version` of the run
+    (tiderl.store.step_figures.steady_goodput, as `tiderl status` reports it)."""
+    from tiderl.status import steady_of
     from tiderl.store import RunStore
-    from tiderl.store.schema import events, versions
 
     store = RunStore.for_run_dir(run_dir)
     try:
-        rows = store.tx.read(lambda c: c.execute(select(versions.c.version, versions.c.created_at,
-                                                        versions.c.consumed_tokens)
-                                                 .where(versions.c.version >= 1).order_by(versions.c.version)).all())
-        ups = store.tx.read(lambda c: c.execute(
-            select(events.c.ts).where(events.c.kind == "engine_up")).scalars().all())
+        steady = steady_of(store, from_version)
     finally:
         store.close()
-    if from_version is None:
-        from_version = steady_from_version([(r.version, r.created_at) for r in rows], list(ups))
-    window = [r for r in rows if r.version >= from_version]
-    if len(window) < 2 or window[-1].created_at <= window[0].created_at:
-        return None, from_version
-    return sum(r.consumed_tokens for r in window[1:]) / (window[-1].created_at - window[0].created_at), from_version
+    return steady.tok_s, steady.from_version
 
 
 def task_times(run_dir: Path) -> tuple[float | None, float | None]:

@@ -58,10 +58,12 @@ class RunReader:
             .group_by(trajectories.c.claim_owner)).mappings()])
 
     def metric_sums(self, names: Sequence[str], *, since: float | None = None) -> list[dict[str, Any]]:
-        """Sum of each metric per (name, rank, role), over rows recorded at or after `since`."""
+        """Sum (`value`), count, largest value (`max`) and last time of each metric per (name, rank, role), over
+        rows recorded at or after `since`."""
         def read(c: Connection) -> list[dict[str, Any]]:
             q = (select(metrics.c.name, metrics.c.rank, metrics.c.role, func.sum(metrics.c.value).label("value"),
-                        func.count().label("count"), func.max(metrics.c.ts).label("last_ts"))
+                        func.count().label("count"), func.max(metrics.c.value).label("max"),
+                        func.max(metrics.c.ts).label("last_ts"))
                  .where(metrics.c.name.in_(list(names))))
             if since is not None:
                 q = q.where(metrics.c.ts >= since)
