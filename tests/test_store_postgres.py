@@ -265,7 +265,10 @@ def test_a_server_restart_mid_run_loses_nothing_and_status_reports_it(tmp_path: 
         s = RunStore.for_run_dir(run_dir, read_only=True)
         reports = [e for e in s.recent_events(200, kinds=["store_unreachable"])]
         s.close()
-        assert len(reports) >= 6, reports  # the 4 writers, 2 trainers and 2 readers that waited, one each at most
+        # One report at most from each process that waited (7 live ones: 4 writers, one killed, 2 trainers, 2
+        # readers); on a loaded machine some finish their share before the cut, so not all of them wait.
+        pids = [m["message"].split("(pid ")[1].split(" ")[0] for m in reports]
+        assert len(pids) == len(set(pids)) and 3 <= len(reports) <= 8, reports
         seconds = [float(m["message"].split("unreachable for ")[1].split(" s")[0]) for m in reports]
         # As long as the outage measured here (the stop and start included), give or take one retry's sleep
         # and one connection attempt that was under way when the server came back.

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 import yaml
 
@@ -85,9 +85,7 @@ class SimProgress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiderl.sim import report
     from tiderl.sim.spec import load_cluster, load_workload
-    from tiderl.sim.systems import SimSystemError, parse_system
 
     if args.steps < 1:
         print("tiderl sim: --steps must be >= 1", file=sys.stderr)
@@ -97,6 +95,16 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     fractions = cluster.training.rollout_fraction_sweep
     progress = SimProgress()
+    try:
+        return _simulate(args, cluster, fractions, progress)
+    finally:
+        progress.stop.set()  # no sign of life after the answer (or an early return, or an error)
+
+
+def _simulate(args: argparse.Namespace, cluster: Any, fractions: Any, progress: SimProgress) -> int:
+    from tiderl.sim import report
+    from tiderl.sim.systems import SimSystemError, parse_system
+
     default = cluster.training.default_rollout_fraction
 
     if args.system == "best-fixed":
