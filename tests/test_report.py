@@ -57,7 +57,8 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
                       owner=0)
     s.report(RankReport(rank=0, role=Role.ACTOR, metrics=[
         MetricPoint("twt_s", 1.25, 0, "actor"), MetricPoint("logprob_mismatch_on_policy", 2e-7, 0, "actor"),
-        MetricPoint("logprob_mismatch_stale", 0.02, 0, "actor")]))
+        MetricPoint("logprob_mismatch_stale", 0.02, 0, "actor"), MetricPoint("entropy", 0.7, 0, "actor"),
+        MetricPoint("grad_norm", 1.5, 0, "actor")]))
     # A second group, created after version 1: the steady window of the group's time in flight.
     s.add_groups([NewGroup(TaskKind.TRAIN, 2, 2)])
     s.report(RankReport(rank=1, role=Role.ROLLOUT, version=1, finished=[
@@ -75,8 +76,11 @@ def test_report_of_a_built_story(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert data.holding == s.reader.group_holding(1) | {"from_version": 1} and data.holding["groups"] == 1
     assert [(x.rank, x.role) for x in data.roles] == [(0, "actor"), (1, "rollout"), (1, "idle")]
     assert [e["eval_version"] for e in data.evals] == [0]
+    # The actor's metrics of the step at version 0 are the curves' points at version 1 (the version it published).
+    assert data.trainer["entropy"] == [(1, 0.7)] and data.trainer["grad_norm"] == [(1, 1.5)] and data.trainer["kl"] == []
+    assert [v["turns_mean"] for v in data.versions] == [1.0, 1.0]
     assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 0
-    assert "7 figures" in capsys.readouterr().out
+    assert f"{len(FIGURES)} figures" in capsys.readouterr().out and "training" in FIGURES
     summary = assert_report(tmp_path / "out")
     assert "| goodput (whole run) |" in summary and "| 0 | 1 | " in summary  # eval of v0: one task
     # CTB per weights version: increments summed, levels averaged (KV usage 0.3 and 0.5: 40%).

@@ -6,13 +6,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiderl.status import CTB_LEVELS, CTB_SUMS
+from tiderl.status import CTB_LEVELS, CTB_SUMS, steady_of
 from tiderl.store.types import RunRecord
 
 # Metrics the figures read (names as the ranks record them).
 WAIT_METRICS = ("rwt_s", "twt_s")
 CACHE_METRICS = ("prefix_cache_queries", "prefix_cache_hits", "kv_usage")
 MISMATCH_METRICS = ("logprob_mismatch_on_policy", "logprob_mismatch_stale")  # tiderl.trainer.step.MISMATCH_KEYS
+# The actor's step metrics the training-curves figure draws (recorded at the step's version v: it published v + 1).
+TRAINER_CURVES = ("pg_loss", "kl", "entropy", "grad_norm", "lr", "response_tokens_mean", "clip_frac")
 
 
 @dataclass
@@ -37,8 +39,12 @@ class ReportData:
     ctb: dict[int, dict[str, float]] = field(default_factory=dict)
     """Per weights version the rollout ranks held: the sum of each CTB_SUMS metric over the ranks and the
     mean of each CTB_LEVELS metric over its points (a name absent: never recorded at that version)."""
+    trainer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """The actor's step metrics (TRAINER_CURVES): (the version the step published, value), ascending."""
     mismatch: dict[str, list[float]] = field(default_factory=dict)
     """Each step's engine log-prob mismatch, on-policy and stale tokens apart (MISMATCH_METRICS)."""
+    steady: Any = None
+    """The run's steady-state goodput and start-up (tiderl.store.step_figures.SteadyGoodput)."""
     holding: dict[str, Any] = field(default_factory=dict)
     """Where the trained groups created from version `from_version`'s publication on spent their time in
     flight (RunReader.group_holding): from version 1 (the start-up left out), or from version 0 where no
@@ -57,7 +63,7 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
     publish_s = {0: 0.0} | {v["version"]: v["t_s"] for v in versions}
     points = [p | {"t_s": p["ts"] - t0}
               for p in store.reader.metric_rows(tuple(dict.fromkeys(WAIT_METRICS + CACHE_METRICS + CTB_SUMS + CTB_LEVELS
-                                                             + MISMATCH_METRICS)))]
+                                                             + MISMATCH_METRICS + TRAINER_CURVES)))]
     dead = [e | {"t_s": e["ts"] - t0} for e in store.recent_events(10_000, kinds=["rank_dead"])]
     evals = [e | {"t_s": (e["finished_at"] - t0) if e["finished_at"] else None} for e in store.reader.eval_rows()]
     return ReportData(
@@ -66,6 +72,10 @@ def load(store: Any, *, now: float | None = None) -> ReportData:
         cache=[p for p in points if p["name"] in CACHE_METRICS],
         staleness=store.reader.staleness_counts(), ctb=ctb_by_version(points), holding=group_holding(store),
         mismatch={n: [float(p["value"]) for p in points if p["name"] == n] for n in MISMATCH_METRICS},
+        steady=steady_of(store),
+        trainer={n: sorted((int(p["version"]) + 1, float(p["value"])) for p in points
+                           if p["name"] == n and p["role"] == "actor" and p["version"] is not None)
+                 for n in TRAINER_CURVES},
         roles=role_spans(store.reader.control_rows(), publish_s, dead, end - t0,
                          restarted_s={r.rank: r.started_at - t0 for r in store.ranks()}))
 

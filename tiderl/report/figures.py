@@ -73,6 +73,37 @@ def reward(data: ReportData, fig: Figure) -> str:
     return "mean reward and success rate per version, training and evaluation"
 
 
+TRAINING_PANELS = (("pg_loss", "Policy-gradient loss", "per trained token"), ("kl", "KL to the reference", "nats"),
+                   ("entropy", "Policy entropy", "nats a trained token"), ("grad_norm", "Gradient norm", "before clipping"),
+                   ("lr", "Learning rate", ""), ("response_tokens_mean", "Response length", "tokens a sequence"),
+                   ("turns_mean", "Agent turns per task", "turns (mean, and max dashed)"),
+                   ("clip_frac", "Clipped share", "of trained tokens"))
+
+
+def training(data: ReportData, fig: Figure) -> str:
+    axes = fig.subplots(2, 4).flatten()
+    turns = [(v["version"], v["turns_mean"]) for v in data.versions if v.get("turns_mean") is not None]
+    series = dict(data.trainer) | {"turns_mean": turns}
+    if not any(series.values()):
+        for ax, (_, title, _) in zip(axes, TRAINING_PANELS):
+            _empty(ax, title, "no step trained yet")
+        return "training curves: no step trained yet"
+    for ax, (key, title, unit) in zip(axes, TRAINING_PANELS):
+        points = series.get(key) or []
+        if not points:
+            _empty(ax, title, "not recorded")
+            continue
+        ax.plot(*zip(*points), "o-", markersize=3)
+        if key == "turns_mean":
+            most = [(v["version"], v["turns_max"]) for v in data.versions if v.get("turns_max") is not None]
+            if most:
+                ax.plot(*zip(*most), "--", color="tab:gray")
+        ax.set(title=title, xlabel="weights version v", ylabel=unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("Training curves: the step that published version v")
+    return "the actor's step figures per version: loss, KL, entropy, gradient norm, learning rate, lengths, turns"
+
+
 def waits(data: ReportData, fig: Figure) -> str:
     ax = fig.add_subplot()
     if not data.waits:
@@ -189,10 +220,10 @@ def ra2p_mode(data: ReportData, fig: Figure) -> str:
 
 
 FIGURES: dict[str, Callable[[ReportData, Figure], str]] = {
-    "goodput": goodput, "reward": reward, "waits": waits, "roles": roles, "prefix_cache": prefix_cache,
-    "staleness": staleness, "ra2p_mode": ra2p_mode,
+    "goodput": goodput, "reward": reward, "training": training, "waits": waits, "roles": roles,
+    "prefix_cache": prefix_cache, "staleness": staleness, "ra2p_mode": ra2p_mode,
 }
-SIZES = {"reward": (11, 4.5), "prefix_cache": (11, 4.5)}
+SIZES = {"reward": (11, 4.5), "prefix_cache": (11, 4.5), "training": (16, 7)}
 
 
 def write_all(data: ReportData, out_dir: Path,

@@ -28,6 +28,9 @@ def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: di
         f"| wall time | {elapsed:.0f} s |",
         f"| trained generated tokens | {total} |",
         f"| goodput (whole run) | {total / elapsed:.1f} tokens/s |",
+        *([f"| goodput (steady, from version {data.steady.from_version}; start-up before it "
+           f"{data.steady.startup_s:.0f} s) | {data.steady.tok_s:.1f} tokens/s |"]
+          if data.steady is not None and data.steady.tok_s is not None else []),
         f"| RWT (rollout wait, all ranks) | {waits['rwt_s']:.1f} s |",
         f"| TWT (trainer wait, all ranks) | {waits['twt_s']:.1f} s |",
         f"| RA2P modes | {', '.join(f'{m}: {n} step' + ('' if n == 1 else 's') for m, n in sorted(modes.items())) or '-'} |",
