@@ -21,7 +21,7 @@ and while it is, the engine's decoding sequences wait. With a 7B model on a GPU 
 H100 node), one evicted 4k-token context costs a third to all of the generation of a window of 16
 turns; with a tiny model on a CPU, a few tokens. So when the engine states what a re-prefilled token
 costs (``reprefill_cost``: tokens of generation forgone per token prefilled again, as the engine runs
-now; the simulator from its cost model, the rollout worker from its turns' wall times with
+now; the simulator from its cost model, the rollout worker from its engine's timed iterations with
 :class:`CostMeter`), the rule weighs it; when it does not, the rule counts evicted turns.
 
 Rule, once ``window_turns`` turns of resident tasks were judged. F is the floor (the fixed budget:
