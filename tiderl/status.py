@@ -38,7 +38,7 @@ def collect(store: Any) -> dict[str, Any]:
     end = info.finished_at or time.time()
     elapsed_s = max(end - info.created_at, 1e-9)
     consumed = sum(s["consumed_tokens"] or 0 for s in steps)
-    steady = steady_of(store)
+    steady = steady_of(store, created_at=info.created_at)
     wait: dict[str, float] = {}
     for row in store.reader.metric_sums(["rwt_s", "twt_s"]):
         wait[row["name"]] = wait.get(row["name"], 0.0) + float(row["value"])
@@ -322,14 +322,15 @@ def progress_line(doc: dict[str, Any], eval_tasks: int = 0, engines: tuple[int, 
             + "   ")
 
 
-def steady_of(store: Any, from_version: int | None = None) -> Any:
+def steady_of(store: Any, from_version: int | None = None, created_at: float | None = None) -> Any:
     """The run's :class:`tiderl.store.step_figures.SteadyGoodput` (from_version None: from the first version
-    published after the last engine came up)."""
+    published after the last engine came up; created_at: the run's, where the caller has read it)."""
     from tiderl.store.step_figures import steady_goodput
 
     published = [(r["version"], r["created_at"], r["consumed_tokens"] or 0) for r in store.measure.version_rows()]
     ups = [e["ts"] for e in store.recent_events(100_000, kinds=["engine_up"])]
-    return steady_goodput(published, ups, store.run_info().created_at, from_version)
+    created = store.run_info().created_at if created_at is None else created_at
+    return steady_goodput(published, ups, created, from_version)
 
 
 def summary(store: Any) -> str:

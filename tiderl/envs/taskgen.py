@@ -72,7 +72,7 @@ def make_task(name: str, seed: int, config: dict[str, Any], *, timeout_s: float 
 
 
 class _HelperGone(TaskGenError):
-    pass
+    """The helper process ended with the request (killed from outside): `make_task` starts it again once."""
 
 
 def _make_task_once(name: str, seed: int, config: dict[str, Any], timeout_s: float,
