@@ -1,11 +1,12 @@
-"""The diagnosis (tiderl/diagnose.py) on built snapshots with a known story: one test per invariant."""
+"""The diagnosis (tiderl/observe/diagnose.py) on built snapshots with a known story: one test per invariant."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from tiderl.diagnose import (EnvServerView, EventView, GroupView, Kind, Limits, RankStatusView, Severity, SlurmJobView,
-                             Snapshot, TaskView, diagnose)
+from tiderl.observe.diagnose import diagnose
+from tiderl.observe.diagnose_types import (EnvServerView, EventView, GroupView, Kind, Limits, RankStatusView, Severity,
+                                           SlurmJobView, Snapshot, TaskView)
 
 LIMITS = Limits(num_ranks=4, num_steps=30, max_staleness=1, groups_ideal=4, feed_cap_groups=8, max_concurrency=16,
                 heartbeat_s=2.0, heartbeat_timeout_s=30.0, stall_after_s=600.0, slow_task_s=60.0,
@@ -228,7 +229,7 @@ def test_a_control_plane_that_stopped_ticking_is_named() -> None:
 
 
 def test_state_names_agree_with_the_store() -> None:
-    from tiderl.diagnose import LIVE_RANK_STATES, TERMINAL_STATES
+    from tiderl.observe.diagnose_types import LIVE_RANK_STATES, TERMINAL_STATES
     from tiderl.store.types import RankState, RunState
 
     assert set(TERMINAL_STATES) == {s.value for s in RunState if s.is_terminal}

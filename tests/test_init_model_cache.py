@@ -71,3 +71,35 @@ def test_help_says_the_default_output_is_where_runs_look() -> None:
     text = " ".join(done.stdout.split())
     assert "where runs with `model.path: null` look for this model" in text
     assert "tiny-ENV-HASH" in text and "--job" in text
+
+
+def _counted_build(out_dir: Path, spec: TinyModelSpec, digest: str) -> Path:
+    """A build that takes a while and leaves a mark of each time it ran."""
+    import time
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / "builds", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    out_dir.mkdir()
+    (out_dir / MANIFEST).write_text(json.dumps({"hash": digest}))
+    return out_dir
+
+
+def test_processes_that_want_one_model_at_once_build_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three processes ask for the same uncached model together (the ranks of a node, two runs): one builds it,
+    the others wait for it and find it built."""
+    import multiprocessing
+
+    from tiderl.models import tiny_model
+
+    monkeypatch.setattr(tiny_model, "_build", _counted_build)
+    out = tmp_path / "models" / "tiny-hilo"
+    procs = [multiprocessing.get_context("fork").Process(target=tiny_model.init_model, args=(out, TinyModelSpec()))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]  # a second build would find the directory there and fail
+    assert len((tmp_path / "models" / "builds").read_text().split()) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiderl.config import load_job
-from tiderl.logs import (
+from tiderl.observe.logs import (
     Cursor,
     LogFile,
     LogLine,

@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from tiderl.config import load_job
-from tiderl.logs import Cursor, read_lines
+from tiderl.observe.logs import Cursor, read_lines
 from tiderl.rundir import create_run
 from tiderl.store import Role
 

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiderl.config import load_job
-from tiderl.metrics import METRICS_DIR, MetricsServer, serve_process_metrics
+from tiderl.observe.metrics import METRICS_DIR, MetricsServer, serve_process_metrics
 from tiderl.rundir import create_run
 from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
 

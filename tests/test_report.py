@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from fake_engine import SCRIPTED_ENGINE, scripted_run_env
+
 from tiderl.cli import main
 from tiderl.config import load_job
-from tiderl.report.data import load, role_spans
-from tiderl.report.figures import FIGURES
+from tiderl.observe.report.data import load, role_spans
+from tiderl.observe.report.figures import FIGURES
 from tiderl.rundir import create_run, open_run
 from tiderl.store import FinishedTrajectory, MetricPoint, NewGroup, RankReport, Role, RunState, TaskKind, VersionRecord
 
@@ -119,8 +121,10 @@ def test_role_spans_dead_rank_and_restart() -> None:
                                                             ("dead", 30.0, 60.0), ("ref", 60.0, 100.0)]
 
 
-# ---- one short real run (vLLM, torch, env server): every figure has data ------------------------------
-REAL = ["system=async", "trainer.num_steps=2", "trainer.groups_min=1", "trainer.groups_ideal=2",
+# ---- one short real run (torch, env server, the scripted engine): every figure has data --------------
+# The engine is tests/fake_engine.py's, with its model of a prefix cache: the report reads what every engine
+# reports, and vLLM's own figures are checked where vLLM runs (tests/test_run_e2e.py).
+REAL = [f"rollout.engine={SCRIPTED_ENGINE}", "model.init_train_steps=5", "system=async", "trainer.num_steps=2", "trainer.groups_min=1", "trainer.groups_ideal=2",
         "rollout.group_size=4", "rollout.eval_every_steps=2", "rollout.eval_groups=2", "rollout.max_concurrency=8",
         "launch.num_ranks=3", "launch.rollout_fraction=0.34", "monitor.metrics_port=0",
         "monitor.metrics_host=127.0.0.1"]
@@ -131,13 +135,12 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("report") / "run"
     sets = [a for s in REAL for a in ("--set", s)]
     out = subprocess.run([sys.executable, "-m", "tiderl", "run", "jobs/quickstart.yaml", *sets, "--run-dir",
-                          str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=scripted_run_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run_dir
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
 def test_report_of_a_short_real_run(real_run: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "tiderl", "report", str(real_run), "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -159,7 +162,6 @@ def test_report_of_a_short_real_run(real_run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
 def test_status_of_a_finished_real_run(real_run: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "tiderl", "status", str(real_run), "--check"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

@@ -1,10 +1,10 @@
-"""The shared progress line (tiderl/progress.py) that `tiderl report` shows: a fake clock, no sleeping."""
+"""The shared progress line (tiderl/observe/progress.py) that `tiderl report` shows: a fake clock, no sleeping."""
 
 from __future__ import annotations
 
 import io
 
-from tiderl.progress import Progress
+from tiderl.observe.progress import Progress
 
 
 class Clock:

@@ -236,6 +236,10 @@ def test_a_run_on_an_image_environment_needs_a_vision_language_model(tmp_path: P
         shutil.rmtree(paths.root)
 
 
+SMALL_STEP = [a for s in ("rollout.group_size=4", "trainer.groups_min=1", "trainer.groups_ideal=1", "launch.num_ranks=3",
+                          "launch.rollout_fraction=0.34") for a in ("--set", s)]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
@@ -248,7 +252,9 @@ def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "tiderl", "run", "jobs/quickstart-vision.yaml", "--set",
                            "trainer.num_steps=2", "--set", "rollout.eval_every_steps=0", "--set", "model.init_train_steps=0",
-                           "--set", "rollout.max_images=3", "--set", "rollout.keep_images=1", "--run-dir", str(run_dir)],
+                           "--set", "rollout.max_images=3", "--set", "rollout.keep_images=1",
+                           # one group of 4 a step on one rollout rank: what is checked is each picture's path
+                           *SMALL_STEP, "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     db = sqlite3.connect(run_dir / "run.db")

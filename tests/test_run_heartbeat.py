@@ -142,7 +142,7 @@ def test_a_rank_declared_dead_leaves_with_code_75_and_closes_its_engine(monkeypa
 
     monkeypatch.setattr(rank_mod.RankContext, "open", classmethod(lambda cls, run_dir, rank: ctx))
     monkeypatch.setattr(rank_mod, "serve", serve)
-    monkeypatch.setattr("tiderl.metrics.serve_process_metrics", lambda *a, **k: None)
+    monkeypatch.setattr("tiderl.observe.serve_process_metrics", lambda *a, **k: None)
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = rank_mod.main(["/nonexistent", "2"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tiderl.run import procs
 from tiderl.run.launcher import rank_env
-from tiderl.status import eval_trend, progress_line
+from tiderl.observe.status import eval_trend, progress_line
 
 
 def _doc(evals: list[dict]) -> dict:

@@ -189,7 +189,7 @@ def test_watch_redraws_until_interrupted(tmp_path: Path, capsys: pytest.CaptureF
         if len(draws) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("tiderl.status_cli.time.sleep", sleep)
+    monkeypatch.setattr("tiderl.observe_cli.status.time.sleep", sleep)
     assert main(["status", str(tmp_path / "r"), "--no-probe", "--watch", "5"]) == 0
     assert draws == [5.0, 5.0] and capsys.readouterr().out.count("diagnosis (") == 2
     assert main(["status", str(tmp_path / "r"), "--watch", "0"]) == 2
@@ -206,7 +206,7 @@ def test_json_watch_is_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[
         if len(draws) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("tiderl.status_cli.time.sleep", sleep)
+    monkeypatch.setattr("tiderl.observe_cli.status.time.sleep", sleep)
     assert main(["status", str(tmp_path / "r"), "--no-probe", "--json", "--watch", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     docs = [json.loads(line) for line in lines]  # every line is one JSON document

@@ -13,7 +13,7 @@ import pytest
 
 from tiderl.cli import main
 from tiderl.config import load_job
-from tiderl.progress import Progress
+from tiderl.observe.progress import Progress
 from tiderl.rundir import create_run
 from tiderl.store import FinishedTrajectory, NewGroup, RankReport, Role, RunState, TaskKind
 

@@ -100,7 +100,7 @@ def test_status_report_and_logs_read_a_run_on_postgresql(pg_server, tmp_path: Pa
     assert "run quickstart (tiderl): running" in out and "tasks pending 2" in out
 
     assert main(["report", str(run_dir), "--out", str(tmp_path / "out")]) == 0
-    from tiderl.report.figures import FIGURES
+    from tiderl.observe.report.figures import FIGURES
 
     assert f"{len(FIGURES)} figures" in capsys.readouterr().out
     assert "| goodput (whole run) |" in (tmp_path / "out" / "summary.md").read_text()
@@ -210,15 +210,17 @@ def test_urls_of_other_backends_are_refused_naming_the_fix() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
 def test_the_quickstart_runs_end_to_end_on_postgresql(pg_server, tmp_path: Path) -> None:
-    """`tiderl run` (control plane, env server, ranks as processes; real vLLM and torch) with its store on
-    the server: it finishes, `tiderl status` reads it, and every trajectory was trained at most once."""
+    """`tiderl run` (control plane, env server, ranks as processes; torch, the scripted engine: the engines'
+    own path is tests/test_run_e2e.py's) with its store on the server: it finishes, `tiderl status` reads it,
+    and every trajectory was trained at most once."""
     from run_checks import check_run
-    from test_run_e2e import SHORT, run_job, tiderl
+    from test_run_without_vllm import SCRIPTED, tiderl
 
     run_dir = tmp_path / "run"
-    run_job(run_dir, SHORT + ["system=tiderl", f"store.url={pg_server.url}"])
+    sets = SCRIPTED + ["system=tiderl", f"store.url={pg_server.url}"]
+    out = tiderl("run", "jobs/quickstart.yaml", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not (run_dir / "run.db").exists() and (run_dir / "store.url").is_file()
     status = json.loads(tiderl("status", str(run_dir), "--json").stdout)
     assert status["state"] == "finished" and status["version"] == 3 and status["goodput_tok_s"] > 0

@@ -1,4 +1,4 @@
-"""TensorBoard event files from the run store (tiderl.tboard), read back with TensorBoard's own reader."""
+"""TensorBoard event files from the run store (tiderl.observe.tboard), read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tiderl.config import load_job
 from tiderl.rundir import create_run
 from tiderl.store import (FinishedTrajectory, MetricPoint, NewGroup, RankReport, TaskKind, VersionRecord)
 from tiderl.store.types import Role, RunState
-from tiderl.tboard import TensorBoardLog
+from tiderl.observe.tboard import TensorBoardLog
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,20 +80,20 @@ def test_a_full_disk_skips_a_write_and_the_next_tick_catches_up(tmp_path: Path, 
     full disk). It warns, and the next tick writes what this one could not."""
     import errno
 
-    import tiderl.tboard
+    import tiderl.observe.tboard
 
     paths, s = _running(load_job(ROOT / "jobs" / "quickstart.yaml"), tmp_path)
     _step(s, 1)
-    written = tiderl.tboard.atomic_write_text
+    written = tiderl.observe.tboard.atomic_write_text
 
     def full(*args, **kwargs) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", full)
+    monkeypatch.setattr(tiderl.observe.tboard, "atomic_write_text", full)
     board = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
     board.tick(force=True)  # no exception
     assert not (paths.root / "tensorboard" / "written.json").exists()
-    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", written)
+    monkeypatch.setattr(tiderl.observe.tboard, "atomic_write_text", written)
     _step(s, 2)
     board.close()
     assert (paths.root / "tensorboard" / "written.json").exists()
@@ -102,7 +102,7 @@ def test_a_full_disk_skips_a_write_and_the_next_tick_catches_up(tmp_path: Path, 
     def other(*args, **kwargs) -> None:
         raise OSError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(tiderl.tboard, "atomic_write_text", other)
+    monkeypatch.setattr(tiderl.observe.tboard, "atomic_write_text", other)
     again = TensorBoardLog(paths.root, s, interval_s=0.0, eval_tasks=1)
     _step(s, 3)
     with pytest.raises(PermissionError):  # any other error still raises

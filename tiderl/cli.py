@@ -15,15 +15,16 @@ from tiderl.config import ConfigError
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("tiderl.config_cli", "Validate a job file (with --set overrides) and print the resolved config."),
-    "status": ("tiderl.status_cli", "Show a run's state, version, ranks, buffer and goodput."),
-    "report": ("tiderl.report.cli", "Write a run's figures (PNG) and Markdown summary: goodput, rewards, waits, roles."),
+    "status": ("tiderl.observe_cli.status", "Show a run's state, version, ranks, buffer and goodput."),
+    "report": ("tiderl.observe_cli.report", "Write a run's figures (PNG) and Markdown summary: goodput, rewards, waits, roles."),
     "sim": ("tiderl.sim.cli", "Simulate systems at cluster scale with the real CTB/RA2P/ERS policies."),
+    "plan": ("tiderl.sim.plan_cli", "Predict goodput, split and cost per million tokens over GPUs x groups x staleness, and recommend one."),
     "env": ("tiderl.envs.cli", "Environment service: `tiderl env serve --env NAMES --port P`."),
     "init-model": ("tiderl.models.cli_init_model", "Build (or find cached) the tiny warm-started policy model for an environment."),
     "run": ("tiderl.run_cli", "Run a job as local processes (env servers, control plane, ranks); --resume RUN_DIR continues one."),
     "submit": ("tiderl.slurm.cli", "Submit a job to Slurm (submitit): one job, ranks as one srun step; --wait follows it."),
     "samples": ("tiderl.samples", "Show a run's trajectories as text, turn by turn, with reward and advantage."),
-    "logs": ("tiderl.logs", "Show or follow (-f) a run's logs, local or Slurm, with rank and role prefixes."),
+    "logs": ("tiderl.observe_cli.logs", "Show or follow (-f) a run's logs, local or Slurm, with rank and role prefixes."),
     "cancel": ("tiderl.slurm.cancel", "Cancel a run: its Slurm jobs (scancel) and its run state."),
 }
 

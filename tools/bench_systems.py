@@ -45,7 +45,7 @@ def steady_goodput(run_dir: Path, from_version: int | None = None) -> tuple[floa
     """(trained tokens of the versions after `from_version` per second between its publication and
     the last one's, that version); `from_version` None: `steady_from_version` of the run
     (tiderl.store.step_figures.steady_goodput, as `tiderl status` reports it)."""
-    from tiderl.status import steady_of
+    from tiderl.observe import steady_of
     from tiderl.store import RunStore
 
     store = RunStore.for_run_dir(run_dir)

@@ -23,7 +23,8 @@ import random
 import shutil
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from tiderl.models import chatml, demos
@@ -225,7 +226,26 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, force:
     digest = spec_hash(spec)
     if not force and cached_hash(out_dir) == digest:
         return out_dir
-    from tiderl.progress import Progress
+    with one_builder(out_dir):
+        if not force and cached_hash(out_dir) == digest:  # another process built it while this one waited
+            return out_dir
+        return _build(out_dir, spec, digest)
+
+
+@contextmanager
+def one_builder(out_dir: Path) -> Iterator[None]:
+    """One process at a time builds a model directory (a lock file beside it): a second process that wants
+    the same model (another rank of the node, a second `tiderl run`) waits for the first and then finds it
+    built, instead of building it again beside it."""
+    from filelock import FileLock
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir.with_name(f".{out_dir.name}.lock"))):
+        yield
+
+
+def _build(out_dir: Path, spec: TinyModelSpec, digest: str) -> Path:
+    from tiderl.observe import Progress
 
     started = time.monotonic()
     build_threads()

@@ -40,8 +40,8 @@ from typing import Any
 
 from tiderl.models import chatml, demos
 from tiderl.rollout.chat import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START, ChatFormat, ImageTokens
-from tiderl.models.tiny_model import (MANIFEST, build_dir, build_threads, cached_hash, greedy_play, swap_in,
-                                      train_tokenizer, warm_start)
+from tiderl.models.tiny_model import (MANIFEST, build_dir, build_threads, cached_hash, greedy_play, one_builder,
+                                      swap_in, train_tokenizer, warm_start)
 from tiderl.trainer.batch import TrainSample, stack_images
 from tiderl.trainer.images import ImageInputs
 
@@ -311,7 +311,14 @@ def init_vl_model(out_dir: str | Path, spec: TinyVisionSpec | None = None, *, fo
     digest = vl_spec_hash(spec)
     if not force and cached_hash(out_dir) == digest:
         return out_dir
-    from tiderl.progress import Progress
+    with one_builder(out_dir):
+        if not force and cached_hash(out_dir) == digest:  # another process built it while this one waited
+            return out_dir
+        return _build(out_dir, spec, digest)
+
+
+def _build(out_dir: Path, spec: TinyVisionSpec, digest: str) -> Path:
+    from tiderl.observe import Progress
 
     started = time.monotonic()
     build_threads()

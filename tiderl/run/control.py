@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from tiderl.config import JobConfig, load_job
-from tiderl.metrics import MetricsServer
-from tiderl.tboard import TensorBoardLog
+from tiderl.observe import MetricsServer, TensorBoardLog
 from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run.bell import Bell
 from tiderl.policy import admission, ers, ers_rate

@@ -299,7 +299,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
                   f"(up to {procs.STOP_GRACE_S:.0f} s)", file=out, flush=True)
         procs.stop(children)
         try:
-            from tiderl.status import summary
+            from tiderl.observe import summary
 
             _mark_ranks_stopped(store)
             print(file=out)
@@ -379,7 +379,7 @@ def _watch(store: RunStore, children: list[procs.Child], out: TextIO, eval_tasks
     """Show progress until the run ends; restart what died where allowed (`own_ranks`: the run's paths
     where its ranks are this launcher's own children, which lets an actor or ref rank that died restart
     with its trainer group)."""
-    from tiderl.status import collect, progress_line
+    from tiderl.observe import collect, progress_line
 
     restarts: dict[str, int] = {}
     is_tty = out.isatty()

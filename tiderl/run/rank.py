@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                             name="heartbeat", daemon=True)
     beat.start()
     # This process's own Prometheus registry (vLLM's `vllm:*` metrics live there), when the run serves metrics.
-    from tiderl.metrics import serve_process_metrics
+    from tiderl.observe import serve_process_metrics
 
     serve_process_metrics(ctx.paths.root, ctx.config, ctx.rank)
     state = RankState.STOPPED

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _CLUSTER_ONLY = ("num_gpus", "env_concurrency", "gpu", "efficiency", "measured")
 
 
-def _check_order(workload: str, cluster: str) -> None:
+def check_order(workload: str, cluster: str) -> None:
     """ConfigError when the workload argument is a cluster file (the two swapped, or two cluster files)."""
     try:
         data = yaml.safe_load(open(workload).read())
@@ -57,8 +57,9 @@ def _check_order(workload: str, cluster: str) -> None:
 class SimProgress:
     """Signs of life on stderr: a line per finished simulation, and one every `every_s` seconds without one."""
 
-    def __init__(self, out: TextIO | None = None, every_s: float = 10.0) -> None:
+    def __init__(self, out: TextIO | None = None, every_s: float = 10.0, command: str = "tiderl sim") -> None:
         self.out = out if out is not None else sys.stderr  # the stream of now, not of the import
+        self.command = command
         self.every_s = every_s
         self.started = self.last = time.monotonic()
         self.finished, self.total = 0, 0
@@ -69,7 +70,7 @@ class SimProgress:
     def _line(self, text: str) -> None:
         with self.lock:
             self.last = time.monotonic()
-            print(f"tiderl sim: {text}, {self.last - self.started:.0f} s", file=self.out, flush=True)
+            print(f"{self.command}: {text}, {self.last - self.started:.0f} s", file=self.out, flush=True)
 
     def _beat(self) -> None:
         while not self.stop.wait(1.0):
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("tiderl sim: --steps must be >= 1", file=sys.stderr)
         return 2
-    _check_order(args.workload, args.cluster)
+    check_order(args.workload, args.cluster)
     load_workload(args.workload)  # fail early, with the file and key, on a bad file
     cluster = load_cluster(args.cluster)
     fractions = cluster.training.rollout_fraction_sweep

@@ -195,12 +195,11 @@ def submit_run(run_dir: Path, params: dict, *, max_time_limits: int = 3) -> tupl
 def follow(run_dir: Path, job_id: str, out: TextIO = sys.stdout, poll_s: float = WAIT_POLL_S) -> int:
     """Print progress until the job has ended, or stop (exit 1, the job left as it is) once it pends for a
     reason that waiting cannot resolve (tiderl.slurm.fit.cannot_start); 0 if the run finished."""
-    from tiderl.status import progress_line, summary
+    from tiderl.observe import collect, progress_line, summary
     from tiderl.rundir import open_run
     from tiderl.slurm.fit import cannot_start
     from tiderl.slurm.runjobs import slurm_jobs_of_run
     from tiderl.slurm.states import JobState
-    from tiderl.status import collect
     from tiderl.store.types import RunState
 
     _, store = open_run(run_dir)

@@ -1,6 +1,6 @@
 """The monitoring reads of a run store: what `tiderl status` (and its diagnosis), `tiderl report`, the
-Prometheus exporter (`tiderl.metrics`) and the TensorBoard writer (`tiderl.tboard`) read, and no process
-of the run. Read-only, on the store's engine and transactions (`RunStore.reader`)."""
+Prometheus exporter (`tiderl.observe.metrics`) and the TensorBoard writer (`tiderl.observe.tboard`) read,
+and no process of the run. Read-only, on the store's engine and transactions (`RunStore.reader`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ apart (:func:`steady_goodput`).
 
 Pure: no SQL. The run store computes them once, in the transaction that publishes the step's version
 (`RunStore.publish_version`, into the `versions` row), and every reader takes them from there: `tiderl
-status`, TensorBoard and W&B (`tiderl.tboard`), Prometheus (`tiderl.metrics`).
+status`, TensorBoard and W&B (`tiderl.observe.tboard`), Prometheus (`tiderl.observe.metrics`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run's status document: state, version, ranks and roles, buffer, goodput, and a diagnosis of who waits
-for what (`tiderl.diagnose`), its rendering, and the launcher's progress line and summary. The command
-`tiderl status` is `tiderl.status_cli` (it also looks up the run's Slurm jobs)."""
+for what (`tiderl.observe.diagnose`), its rendering, and the launcher's progress line and summary. The command
+`tiderl status` is `tiderl.observe_cli.status` (it also looks up the run's Slurm jobs)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tiderl import diagnose as dg
+from tiderl.observe import diagnose_types as dg
+from tiderl.observe.diagnose import diagnose
 
 STEP_KEYS = ("version", "success_rate", "reward_mean", "turns_mean", "turns_max", "consumed_tokens", "duration_s",
              "goodput_tok_s", "ras", "tprm_s", "ra2p_mode", "max_staleness", "env_figures")
@@ -198,7 +199,7 @@ def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = 
                     env_servers=probe_env_servers(run_dir, config.env) if probe and is_live else (),
                     slurm_jobs=tuple(dg.SlurmJobView(str(j["job_id"]), str(j["state"]), j.get("reason"))
                                      for j in jobs or ()))
-    doc["diagnosis"] = dg.diagnose(snap).to_dict()
+    doc["diagnosis"] = diagnose(snap).to_dict()
     if jobs is not None:
         doc["slurm"] = jobs
     return doc

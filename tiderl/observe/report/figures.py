@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from tiderl.report.data import ReportData
+from tiderl.observe.report.data import ReportData
 
 ROLE_COLOURS = {"rollout": "tab:blue", "actor": "tab:red", "ref": "tab:orange", "idle": "lightgray",
                 "dead": "black"}

@@ -1,4 +1,5 @@
-"""`tiderl report RUN_DIR [--out DIR]`: write the figures (PNG) and `summary.md` of a run."""
+"""`tiderl report RUN_DIR [--out DIR]`: write the figures (PNG) and `summary.md` of a run
+(`tiderl.observe.report`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tiderl.paths import atomic_write_text
-    from tiderl.progress import Progress
-    from tiderl.report import data as report_data
-    from tiderl.report.figures import FIGURES, write_all
-    from tiderl.report.summary import render
+    from tiderl.observe.progress import Progress
+    from tiderl.observe.report import data as report_data
+    from tiderl.observe.report.figures import FIGURES, write_all
+    from tiderl.observe.report.summary import render
+    from tiderl.observe.status import status_document
     from tiderl.rundir import RunDirError, open_run
     from tiderl.slurm.runjobs import slurm_jobs_of_run
-    from tiderl.status import status_document
 
     try:
         _, store = open_run(args.run_dir, read_only=True)

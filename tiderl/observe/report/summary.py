@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tiderl.report.data import ReportData
+from tiderl.observe.report.data import ReportData
 
 
 def render(data: ReportData, figures: dict[str, tuple[Path, str]], diagnosis: dict[str, Any] | None) -> str:

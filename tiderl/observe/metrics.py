@@ -97,8 +97,8 @@ class RunCollector(Collector):
 
     def refresh(self, store: Any, limits: Any, *, now: float | None = None) -> None:
         """Read the store (new metric rows since the last refresh, run, ranks, buffer, steps, diagnosis)."""
-        from tiderl.diagnose import diagnose
-        from tiderl.status import snapshot
+        from tiderl.observe.diagnose import diagnose
+        from tiderl.observe.status import snapshot
 
         now = time.time() if now is None else now
         self._read_points(store)
@@ -302,7 +302,7 @@ class MetricsServer:
     """The control plane's endpoint: start it, `tick()` it from the loop, `close()` it at the end."""
 
     def __init__(self, run_dir: Path, store: Any, config: Any) -> None:
-        from tiderl.status import limits_of
+        from tiderl.observe.status import limits_of
 
         self.store = store
         self.interval_s = config.monitor.metrics_interval_s

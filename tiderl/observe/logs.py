@@ -1,4 +1,4 @@
-"""`tiderl logs RUN_DIR [--rank N | --role R | --control] [-n LINES] [-f] [--by-file] [--engine]`: a run's logs.
+"""A run's log files read for `tiderl logs` (the command: `tiderl.observe_cli.logs`).
 
 Every process of a run, local or on Slurm, writes one file in `RUN_DIR/logs/`:
 `control.log`, `env{I}.log`, `rank{R}.log` (on Slurm: srun's per-task output),
@@ -9,47 +9,29 @@ prefixed with where they come from: `[control]`, `[env0]`, `[rank1 rollout]`,
 line (its last `rank N: role R from version V` since its process started; a
 file without one: the rank's role now, from the run store).
 
-The last `-n` lines of each selected file are merged into one stream in time
-order (`--by-file`: one file after the other). A line's time is the timestamp
-it starts with (`parse_timestamp`); a line without one (a traceback, a
-continuation, a progress bar) keeps the time of the line before it in its file,
-so it stays under that line. A line redrawn with carriage returns (a progress
-bar) shows as its last segment, as a terminal would. vLLM's own DEBUG and INFO
-lines and what follows them are hidden unless `--engine` is given; its warnings
-and errors, every other logger's lines and tracebacks are always shown.
+A line's time is the timestamp it starts with (`parse_timestamp`); a line
+without one (a traceback, a continuation, a progress bar) keeps the time of the
+line before it in its file, so it stays under that line. A line redrawn with
+carriage returns (a progress bar) shows as its last segment, as a terminal
+would. vLLM's own DEBUG and INFO lines and what follows them are engine chatter
+(`is_engine_chatter`), shown only on request; its warnings and errors, every
+other logger's lines and tracebacks are always shown.
 
-`-f` prints what is there, then new lines as they are written (merged by time
-within each poll), until the run has ended (its state is final and it has no
-Slurm job queued or running), Ctrl-C, or the reader of a pipe has gone. A
-selection that can never match (`--rank 9` of a 4-rank run, a role no rank
-holds, without `-f`) exits 2 naming what exists; a valid one without a file
-yet exits 1. File naming, selection, timestamps, the noise filter and merging
-are pure functions.
+File naming, selection, timestamps, the noise filter and merging are pure
+functions; `LogReader` reads the files from where each read stopped.
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
 import heapq
 import re
-import select as select_io
-import sys
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, AnyStr, TextIO
+from typing import AnyStr
 
 from tiderl.roles import Role
-from tiderl.config.cli import at_least
-
-if TYPE_CHECKING:
-    from tiderl.store import RunStore
-
-FOLLOW_POLL_S = 0.5
-ROLES_EVERY_S = 2.0
 
 _NAMES = (
     ("control", re.compile(r"^control\.log$")),
@@ -280,27 +262,7 @@ def merge_by_time(streams: Sequence[Sequence[LogLine]]) -> list[tuple[int, LogLi
     return list(heapq.merge(*indexed, key=lambda item: item[1].at or datetime.min))
 
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, help="The run directory.")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=at_least(0), default=None, help="Only this rank's log.")
-    which.add_argument("--role", choices=[r.value for r in Role], default=None,
-                       help="Only the logs of ranks holding this role now.")
-    which.add_argument("--control", action="store_true", help="Only the control plane's log.")
-    parser.add_argument("-n", "--lines", type=at_least(0), default=20,
-                        help="Lines to show from the end of each file, after filtering (default 20; 0 with -f: "
-                             "only new lines).")
-    parser.add_argument("-f", "--follow", action="store_true",
-                        help="Keep printing new lines until the run has ended (or Ctrl-C).")
-    parser.add_argument("--by-file", action="store_true",
-                        help="One file after the other instead of all lines merged in time order.")
-    parser.add_argument("--engine", action="store_true",
-                        help="Also show vLLM's DEBUG/INFO lines (start-up, weight reloads, shutdown); "
-                             "hidden by default.")
-
-
-class _Reader:
+class LogReader:
     """Reads a run's log files from where each read stopped: byte offset, unfinished last line, cursor."""
 
     def __init__(self, logs: Path) -> None:
@@ -338,105 +300,3 @@ class _Reader:
                                                  self.cursors.get(f.name, Cursor()),
                                                  datetime.fromtimestamp(stat.st_mtime))
         return lines
-
-
-def _print(batch: list[tuple[LogFile, list[LogLine]]], roles: dict[int, str], out: TextIO, *, by_file: bool,
-           announced: frozenset[str]) -> None:
-    if by_file:
-        items = [(f, line) for f, lines in batch for line in lines]
-    else:
-        items = [(batch[i][0], line) for i, line in merge_by_time([lines for _, lines in batch])]
-    for f, line in items:
-        print(f"[{f.prefix(roles, line, f.name in announced)}] {line.text}", file=out)
-    out.flush()
-
-
-def _reader_gone(out: TextIO) -> bool:
-    """Whether `out` is a pipe whose reader has closed it (`tiderl logs -f RUN | head`), without writing to it."""
-    try:
-        fd = out.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file (StringIO): nobody to lose
-        return False
-    poller = select_io.poll()
-    poller.register(fd, 0)  # errors and hang-ups are reported whatever is asked
-    return any(events & (select_io.POLLERR | select_io.POLLHUP) for _, events in poller.poll(0))
-
-
-def _roles(store: RunStore) -> dict[int, str]:
-    return {r.rank: r.role.value for r in store.ranks()}
-
-
-def _num_ranks(config: Path, seen: Iterable[int]) -> int | None:
-    """The run's rank count: its config's `launch.num_ranks`, or more if ranks beyond it have run; None if unknown."""
-    from tiderl.config import ConfigError, load_job
-
-    try:
-        configured = load_job(config).launch.num_ranks
-    except ConfigError:  # no readable config.yaml (a run dir made by hand or by an old TideRL): don't judge
-        return None
-    return max([configured, *(r + 1 for r in seen)])
-
-
-def _selection_name(args: argparse.Namespace) -> str:
-    if args.rank is not None:
-        return f"rank {args.rank}'s log"
-    if args.role is not None:
-        return f"the logs of role {args.role}'s ranks"
-    return "the control plane's log" if args.control else "the run's logs"
-
-
-def _run_over(run_dir: Path, store: RunStore) -> bool:
-    from tiderl.slurm.cancel import live_job_ids
-    from tiderl.slurm.runjobs import slurm_jobs_of_run
-
-    if not store.run_info().state.is_terminal:
-        return False
-    return not live_job_ids(slurm_jobs_of_run(run_dir))
-
-
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    # BrokenPipeError is left to tiderl.cli.main, which ends quietly with 141 like any Unix tool.
-    from tiderl.rundir import RunDirError, open_run
-
-    try:
-        paths, store = open_run(args.run_dir, read_only=True)
-    except RunDirError as e:
-        print(f"tiderl logs: {e}", file=sys.stderr)
-        return 2
-    reader = _Reader(paths.logs)
-    try:
-        roles = _roles(store)
-        files = reader.files()
-        seen = set(roles) | {f.index for f in files if f.kind == "rank" and f.index is not None}
-        problem = selection_problem(rank=args.rank, role=args.role, num_ranks=_num_ranks(paths.config, seen),
-                                    roles=roles, follow=args.follow)
-        if problem:
-            print(f"tiderl logs: {problem}", file=sys.stderr)
-            return 2
-        chosen = select(files, rank=args.rank, role=args.role, control=args.control, roles=roles)
-        if not chosen and not args.follow:
-            print(f"tiderl logs: {_selection_name(args)} not written yet (none in {paths.logs})", file=sys.stderr)
-            return 1
-        batch = [(f, shown(reader.read(f, to_end=not args.follow), engine=args.engine, last=args.lines))
-                 for f in chosen]
-        _print(batch, roles, out, by_file=args.by_file, announced=reader.announced())
-        if not args.follow:
-            return 0
-        roles_at = time.monotonic()
-        while True:
-            over = _run_over(args.run_dir, store)  # read before the last poll, so nothing written is missed
-            if time.monotonic() - roles_at >= ROLES_EVERY_S:
-                roles, roles_at = _roles(store), time.monotonic()
-            if _reader_gone(out):
-                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
-            chosen = select(reader.files(), rank=args.rank, role=args.role, control=args.control, roles=roles)
-            # A file that appeared while following is read from its beginning: all of it is new.
-            batch = [(f, shown(reader.read(f, to_end=over), engine=args.engine)) for f in chosen]
-            _print(batch, roles, out, by_file=args.by_file, announced=reader.announced())
-            if over:
-                return 0
-            time.sleep(FOLLOW_POLL_S)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        store.close()

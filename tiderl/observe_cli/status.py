@@ -1,6 +1,6 @@
 """`tiderl status RUN_DIR [--json] [--check] [--watch [S]]`: run state, version, ranks and roles,
-buffer, goodput, the run's Slurm jobs, and a diagnosis of who waits for what (`tiderl.status`,
-`tiderl.diagnose`).
+buffer, goodput, the run's Slurm jobs, and a diagnosis of who waits for what (`tiderl.observe.status`,
+`tiderl.observe.diagnose`).
 
 `--check` prints a one-line verdict plus the findings and exits 1 when the run
 is stalled or a finding is an error (for a cron job or a Slurm epilog), 3 when
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from tiderl.observe.status import render, render_diagnosis, status_document, verdict
 from tiderl.slurm.runjobs import slurm_jobs_of_run
-from tiderl.status import render, render_diagnosis, status_document, verdict
 
 EXIT_OK, EXIT_ATTENTION, EXIT_NOT_A_RUN, EXIT_CANCELLED = 0, 1, 2, 3
 

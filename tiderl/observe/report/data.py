@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiderl.status import CTB_LEVELS, CTB_SUMS, steady_of
+from tiderl.observe.status import CTB_LEVELS, CTB_SUMS, steady_of
 from tiderl.store.types import RunRecord
 
 # Metrics the figures read (names as the ranks record them).
