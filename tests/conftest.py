@@ -12,6 +12,17 @@ sys.path.insert(0, str(ROOT / "tools"))
 pytest_plugins = ["pg_fixtures"]  # pg_server (a real PostgreSQL for the store tests), store_url
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, tools/run_tests.sh) a test file runs whole in one worker, so
+    a module's fixture (a vLLM engine, a short real run) is built once; and every `slurm` test runs in one
+    worker, one after the other, as they share the dev cluster (one of them kills and restarts it)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def juicefs_dir(tmp_path_factory: pytest.TempPathFactory):
     """A directory on a real JuiceFS mount (FUSE). CI sets TIDERL_REQUIRE_JUICEFS=1 so a missing mount fails."""

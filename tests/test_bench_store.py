@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from bench_store import summarize
-from store_load import RankLoadSpec, profile_reports, run_rank_load
+from store_load_profile import profile_reports
+from store_load_ranks import RankLoadSpec, run_rank_load
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("backend", "ranks", "need_commits_per_s", "sustained_commits_per_s", "kept_up", "p50_ms", "p99_ms",

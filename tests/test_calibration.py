@@ -20,7 +20,8 @@ from tiderl.sim.workload import intraclass_correlation
 from tiderl.sim.systems import parse_system, with_scheduler
 
 sys.path.insert(0, str(ROOT / "tools"))
-calibrate = importlib.import_module("calibrate_cpu")
+calibrate_yaml = importlib.import_module("calibrate_cpu_yaml")
+calibrate_workload = importlib.import_module("calibrate_cpu_workload")
 sim_vs_real = importlib.import_module("sim_vs_real")
 bench_systems = importlib.import_module("bench_systems")
 
@@ -48,9 +49,9 @@ def _write_files(tmp_path):
     job = load_job(ROOT / "jobs" / "quickstart.yaml", BENCH_SETS)
     cluster = tmp_path / "cpu.cluster.yaml"
     workload = tmp_path / "hilo.workload.yaml"
-    cluster.write_text(calibrate.cluster_yaml(MEASURED, job, job.launch.num_ranks, job.launch.rollout_fraction,
-                                              "2026-01-01"))
-    workload.write_text(calibrate.workload_yaml(TRAJECTORIES, ENV, job, tmp_path / "run", "2026-01-01"))
+    cluster.write_text(calibrate_yaml.cluster_yaml(MEASURED, job, job.launch.num_ranks, job.launch.rollout_fraction,
+                                                   "2026-01-01"))
+    workload.write_text(calibrate_yaml.workload_yaml(TRAJECTORIES, ENV, job, tmp_path / "run", "2026-01-01"))
     return cluster, workload
 
 
@@ -65,7 +66,7 @@ def test_calibration_files_load_and_carry_the_measurements(tmp_path):
     assert costs.train_s(100) == pytest.approx(100 * (5e-5 + 1.1e-4 + 3e-5))
     assert (costs.swap_s, costs.weight_sync_s, costs.kv_capacity_tokens) == (0.002, 0.05, 20000)
     assert (costs.optimizer_s(1), costs.turn_overhead_s, costs.engine_start_s) == (0.3, 0.05, 12.5)
-    assert costs.decoupled_step_s == calibrate.DECOUPLED_STEP_S > 0  # from real runs, with its source
+    assert costs.decoupled_step_s == calibrate_yaml.DECOUPLED_STEP_S > 0  # from real runs, with its source
     assert (cluster.control.report_interval_s, cluster.control.poll_s, cluster.control.control_tick_s) == (0.25, 0.2, 0.2)
     assert cluster.control.bell_s == 0.02
     assert costs.host_speed(0, 1) == 1.0 and costs.host_speed(0, 3) == pytest.approx(0.4)
@@ -106,7 +107,7 @@ def test_the_run_stores_groups_give_the_turns_intraclass_correlation_trained_or_
     s.publish_version(VersionRecord(version=1, path="weights/v1", checksum="c1", trajectory_ids=[t.id for t in got],
                                     step_started_at=0.0, duration_s=1.0), owner=1)
     s.close()
-    ts = calibrate.trajectory_stats(tmp_path / "run")
+    ts = calibrate_workload.trajectory_stats(tmp_path / "run")
     assert ts["start"]["n"] == 2  # the summaries: trained trajectories only
     # Groups {1, 3} and {4, 6}: MSB = 2 * (1.5^2 + 1.5^2) = 9, MSW = 4 / 2 = 2, ICC(1) = 7 / 11.
     assert ts["turns_group_icc"] == pytest.approx(7 / 11)
@@ -127,8 +128,8 @@ def test_the_turn_cap_is_the_agent_loops_where_trajectories_reached_it(tmp_path)
     job = load_job(ROOT / "jobs" / "quickstart.yaml", [*BENCH_SETS, "env.max_turns=8"])
     path = tmp_path / "hilo.workload.yaml"
     for capped, seen, cap in ((3, 8, 8), (0, 8, 8), (0, 5, 5)):
-        path.write_text(calibrate.workload_yaml({**TRAJECTORIES, "agent_capped": capped, "turns_max": seen}, ENV,
-                                                job, tmp_path / "run", "2026-01-01"))
+        path.write_text(calibrate_yaml.workload_yaml({**TRAJECTORIES, "agent_capped": capped, "turns_max": seen},
+                                                     ENV, job, tmp_path / "run", "2026-01-01"))
         assert load_workload(path).task_types[0].turns_max == cap, (capped, seen)
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos import FAULTS, run_trial
+from chaos_faults import FAULTS
+from chaos_trial import run_trial
 
 
 @pytest.mark.slow
@@ -25,7 +26,7 @@ def test_a_killed_rollout_rank_loses_and_doubles_nothing(tmp_path: Path) -> None
 def test_groups_dropped_as_too_stale_are_not_counted_lost(tmp_path: Path) -> None:
     """A group the control plane drops while open (a trajectory already older than the bound) fails its
     pending tasks; the campaign counts it dropped on purpose, and a group failed by a task's errors lost."""
-    from chaos import exactly_once
+    from chaos_facts import exactly_once
 
     from tiderl.config.store import StoreConfig
     from tiderl.store import FinishedTrajectory, NewGroup, RankReport, Role, RunStore, TaskFailure, TaskKind

@@ -53,7 +53,7 @@ def test_a_stage_past_its_budget_is_reported_with_the_process_killed(tmp_path: P
 
 def test_the_vllm_plugins_are_found_where_tiderl_is_not_installed(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_check_stages import PLUGIN_GROUP, PLUGINS, ensure_vllm_plugins
+    from gpu_check_env import PLUGIN_GROUP, PLUGINS, ensure_vllm_plugins
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", "")

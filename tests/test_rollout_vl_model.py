@@ -263,11 +263,13 @@ def test_the_vision_job_runs_images_end_to_end(tmp_path: Path) -> None:
         with_images, total = db.execute("SELECT count(images), count(*) FROM trajectories").fetchone()
         split = db.execute("SELECT count(prunes) FROM trajectories WHERE state = 'consumed'").fetchone()[0]
         mismatch = [v for (v,) in db.execute("SELECT value FROM metrics WHERE name = 'logprob_mismatch_on_policy'")]
+        paths = {name for (name,) in db.execute("SELECT DISTINCT name FROM metrics WHERE name LIKE 'weights_%_stall_s'")}
     finally:
         db.close()
     assert (state, version) == ("finished", 2)
     assert total > 0 and with_images == total  # every trajectory kept its pictures
     assert split > 0  # trained trajectories the window split
     assert mismatch and max(mismatch) <= 1e-4, mismatch  # the engine serves the published weights
+    assert paths == {"weights_files_stall_s"}, paths  # read from weights/vN (the files path of a real vLLM run)
     weights = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
     assert "vision_config" in weights  # the vision-language model was trained and published whole

@@ -10,10 +10,10 @@ Prints one JSON line per (backend, ranks), with the load average before and afte
     .venv/bin/python tools/bench_store.py --profile 200 [--backends sqlite-local,postgresql] [--tokens 512]
 
 instead times N reports of one typical tick in this process alone, on a fresh store per backend
-(`store_load.profile_reports`): SQL statements per report, wall and client-CPU ms per report, one JSON line
-per (backend, plain or spread claim).
+(`store_load_profile.profile_reports`): SQL statements per report, wall and client-CPU ms per report, one
+JSON line per (backend, plain or spread claim).
 
-What it drives (tools/store_load.py, `run_rank_load`): the real `RunStore`, through the public methods a
+What it drives (tools/store_load_ranks.py, `run_rank_load`): the real `RunStore`, through the public methods a
 rank, the control plane and a trainer call, from real processes. 512 Python processes with SQLAlchemy do
 not fit on a small machine, so a fixed pool of `--workers` processes plays the ranks, each rank a thread
 with its own RunStore (its own engine and connection: its own SQLite file handle, its own PostgreSQL
@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jfs_mount import JuiceFSUnavailable, juicefs_mount  # noqa: E402
 from pg_server import PostgresUnavailable, postgres_server  # noqa: E402
-from store_load import RankLoadSpec, profile_reports, run_rank_load  # noqa: E402
+from store_load_profile import profile_reports  # noqa: E402
+from store_load_ranks import RankLoadSpec, run_rank_load  # noqa: E402
 
 BACKENDS = ("sqlite-local", "sqlite-juicefs", "postgresql")
 KEPT_UP = 0.95  # sustained / need at or above which the store kept up with the ranks

@@ -42,7 +42,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from gpu_check_stages import PRESETS, PROCESSES  # noqa: E402  (stdlib only at import)
+from gpu_check_context import PRESETS  # noqa: E402  (stdlib only at import)
+from gpu_check_stages import PROCESSES  # noqa: E402  (stdlib only at import, the stages' modules too)
 
 STAGES = tuple(s for stages in PROCESSES.values() for s in stages) + ("memory",)
 # Seconds per process, and for the whole: the last process may use what the others left of the whole. The full

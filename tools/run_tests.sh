@@ -29,11 +29,15 @@ fi
 # Two tiers, every test in one of them: the fast tier first, stopping at its first failure (minutes), then the
 # tests that start engines, runs, clusters or train (marked slow, vllm or slurm). Arguments go to both (a
 # `-k` or a path narrows both; a tier that then selects nothing is skipped, not failed).
+# Each tier runs in TIDERL_TEST_WORKERS processes (pytest-xdist; 0: one process): a test file stays whole in one
+# worker and the Slurm tests share one (tests/conftest.py), so a tier's CPU-bound tests overlap with the ones that
+# wait (Slurm's scheduling, servers, subprocesses).
 FAST="not slow and not vllm and not slurm"
+WORKERS=${TIDERL_TEST_WORKERS:-2}
 tier() {
   local name=$1; shift
   local started=$SECONDS rc=0
-  "$PY" -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup "$@" || rc=$?
   echo "run_tests: $name tier: exit $rc in $((SECONDS - started)) s" >&2
   return "$rc"
 }
