@@ -191,7 +191,7 @@ def test_the_control_plane_and_the_simulator_build_the_same_snapshot_fields():
     """The rule for policies: the planner is handed the same inputs by both mechanisms, built by the same
     functions; so both name the same ErsSnapshot fields (the admission cap among them)."""
     (control,) = _keywords_of_calls(PACKAGE / "run" / "control.py", "ErsSnapshot")
-    (sim,) = _keywords_of_calls(PACKAGE / "sim" / "simulator.py", "ErsSnapshot")
+    (sim,) = _keywords_of_calls(PACKAGE / "sim" / "ers_boundary.py", "ErsSnapshot")
     assert "inflight_cap" in control and control == sim
 
 

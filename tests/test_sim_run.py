@@ -156,11 +156,12 @@ def test_ctb_claims_spread_over_the_rollout_ranks(monkeypatch):
     # A rank claims at most its share of the tasks in flight (tiderl.policy.ctb.claim_limit, as the run's
     # ranks claim from the store): with 1,024 slots per rank the first rank would otherwise take them all.
     from tiderl.sim import rollout as sr
+    from tiderl.sim.tasks import Stage
     over = []
     place = sr.RolloutSide._place
 
     def checked(self, t, task, rank):
-        new = task.stage is sr.Stage.QUEUED
+        new = task.stage is Stage.QUEUED
         in_flight = sum(r.num_resident + len(r.paused) for r in self.ranks.values()) + self.queued_tasks()
         place(self, t, task, rank)
         share = -(-in_flight // len(self.ranks))
@@ -199,6 +200,7 @@ def _rollout_side(ranks: int, tasks: int, on_group_done=lambda t, g: None):
     from test_sim_mechanics import costs
 
     from tiderl.sim import rollout as sr
+    from tiderl.sim.tasks import SimGroup, SimTask
     from tiderl.sim.workload import TaskPlan
 
     events: list = []
@@ -208,8 +210,8 @@ def _rollout_side(ranks: int, tasks: int, on_group_done=lambda t, g: None):
     for index in range(ranks):
         side.add_rank(0.0, index, 0.0)
     plan = TaskPlan("t", 100, [10, 10], [5], [1.0, 1.0], 0.0)
-    group_tasks = [sr.SimTask(i, plan, False, 10) for i in range(tasks)]
-    group = sr.SimGroup(0, group_tasks, False, "t", 0)
+    group_tasks = [SimTask(i, plan, False, 10) for i in range(tasks)]
+    group = SimGroup(0, group_tasks, False, "t", 0)
     for task in group_tasks:
         task.group = group
         side.tasks[task.id] = task
@@ -248,13 +250,13 @@ def test_an_open_group_holding_a_task_older_than_the_bound_is_dropped_and_its_la
 def test_a_rank_resumes_its_own_paused_tasks_past_its_claim_share():
     # Paused tasks are already the rank's (claimed): the claim share limits new tasks only. A rank holding
     # all the paused tasks of the run resumes them when room comes, even with no share left to claim.
-    from tiderl.sim import rollout as sr
+    from tiderl.sim.tasks import Stage
 
     side, tasks = _rollout_side(ranks=2, tasks=6)
     rank = side.ranks[0]
     for task in tasks:  # all six on rank 0, paused there (its share of six on two ranks is three)
         side._place(0.0, task, rank)
-        task.stage = sr.Stage.ACTIVE
+        task.stage = Stage.ACTIVE
         side._pause(0.0, task)
     assert rank.num_resident == 0 and len(rank.paused) == 6
     side._ctb_pass(0.0, rank)

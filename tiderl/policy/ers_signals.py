@@ -1,6 +1,6 @@
 """The inputs of the ERS planner, built from one snapshot of the run: the only
 way the real control plane (:mod:`tiderl.run.control`) and the simulator
-(:mod:`tiderl.sim.simulator`) make :class:`~tiderl.policy.ers.ErsSignals` and
+(:mod:`tiderl.sim.ers_boundary`) make :class:`~tiderl.policy.ers.ErsSignals` and
 :class:`~tiderl.policy.ers.ErsLimits`.
 
 Pure: no torch, no database, no HTTP, no processes. Each mechanism measures

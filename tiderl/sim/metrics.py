@@ -34,8 +34,8 @@ from tiderl.policy.admission import inflight_bound
 from tiderl.sim.costs import Costs, describe
 
 if TYPE_CHECKING:
-    from tiderl.sim.rollout import SimTask
     from tiderl.sim.simulator import Simulation
+    from tiderl.sim.tasks import SimTask
     from tiderl.sim.workload import TaskPlan
 
 # The engine's chunked prefill is a fluid backlog re-evaluated at every event: within the last chunk it

@@ -1,8 +1,9 @@
-"""The rollout side of the simulation: tasks, groups, rollout ranks, the
-feeder (staleness bound) and the two task schedulers.
+"""The rollout side of the simulation: the task pool, the feeder's queue, a task's life and the
+vanilla scheduler. Its ranks (engines, weight syncs, the shared host, the accounting) are in
+:mod:`tiderl.sim.rollout_ranks`, CTB's scheduling in :mod:`tiderl.sim.rollout_ctb`, the tasks and
+groups in :mod:`tiderl.sim.tasks`.
 
-(Over 450 lines: the task lifecycle events, placement and the two schedulers act on the same
-per-rank accounting, which must stay consistent across every event.)
+Two task schedulers:
 
 - ``vanilla`` (request level): a task goes to the rollout rank with the
   fewest tasks, up to the engine's ``max_num_seqs``; the engine's own cache
@@ -20,137 +21,18 @@ tasks are all done becomes ready for the trainer.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable
 
-from tiderl.policy.ctb import (
-    AdmissionLimits,
-    CandidateGroup,
-    CtbTask,
-    PriorityWeights,
-    RankView,
-    TaskState,
-    claim_limit,
-    decide,
-)
-from tiderl.policy.ctb_budget import BudgetLimits, BudgetTracker, reprefill_cost
+from tiderl.policy.ctb import PriorityWeights
+from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.sim.costs import Costs
-from tiderl.sim.engine import SimEngine
-from tiderl.sim.workload import TaskPlan
-
-Schedule = Callable[..., None]
-
-
-class Stage(enum.Enum):
-    QUEUED = 0
-    STARTING = 1
-    ACTIVE = 2
-    WAITING_ENV = 3
-    PAUSED = 4
-    DONE = 5
+from tiderl.sim.rollout_ctb import CtbScheduling
+from tiderl.sim.rollout_ranks import RankEngines, RolloutRank, Schedule
+from tiderl.sim.tasks import SimGroup, SimTask, Stage
 
 
-_CTB_STATE = {
-    Stage.STARTING: TaskState.WAITING_ENV,
-    Stage.WAITING_ENV: TaskState.WAITING_ENV,
-    Stage.ACTIVE: TaskState.ACTIVE,
-    Stage.PAUSED: TaskState.PAUSED,
-}
-
-
-# A rank without engine work: [nothing left to claim][holding tasks (on their environment, paused)].
-_NO_WORK = (("idle", "idle_held"), ("rwt", "rwt_held"))
-
-
-class SimGroup:
-    __slots__ = ("id", "tasks", "is_eval", "done", "ready_s", "remaining", "task_type", "probe_tokens", "version",
-                 "dropped", "released_s", "seen_s", "claimed_s", "claim_version")
-
-    def __init__(self, gid: int, tasks: list[SimTask], is_eval: bool, task_type: str, version: int) -> None:
-        self.id = gid
-        self.tasks = tasks
-        self.is_eval = is_eval
-        self.done = 0
-        self.ready_s = 0.0
-        self.remaining: deque[SimTask] = deque(tasks)
-        self.task_type = task_type
-        self.probe_tokens = tasks[0].footprint
-        self.version = version
-        self.dropped = False  # doomed by the staleness bound while open (RolloutSide.drop_doomed)
-        # Its life in flight, for the result's `group_holding` (a training group's; None until then):
-        self.released_s: float | None = None  # released by the feeder
-        self.seen_s: float | None = None  # complete and seen by the trainer (in the buffer)
-        self.claimed_s: float | None = None  # claimed by a step
-        self.claim_version: int | None = None  # the version that step trained from
-
-    @property
-    def seq_tokens(self) -> list[int]:
-        return [n for t in self.tasks for n in t.plan.segments]
-
-    @property
-    def gen_tokens(self) -> int:
-        """Tokens the model generated in the group's trajectories."""
-        return sum(sum(t.plan.gen_tokens) for t in self.tasks)
-
-    @property
-    def version_start(self) -> int:
-        return min(t.version_start for t in self.tasks)
-
-
-class SimTask:
-    __slots__ = (
-        "id", "group", "plan", "is_eval", "turn", "ctx", "gen_left", "stage", "rank", "env_pending",
-        "footprint", "reserve", "version_start", "view", "view_key", "env_started", "prefix", "placed_s",
-        "finished_s",
-    )
-
-    def __hash__(self) -> int:
-        # Sets of tasks iterate in hash order: hashing by task id (not by memory address) makes
-        # every run of one seed play out the same way.
-        return self.id
-
-    def __init__(self, tid: int, plan: TaskPlan, is_eval: bool, reserve: int) -> None:
-        self.id = tid
-        self.group: SimGroup = None  # type: ignore[assignment]
-        self.plan = plan
-        self.is_eval = is_eval
-        self.turn = 0
-        self.ctx = plan.prompt_tokens
-        self.gen_left = plan.gen_tokens[0]
-        self.stage = Stage.QUEUED
-        self.rank: RolloutRank | None = None
-        self.env_pending = False
-        self.env_started = False
-        self.reserve = reserve
-        self.footprint = self.ctx + reserve
-        self.version_start = -1
-        self.view: CtbTask | None = None
-        self.view_key: tuple = ()
-        self.prefix = 0  # context its previous generation left in the cache, resident since (0: none to judge)
-        self.placed_s = 0.0  # when a rank last took it into a task slot (as a real rank's claim)
-        self.finished_s = 0.0
-
-
-class RolloutRank:
-    __slots__ = ("index", "engine", "tasks", "paused", "used", "num_resident", "epoch", "next_t", "acct_t",
-                 "acct_state", "budget")
-
-    def __init__(self, index: int, engine: SimEngine, t: float, budget: BudgetTracker) -> None:
-        self.index = index
-        self.engine = engine
-        self.tasks: set[SimTask] = set()  # resident and paused-here tasks
-        self.paused: set[SimTask] = set()  # paused-here tasks
-        self.used = 0  # resident footprint, tokens
-        self.num_resident = 0
-        self.epoch = 0
-        self.next_t = float("inf")
-        self.acct_t = t
-        self.acct_state = "idle"
-        self.budget = budget  # CTB's KV budget, kept as the run's rollout worker keeps it
-
-
-class RolloutSide:
+class RolloutSide(RankEngines, CtbScheduling):
     """Rollout ranks plus the task pool. The simulator drives it through
     `release_*`, `dispatch`, `flush_all`, `add_rank`/`remove_rank`."""
 
@@ -195,100 +77,6 @@ class RolloutSide:
         self._engines_busy = 0
         self._speed = 1.0
         self.on_speed: Callable[[float, float], None] | None = None  # the trainer's re-timing
-
-    # -- ranks -------------------------------------------------------------------------------
-    def add_rank(self, t: float, index: int, stall_s: float) -> None:
-        engine = SimEngine(self.costs, self.costs.kv_capacity_tokens)
-        engine.speed = self._speed
-        engine.busy_until = t + stall_s
-        engine.t = t
-        rank = RolloutRank(index, engine, t, BudgetTracker(self.costs.kv_capacity_tokens, self.budget_limits))
-        if self.ctb:
-            engine.on_admit = lambda task, hit: self._judge(rank, task, hit)
-        self.ranks[index] = rank
-        self._account(rank, t)
-        if stall_s > 0:
-            self.schedule(t + stall_s, self._stall_end, rank)
-
-    def start_engine(self, t: float, index: int, on_up: Callable[[float, int], None]) -> None:
-        """Rank `index` starts its engine now; `on_up(t, index)` once it is up. On a shared host the start is
-        a busy rollout rank's load on the host while it lasts, and it progresses at the host's share."""
-        if self.costs.host_compute_slots is None:
-            self.schedule(t + self.costs.engine_start_s, on_up, index)
-            return
-        self._advance_builds(t)
-        self.builds[index] = [self.costs.engine_start_s, t, 0, on_up]
-        self._share_host()
-        self._time_build(t, index)
-
-    def _advance_builds(self, t: float) -> None:
-        for build in self.builds.values():
-            build[0] -= (t - build[1]) * self._speed
-            build[1] = t
-
-    def _time_build(self, t: float, index: int) -> None:
-        build = self.builds[index]
-        build[2] += 1
-        self.schedule(t + max(0.0, build[0]) / self._speed, self._build_done, index, build[2])
-
-    def _build_done(self, t: float, index: int, epoch: int) -> None:
-        build = self.builds.get(index)
-        if build is None or build[2] != epoch:
-            return
-        self._advance_builds(t)
-        del self.builds[index]
-        self._share_host()
-        build[3](t, index)
-
-    def remove_rank(self, t: float, index: int) -> None:
-        """The rank leaves rollout: its tasks become orphans, resumed elsewhere with a fresh prefill."""
-        rank = self.ranks[index]
-        self._account(rank, t, force=True)
-        for task, ctx, left in rank.engine.flush(t, 0.0):
-            task.ctx, task.gen_left = ctx, left
-        self._retire(rank.engine)
-        for task in list(rank.tasks):
-            if task.stage is not Stage.PAUSED:
-                self.env_active -= 1
-            task.stage = Stage.PAUSED
-            task.rank = None
-            task.view = None
-            task.prefix = 0
-            self.orphans.append(task)
-        del self.ranks[index]
-
-    def _retire(self, engine: SimEngine) -> None:
-        r = self.retired
-        r["query"] += engine.query_tokens
-        r["hit"] += engine.hit_tokens
-        r["prefill"] += engine.prefill_tokens
-        r["decode"] += engine.decode_tokens
-        r["preempt"] += engine.preemptions
-
-    def counters(self) -> dict[str, float]:
-        out = dict(self.retired)
-        for rank in self.ranks.values():
-            e = rank.engine
-            out["query"] += e.query_tokens
-            out["hit"] += e.hit_tokens
-            out["prefill"] += e.prefill_tokens
-            out["decode"] += e.decode_tokens
-            out["preempt"] += e.preemptions
-        return out
-
-    def flush_all(self, t: float, stall_s: float) -> None:
-        """A weight sync: every engine drops its cache, interrupted requests are re-prefilled."""
-        for rank in self.ranks.values():
-            self._account(rank, t)
-            for task in rank.tasks:
-                task.prefix = 0  # the next turn runs on new weights: its cache is not judged (as in the run)
-            for task, ctx, left in rank.engine.flush(t, stall_s):
-                task.ctx, task.gen_left = ctx, left
-                rank.engine.submit(t, task, ctx, left, self.ctb)
-            self._reschedule(rank)
-            self._account(rank, t)
-            if stall_s > 0:
-                self.schedule(t + stall_s, self._stall_end, rank)
 
     # -- feeder ------------------------------------------------------------------------------
     def release(self, t: float, groups: list[SimGroup], front: bool = False) -> None:
@@ -339,78 +127,7 @@ class RolloutSide:
             self._vanilla_fill(t)
         self.account_all(t)
 
-    # -- accounting --------------------------------------------------------------------------
-    def _account(self, rank: RolloutRank, t: float, force: bool = False) -> None:
-        """Close the rank's current accounting interval if its state changes at t (or if forced)."""
-        if self.off:
-            state = "off"
-        elif t < rank.engine.busy_until:
-            state = "stall"
-        elif rank.engine.has_work():
-            state = "busy"
-        else:
-            state = _NO_WORK[self.blocked()][bool(rank.tasks)]
-        if force or state != rank.acct_state:
-            self.accounts[rank.acct_state] += t - rank.acct_t
-            rank.acct_t = t
-            rank.acct_state = state
-
-    def account_all(self, t: float, force: bool = False) -> None:
-        for rank in self.ranks.values():
-            self._account(rank, t, force)
-
-    def rwt_rank_s(self) -> float:
-        """Rank-seconds without engine work and nothing left to claim (the simulated RWT), so far."""
-        return self.accounts["rwt"] + self.accounts["rwt_held"]
-
-    def empty_rank_s(self) -> float:
-        """Rank-seconds holding no task at all, so far: what a real rollout rank counts as `rollout_idle_s`
-        and ERS reads as its idle rank-seconds (a rank whose tasks wait on their environment is not idle)."""
-        return self.accounts["rwt"] + self.accounts["idle"]
-
-    # -- engine events -----------------------------------------------------------------------
-    def set_trainer_busy(self, num_ranks: int) -> float:
-        """The trainer starts (or ends) computing on `num_ranks` ranks; returns its speed on the host."""
-        self.trainer_busy = num_ranks
-        self._share_host()
-        return self.costs.host_speed(self._engines_busy + len(self.builds), num_ranks)
-
-    def _share_host(self) -> None:
-        """Shared host: every busy rank runs at the same share; engines advance at the old share
-        up to now, then take the new one."""
-        if self.costs.host_compute_slots is None:
-            return
-        # A rank playing tasks keeps its processes busy (turn handling as well as engine iterations).
-        self._engines_busy = sum(1 for r in self.ranks.values() if r.tasks or r.engine.has_work())
-        speed = self.costs.host_speed(self._engines_busy + len(self.builds), self.trainer_busy)
-        if speed == self._speed:
-            return
-        self._advance_builds(self.now)
-        self._speed = speed
-        for index in self.builds:
-            self._time_build(self.now, index)
-        for rank in self.ranks.values():
-            rank.engine.advance(self.now)
-            rank.engine.speed = speed
-            self._reschedule(rank, share=False)
-        if self.on_speed is not None:
-            self.on_speed(self.now, speed)
-
-    def _reschedule(self, rank: RolloutRank, share: bool = True) -> None:
-        if share and self.costs.host_compute_slots is not None:
-            self._share_host()
-        nt = rank.engine.next_event_s()
-        if nt == rank.next_t:
-            return
-        rank.epoch += 1
-        rank.next_t = nt
-        if nt < float("inf"):
-            self.schedule(nt, self._tick, rank, rank.epoch)
-
-    def _stall_end(self, t: float, rank: RolloutRank) -> None:
-        if self.ranks.get(rank.index) is rank:
-            self._account(rank, t)
-
+    # -- a task's turns ----------------------------------------------------------------------
     def _tick(self, t: float, rank: RolloutRank, epoch: int) -> None:
         if epoch != rank.epoch or self.ranks.get(rank.index) is not rank:
             return
@@ -566,103 +283,3 @@ class RolloutSide:
             if task is None:
                 return
             self._place(t, task, rank)
-
-    # -- CTB ---------------------------------------------------------------------------------
-    def _view(self, task: SimTask, is_home: bool) -> CtbTask:
-        group = task.group
-        completion = group.done / len(group.tasks)
-        key = (task.stage, task.footprint, completion, is_home)
-        if task.view is None or task.view_key != key:
-            task.view = CtbTask(
-                task_id=task.id,
-                group_id=group.id,
-                state=_CTB_STATE[task.stage],
-                footprint_tokens=task.footprint,
-                context_tokens=task.ctx,
-                is_eval=task.is_eval,
-                group_completion=completion,
-                task_type=group.task_type,
-                is_home=is_home,
-            )
-            task.view_key = key
-        return task.view
-
-    def _judge(self, rank: RolloutRank, task: SimTask, hit: float) -> None:
-        """A turn starts on the engine: judge whether its context came back from the cache (the run's
-        worker does the same with vLLM's cached-token count), once per turn."""
-        if task.prefix > 0:
-            before = rank.budget.budget_tokens
-            engine = rank.engine  # what a re-prefilled token costs there now (the cost rule's input)
-            n = engine.num_running
-            cost = reprefill_cost(self.costs.prefill_s(1.0, task.prefix / 2),
-                                  self.costs.decode_iteration_s(n, engine.pinned_tokens(), 0.0), n)
-            rank.budget.judge(task.prefix, int(hit), self.block_tokens, task.gen_left, cost)
-            task.prefix = 0
-            if rank.budget.budget_tokens != before:  # a new budget: CTB decides again (the run's worker too)
-                self.schedule(self.now, self._budget_changed, rank)
-
-    def _budget_changed(self, t: float, rank: RolloutRank) -> None:
-        if self.ranks.get(rank.index) is rank:
-            self._ctb_pass(t, rank)
-            self._account(rank, t)
-
-    def _ctb_needs_pass(self, rank: RolloutRank) -> bool:
-        """Whether :func:`decide` could change anything on `rank`. When only the budget holds the waiting
-        work back, the pass is skipped, and the budget is told it held a task back (as the decision would)."""
-        budget = rank.budget.budget_tokens
-        if rank.used > budget:
-            return True
-        headroom = budget - rank.used
-        if self.env_active >= self.env_concurrency:
-            return False
-        for task in rank.paused:
-            if task.footprint <= headroom:
-                return True
-        if any(o.footprint <= headroom for o in self.orphans[:64]):
-            return True
-        if self.candidates and self.candidates[0].probe_tokens <= headroom:
-            return True
-        if rank.num_resident < self.costs.max_num_seqs and (
-                any(task.footprint <= budget for task in rank.paused)
-                or any(o.footprint <= budget for o in self.orphans[:64])
-                or (self.candidates and self.candidates[0].probe_tokens <= budget)):
-            rank.budget.held_back(True)
-        return False
-
-    def _ctb_pass(self, t: float, rank: RolloutRank) -> None:
-        if not self._ctb_needs_pass(rank):
-            return
-        views = [self._view(task, True) for task in rank.tasks]
-        orphans = self.orphans[:64]
-        views += [self._view(task, False) for task in orphans]
-        candidates = [
-            CandidateGroup(g.id, tuple(x.id for x in g.remaining), g.probe_tokens, g.is_eval, g.task_type)
-            for g in list(self.candidates)[:8]
-        ]
-        free_env = max(0, self.env_concurrency - self.env_active)
-        # The rank's claim, as a rollout rank of the run claims from the store (claim_limit): its free
-        # slots, at most its share of the tasks in flight (held by any rank, or waiting in the pool).
-        held = rank.num_resident + len(rank.paused)
-        in_flight = sum(r.num_resident + len(r.paused) for r in self.ranks.values()) + self.queued_tasks()
-        claim = claim_limit(self.costs.max_num_seqs - held, held, in_flight, len(self.ranks))
-        limits = AdmissionLimits(max_resident_tasks=min(self.costs.max_num_seqs, rank.num_resident + free_env,
-                                                        held + claim))  # its own paused tasks are claimed
-        decision = decide(RankView(rank.budget.budget_tokens, tuple(views)), candidates, limits, self.weights)
-        rank.budget.held_back(decision.budget_bound)
-        for tid in decision.pause:
-            self._pause(t, self.tasks[tid])
-        for tid in decision.resume:
-            task = self.tasks[tid]
-            if task.rank is None:
-                self.orphans.remove(task)
-            self._place(t, task, rank)
-        for tid in decision.admit:
-            task = self.tasks[tid]
-            group = task.group
-            if group.remaining[0] is not task:
-                raise AssertionError("CTB admits the tasks of a group in order")
-            group.remaining.popleft()
-            if not group.remaining:
-                self.candidates.remove(group)
-            self._place(t, task, rank)
-        self._account(rank, t)

@@ -1,11 +1,10 @@
 """The discrete-event simulation of one system on one workload and cluster.
 
-(Over 450 lines: the step boundary ties the trainer, the rollout side, ERS and the evaluation
-rounds together in one event order; the rollout side and the trainer are modules of their own.)
-
 One event heap (time, sequence, callback). The rollout side
 (:mod:`tiderl.sim.rollout`) and the trainer (:mod:`tiderl.sim.trainer`)
-schedule their own events; this module owns the step boundaries:
+schedule their own events; this module owns the event loop, the release of
+the groups (evaluation rounds and the staleness bound's feed), the trainer's
+claims and the asynchronous step boundaries:
 
 - asynchronous systems: the trainer consumes ``fetch`` ready groups per step,
   then the optimizer step; the publish of version k+1 waits for the
@@ -15,7 +14,11 @@ schedule their own events; this module owns the step boundaries:
   the feeder release ``groups_per_step`` more groups
   (released <= (version + max_staleness + 1) x B_ideal, AReaL's rule);
 - ``sync``: every GPU rolls out the whole batch (and evaluation rounds), then
-  switches to training (offload/onload of states), trains, switches back.
+  switches to training (offload/onload of states), trains, switches back
+  (:mod:`tiderl.sim.sync_steps`).
+
+What ERS reads at a boundary and how its plan changes the roles are in
+:mod:`tiderl.sim.ers_boundary`; the per-step records in :mod:`tiderl.sim.step_records`.
 
 No speedup is written into the model: goodput, waits and hit rates come out
 of these mechanics and the costs of :mod:`tiderl.sim.costs`.
@@ -28,18 +31,22 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from tiderl.policy import admission, ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
-from tiderl.policy.ers import ErsLimits, ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
-from tiderl.policy.ra2p import Ra2pMode, StageTimes, choose_mode, time_per_ready_microbatch_s
+from tiderl.policy.ers import ErsLimits, Role, StepObservation
+from tiderl.policy.ers_signals import EvaluationMemory
+from tiderl.policy.ra2p import Ra2pMode
 from tiderl.sim.costs import derive_costs
-from tiderl.sim.rollout import RolloutSide, SimGroup, SimTask, Stage
+from tiderl.sim.ers_boundary import ErsBoundary, GroupSums
+from tiderl.sim.rollout import RolloutSide
 from tiderl.sim.spec import ClusterSpec, WorkloadSpec
+from tiderl.sim.step_records import StepRecord, StepRecords
+from tiderl.sim.sync_steps import SyncSteps
 from tiderl.sim.systems import System
+from tiderl.sim.tasks import SimGroup, SimTask, Stage
 from tiderl.sim.trainer import SimStepStats, Trainer
 from tiderl.sim.workload import TaskSampler
 from tiderl.systems import feed_allowance, feed_batch_groups, oldest_trainable_version
@@ -49,60 +56,7 @@ class SimulationStalled(RuntimeError):
     """The event heap ran dry before the last step: a mechanic deadlocked."""
 
 
-@dataclass(slots=True)
-class GroupSums:
-    """The training groups completed in a step, summed as the store's step window sums them
-    (tiderl.store.types.StepWindow)."""
-
-    groups: int = 0
-    tokens: int = 0
-    latency_s: float = 0.0  # creation to completion
-    env_s: float = 0.0  # each group's slowest task's environment seconds
-    tasks: int = 0
-    task_env_s: float = 0.0
-    task_slot_s: float = 0.0  # placement (a real rank's claim) to the task's end
-    task_wait_s: float = 0.0  # the group's release to that placement
-
-    def add(self, group: SimGroup, released: float, t: float) -> None:
-        env = [x.plan.start_latency_s + sum(x.plan.env_latency_s) for x in group.tasks]
-        self.groups += 1
-        self.tokens += sum(group.seq_tokens)
-        self.latency_s += t - released
-        self.env_s += max(env)
-        self.tasks += len(env)
-        self.task_env_s += sum(env)
-        self.task_slot_s += sum(x.finished_s - x.placed_s for x in group.tasks)
-        self.task_wait_s += sum(max(0.0, x.placed_s - released) for x in group.tasks)
-
-
-@dataclass(slots=True)
-class StepRecord:
-    version: int
-    end_s: float
-    duration_s: float
-    rollout_ranks: int
-    actor_ranks: int
-    ref_ranks: int
-    mode: str
-    fetch_groups: int
-    consumed_tokens: int
-    ras: int
-    tprm_s: float | None
-    compute_s: float
-    predicted_decoupled_s: float | None
-    predicted_colocated_s: float | None
-    twt_gpu_s: float
-    eval_block_s: float
-    ers_reason: str | None
-    ready_groups: int = 0
-    hol_s: float = 0.0
-    consumed_gen_tokens: int = 0
-    rwt_gpu_s: float = 0.0
-    stale_dropped_groups: int = 0  # dropped at this step's claims
-    inflight_cap: int | None = None  # ERS's adaptive admission for the step (None: the staleness bound's)
-
-
-class Simulation:
+class Simulation(ErsBoundary, StepRecords, SyncSteps):
     def __init__(
         self,
         workload: WorkloadSpec,
@@ -382,118 +336,6 @@ class Simulation:
         else:
             self._publish(t)
 
-    def _stage_times(self) -> StageTimes:
-        """The stage times as the trainer measures them: of a micro-batch of the recent sequences, at the
-        speed the last step's compute ran (a shared host slows it; the real trainer's clocks see that)."""
-        seqs = [x.plan.total_tokens for x in self.consumed_tasks[-256:]] or [2048]
-        mean_len = sum(seqs) / len(seqs)
-        last = self.step_stats[-1] if self.step_stats else None
-        slow = last.wall_s / last.work_s if last is not None and last.work_s > 0 else 1.0
-        fwd = self.cluster.training.micro_batch_tokens / mean_len * self.costs.forward_s(round(mean_len)) * slow
-        c = self.costs
-        return StageTimes(t_ref_s=fwd * c.ref_ratio, t_act_f_s=fwd, t_act_b_s=c.backward_ratio * fwd,
-                          t_swap_s=c.swap_s * slow)
-
-    def _signals(self, t: float, stats: SimStepStats | None) -> ErsSignals:
-        """The snapshot the control plane would take now, through the same builder."""
-        snapshot = ErsSnapshot(
-            roles=tuple(self.roles),
-            micro_batch_tokens=self.cluster.training.micro_batch_tokens,
-            ready_tokens=sum(sum(g.seq_tokens) for g in self.buffer),
-            ready_groups=len(self.buffer),
-            oldest_ready_age_s=t - self.buffer[0].ready_s if self.buffer else None,
-            steps=tuple(self.observations),
-            is_eval_open=self._eval_due(self.version + 1) if stats else self._eval_due(0),
-            fetch_groups=self.fetch,
-            last_rollout_change=self.last_rollout_change,
-            stage_times=self._stage_times() if self.consumed_tasks else None,
-            fill_steps=self.staleness + 1,
-            pre_evaluation_roles=self.evaluation_memory.roles,
-            # Engine starts not priced (engine_start_s 0): every rank joins rollout at a reload's cost.
-            engine_ranks=(frozenset(r for r, up in self.engines.items() if up <= t) if self.costs.engine_start_s
-                          else None),
-            inflight_cap=self.inflight_cap,  # the cap the feed keeps now, as the control plane hands it
-        )
-        return build_signals(snapshot, self.history_steps)
-
-    def _observe_step(self, t: float, stats: SimStepStats, block: float) -> None:
-        """The step that just ended, as ERS sees it (the control plane records the same)."""
-        duration = t - self.last_publish_s
-        seen = self.groups_seen
-        actors = max(1, stats.num_actors)
-        self.observations.append(StepObservation(
-            version=self.version + 1, duration_s=duration, consumed_tokens=stats.consumed_tokens,
-            rollout_ranks=self._num(Role.ROLLOUT), actor_ranks=stats.num_actors, ref_ranks=stats.num_refs,
-            produced_tokens=seen.tokens, groups_completed=seen.groups,
-            group_latency_sum_s=seen.latency_s, group_env_sum_s=seen.env_s,
-            rollout_idle_rank_s=self._rollout_idle_rank_s(t),
-            rollout_busy_rank_s=self._rollout_busy_rank_s(),
-            tasks_completed=seen.tasks, task_env_sum_s=seen.task_env_s,
-            task_slot_sum_s=seen.task_slot_s, task_wait_sum_s=seen.task_wait_s,
-            trainer_wait_s=min(duration, stats.actor_wait_gpu_s / actors + block),
-            tprm_s=time_per_ready_microbatch_s(stats.ready_rel_s),
-            ras_microbatches=sum(1 for a in stats.ready_rel_s if a <= 0),
-            stale_dropped_tokens=self.step_dropped_tokens,
-            evaluation=self._eval_due(self.version)))  # the step played this version's evaluation round
-        self.groups_seen = GroupSums()
-        self.step_dropped_tokens = 0
-
-    def _rollout_busy_rank_s(self) -> float:
-        """Rollout rank-seconds with the engine generating since the last publish (after the accounting
-        of _rollout_idle_rank_s at the same time)."""
-        busy = self.rollout.accounts["busy"]
-        since, self.busy_at_publish = busy - self.busy_at_publish, busy
-        return since
-
-    def _rollout_idle_rank_s(self, t: float) -> float:
-        """Rollout rank-seconds holding no task since the last publish (as the real ranks count
-        `rollout_idle_s`); sets the step's RWT (nothing to play: behind the staleness bound) beside it."""
-        self.rollout.account_all(t, force=True)
-        rwt = self.rollout.rwt_rank_s()
-        self.rwt_since_publish = rwt - self.rwt_at_publish
-        self.rwt_at_publish = rwt
-        empty = self.rollout.empty_rank_s()
-        since, self.empty_at_publish = empty - self.empty_at_publish, empty
-        return since
-
-    def _apply_plan(self, t: float, plan: ers.ErsPlan, stall_s: float) -> None:
-        self.evaluation_memory.note(tuple(self.roles), plan.reason)
-        before = self._num(Role.ROLLOUT)
-        for move in plan.moves:
-            if move.from_role is Role.ROLLOUT:
-                if move.rank in self.rollout.ranks:  # (not while its engine still starts)
-                    self.rollout.remove_rank(t, move.rank)  # its engine stays up
-            elif move.to_role is Role.ROLLOUT:
-                if move.rank not in self.engines:
-                    self._start_engine(t, move.rank)
-                if self.engines[move.rank] <= t:
-                    self.rollout.add_rank(t, move.rank, stall_s)
-            elif move.to_role is Role.IDLE and self.parked_engines and move.rank not in self.engines:
-                self._start_engine(t, move.rank)
-        for rank in plan.warm:
-            if rank not in self.engines:
-                self._start_engine(t, rank)
-        self.roles = list(plan.roles)
-        self.mode = plan.mode
-        self.fetch = plan.fetch_groups
-        self.last_rollout_change = self._num(Role.ROLLOUT) - before
-        self.ers_reason = plan.reason.value
-
-    def _start_engine(self, t: float, rank: int) -> None:
-        """The rank starts its engine (on the base model, as the run's ranks do); it plays tasks once the
-        engine is up and holds the published weights (a reload)."""
-        if self.costs.engine_start_s <= 0:  # not priced: up at once
-            self.engines[rank] = t
-            return
-        self.engines[rank] = math.inf
-        self.rollout.start_engine(t, rank, self._engine_up)
-
-    def _engine_up(self, t: float, rank: int) -> None:
-        self.engines[rank] = t
-        if self.roles[rank] is Role.ROLLOUT and rank not in self.rollout.ranks and not self.done:
-            self.rollout.add_rank(t, rank, self.costs.weight_sync_s)
-            self.rollout.dispatch(t)
-
     def _publish(self, t: float) -> None:
         self.publish_waiting = False
         stats = self.trainer.finish_step()
@@ -561,89 +403,6 @@ class Simulation:
         if not self.done:
             self._release_training(t)
             self.rollout.dispatch(t)
-
-    # -- synchronous system ------------------------------------------------------------------
-    def _sync_start_version(self, t: float) -> None:
-        self.rollout.off = False
-        self.rollout.account_all(t)
-        self._record_roles(t)
-        if self._eval_due(self.version):
-            self.phase = "eval"
-            self.eval_outstanding = self.workload.eval_groups
-            self.rollout.release(t, self._new_groups(self.workload.eval_groups, True), front=True)
-        else:
-            self._sync_rollout_phase(t)
-
-    def _sync_rollout_phase(self, t: float) -> None:
-        self.phase = "rollout"
-        self.phase_done = 0
-        self.train_released += self.b_ideal
-        groups = self._new_groups(self.b_ideal, False)
-        for group in groups:
-            group.released_s = t
-        self.rollout.release(t, groups)
-
-    def _sync_train(self, t: float) -> None:
-        self.phase = "train"
-        self.trainer.begin_step(t, self.num_gpus, 0, Ra2pMode.COLOCATED, self.b_ideal)
-        self._offer(t)
-
-    def _sync_publish(self, t: float) -> None:
-        stats = self.trainer.finish_step()
-        self.step_stats.append(stats)
-        self.twt_gpu_s += stats.twt_gpu_s
-        self.ers_reason = None
-        self._record_step(t, stats, 0.0)
-        self.version += 1
-        self.rollout.version = self.version
-        self.last_publish_s = t
-        if self.version >= self.steps:
-            self._end(t)
-            return
-        # Back to rollout: the engines wake with the new weights and an empty cache.
-        self.rollout.flush_all(t, self.costs.phase_switch_s)
-        self.schedule(t + self.costs.phase_switch_s, self._sync_start_version)
-
-    # -- records -----------------------------------------------------------------------------
-    def _record_roles(self, t: float) -> None:
-        if self.system.synchronous:
-            entry = {"version": self.version, "t_s": round(t, 3), "rollout": self.num_gpus,
-                     "actor": self.num_gpus, "ref": 0, "mode": "time-shared"}
-        else:
-            entry = {"version": self.version, "t_s": round(t, 3), "rollout": self._num(Role.ROLLOUT),
-                     "actor": self._num(Role.ACTOR), "ref": self._num(Role.REF), "mode": self.mode.value}
-        self.timeline.append(entry)
-
-    def _record_step(self, t: float, stats: SimStepStats, block: float) -> None:
-        ready = stats.ready_rel_s
-        prediction = None
-        if ready:
-            prediction = choose_mode(ready, self._stage_times(), stats.num_actors, max(1, stats.num_refs))
-        self.records.append(
-            StepRecord(
-                version=self.version,
-                end_s=t,
-                duration_s=t - self.last_publish_s,
-                rollout_ranks=self._num(Role.ROLLOUT) if not self.system.synchronous else self.num_gpus,
-                actor_ranks=stats.num_actors,
-                ref_ranks=stats.num_refs,
-                mode=stats.mode.value,
-                fetch_groups=stats.fetch_groups,
-                consumed_tokens=stats.consumed_tokens,
-                ras=sum(1 for a in ready if a <= 0),
-                tprm_s=time_per_ready_microbatch_s(ready),
-                compute_s=stats.compute_done_s - stats.start_s,
-                predicted_decoupled_s=prediction.decoupled_s if prediction else None,
-                predicted_colocated_s=prediction.colocated_s if prediction else None,
-                twt_gpu_s=stats.twt_gpu_s + block * (stats.num_actors + stats.num_refs),
-                eval_block_s=block,
-                ers_reason=None,
-                consumed_gen_tokens=stats.consumed_gen_tokens,
-                stale_dropped_groups=self.dropped_groups - self.dropped_at_record,
-                inflight_cap=self.inflight_cap,
-            )
-        )
-        self.dropped_at_record = self.dropped_groups
 
     def _end(self, t: float) -> None:
         self.rollout.account_all(t, force=True)

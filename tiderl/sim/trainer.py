@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from tiderl.policy.ra2p import Ra2pMode, smallest_last_microbatches, zigzag_dispatch
 from tiderl.sim.costs import Costs
-from tiderl.sim.rollout import SimGroup
+from tiderl.sim.tasks import SimGroup
 
 
 class TrainerKind(enum.Enum):
