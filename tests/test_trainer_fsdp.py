@@ -78,6 +78,7 @@ def _group_rank(rank: int, base: Path, out: Path, splits: list[tuple[int, tuple[
                                 activation_checkpointing=recompute)
 
         actor, ref = fresh(), make_backend("fsdp", "ref", base)
+        assert actor.read_weights == (rank == 0)  # the second rank built a skeleton and got its shards sent
         local = sum(p.to_local().numel() for p in actor.model.parameters())
         norms = []
         for k, (n, assignment) in enumerate(splits):

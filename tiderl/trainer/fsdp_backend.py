@@ -5,6 +5,9 @@ AdamW state live as shards of the group (a rank holds 1/N of each), and a layer'
 only while it computes. Per rank and parameter that is 16/N bytes of fp32 state instead of the 16 the
 replicated ``torch`` backend holds (tools/bench_trainer.py measures both).
 
+- Loading: only the group's first rank reads the model's files; the others build its skeleton on the meta
+  device and receive their shards from it, one parameter at a time (``_shards_from_first_rank``), so a
+  node's actor ranks do not each hold (and read from the shared filesystem) a whole fp32 copy while they build.
 - Precision: fp32 sharded weights and optimizer state (``set_dtype``: ``bfloat16`` computes in bf16
   where the device supports it, ``MixedPrecisionPolicy``); gradients are reduced in fp32.
 - Gradients are *summed* over the group, as the GRPO loss expects (it is divided by the global token
@@ -27,6 +30,7 @@ Without a group (one actor) nothing is sharded: the model computes in the same p
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,40 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def _skeleton(model_path: Path) -> torch.nn.Module:
+    """The model of `model_path`'s config on the meta device: its structure, tied weights included, and no
+    storage, read nor allocated."""
+    config = json.loads((model_path / "config.json").read_text())
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+
+
+def _shards_from_first_rank(model: torch.nn.Module, full: dict[str, torch.Tensor], group: dist.ProcessGroup,
+                            mesh: DeviceMesh) -> None:
+    """Fill a sharded model, on its device, from the group's first rank, the only one that read the weights
+    (`full`, {} on the others): one parameter at a time, each rank receives its shard of it (`distribute_tensor`
+    from the mesh's first rank), and every buffer, those the state dict leaves out too (a rotary embedding's
+    frequencies), is sent whole. So the group's ranks hold one full copy of the model between them while they
+    build, not one each, and only one rank reads the files. (torch's `broadcast_from_rank0` sends from the
+    world's rank 0 over every rank; an actor group is any set of a run's ranks.)"""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    first = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor):
+                raise TypeError(f"fsdp backend: parameter {name} was not sharded")
+            local = param.to_local()
+            whole = full[name].to(local.device, local.dtype) if name in full else \
+                torch.empty(param.shape, dtype=local.dtype, device=local.device)
+            local.copy_(distribute_tensor(whole, mesh, param.placements).to_local())
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=first, group=group)
+
+
 class FsdpActor(ActorBackend):
     lockstep = True
     collective_io = True
@@ -64,11 +102,16 @@ class FsdpActor(ActorBackend):
         self.optim_config = optim
         self.banned = _banned(model_path)
         self.compute_dtype = compute_dtype(dtype, device)
-        model = _load(model_path, torch.device("cpu")).train()  # fp32: the sharded master weights
+        self._group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
+        self.read_weights = self._group is None or dist.get_rank(self._group) == 0
+        """Whether this rank read the model's weights files: only the group's first rank does (the others
+        build the model's skeleton and receive their shards from it)."""
+        # fp32: the sharded master weights
+        model = (_load(model_path, torch.device("cpu")) if self.read_weights else _skeleton(model_path)).train()
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self._group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
         if self._group is not None:
+            full = model.state_dict() if self.read_weights else {}  # the first rank's whole tensors, to send
             mesh = DeviceMesh.from_group(self._group, device.type)
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
             for layer in decoder_layers(model):
@@ -80,6 +123,12 @@ class FsdpActor(ActorBackend):
                     module.set_gradient_divide_factor(1.0)  # summed: the loss is already a global token mean
                     if gloo:
                         module.set_force_sum_reduction_for_comms(True)
+            if self.read_weights:
+                model.to(device)
+            else:
+                model.to_empty(device=device)  # storage for this rank's shards and the buffers, to be filled
+            _shards_from_first_rank(model, full, self._group, mesh)
+            del full
         self.model = model.to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
