@@ -12,15 +12,31 @@ sys.path.insert(0, str(ROOT / "tools"))
 pytest_plugins = ["pg_fixtures"]  # pg_server (a real PostgreSQL for the store tests), store_url
 
 
+SLURM_FILES = "test_slurm_"  # the test files that may use the dev cluster: one pytest-xdist worker runs them all
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under pytest-xdist with `--dist loadscope` (tools/run_tests.sh): a test file runs whole in one worker, so a
+    module's fixture (a vLLM engine, a short real run) is built once; and the Slurm test files run in one worker,
+    one after the other, as they share the dev cluster (one of them kills and restarts it)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm" if Path(path).name.startswith(SLURM_FILES) else path
+
+    return FileScopes(config, log)  # type: ignore[arg-type]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, tools/run_tests.sh) a test file runs whole in one worker, so
-    a module's fixture (a vLLM engine, a short real run) is built once; and every `slurm` test runs in one
-    worker, one after the other, as they share the dev cluster (one of them kills and restarts it)."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """A `slurm` test outside the Slurm test files would share the dev cluster with them at the same time."""
+    stray = [item.nodeid for item in items
+             if item.get_closest_marker("slurm") and not item.path.name.startswith(SLURM_FILES)]
+    if stray:
+        raise pytest.UsageError(f"slurm tests belong in tests/{SLURM_FILES}*.py (one worker runs those): {stray}")
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ WORKERS=${TIDERL_TEST_WORKERS:-2}
 tier() {
   local name=$1; shift
   local started=$SECONDS rc=0
-  "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup "$@" || rc=$?
+  "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadscope "$@" || rc=$?
   echo "run_tests: $name tier: exit $rc in $((SECONDS - started)) s" >&2
   return "$rc"
 }
