@@ -2,8 +2,8 @@
 asks the one function that defines it, and nothing computes it on its own again.
 
 - The refs keep up with the actors: `policy.ra2p.refs_needed` / `refs_keep_up`, asked by the paper planner
-  (`policy.ers`), the rate planner's moves and candidate splits (`policy.ers_rate`), the trainer
-  re-partition (`policy.ers_trainer`) and the simulator's fixed splits (`sim.report`).
+  (`policy.ers`), the rate planner's moves and candidate splits (`policy.ers.choose`), the trainer
+  re-partition (`policy.ers.trainer`) and the simulator's fixed splits (`sim.report`).
 - The groups in flight, (staleness + 1) x batch or ERS's admission cap where smaller:
   `policy.admission.inflight_bound`, asked by the feed (`systems.feed_allowance`), the admission cap,
   the rate planner (handed the cap the feed keeps, by the control plane and the simulator alike) and the
@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tiderl.policy import ers_trainer
 from tiderl.policy.admission import inflight_bound, inflight_cap
-from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsSignals, StepObservation, plan_paper
-from tiderl.policy.ers_rate import Split, _one_move, candidates, estimate
-from tiderl.policy.ers_signals import ErsSnapshot, build_signals
+from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsSignals, StepObservation
+from tiderl.policy.ers import trainer as ers_trainer
+from tiderl.policy.ers.choose import _one_move, candidates
+from tiderl.policy.ers.model import Split, estimate
+from tiderl.policy.ers.overrides import plan_paper
+from tiderl.policy.ers.signals import ErsSnapshot, build_signals
 from tiderl.policy.ra2p import StageTimes, refs_keep_up, refs_needed
 from tiderl.roles import Role
 from tiderl.systems import feed_allowance

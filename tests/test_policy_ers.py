@@ -145,7 +145,7 @@ def test_13_the_evaluations_end_puts_its_ref_and_idle_ranks_back():
 
 
 def test_the_evaluation_memory_keeps_the_map_the_first_evaluation_plan_replaced():
-    from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
+    from tiderl.policy.ers.signals import ErsSnapshot, EvaluationMemory, build_signals
 
     memory = EvaluationMemory()
     memory.note((R, F, A), ErsReason.STEADY)

@@ -1,4 +1,4 @@
-"""The rate-matching ERS planner (tiderl.policy.ers_rate): one test per invariant of its docstring."""
+"""The rate-matching ERS planner (tiderl.policy.ers.model and tiderl.policy.ers.choose): one test per invariant of its docstring."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 
 from tiderl.config.ers import ErsConfig
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import (Split, candidates, estimate, gen_latency_at, gen_latency_curve, host_factor,
-                                    latency_s, predict_tok_s, regime, slot_tok_s, split_of)
-from tiderl.policy.ers_trainer import step_compute_s
+from tiderl.policy.ers.choose import candidates, regime
+from tiderl.policy.ers.model import (Split, estimate, gen_latency_at, gen_latency_curve, host_factor, latency_s,
+                                     predict_tok_s, slot_tok_s, split_of)
+from tiderl.policy.ers.trainer import step_compute_s
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
@@ -445,7 +446,7 @@ def test_a_split_with_ref_ranks_pays_the_decoupled_steps_coordination_and_one_wi
 
 
 def test_describe_shows_a_split_as_the_planner_prices_it_in_trajectory_tokens():
-    from tiderl.policy.ers_rate import describe, predict_tok_s, split_of
+    from tiderl.policy.ers.model import describe, predict_tok_s, split_of
 
     roles = (R, R, A, A)
     seen = describe(SHORT, ELASTIC, roles)

@@ -1,4 +1,4 @@
-"""The one signal path: tiderl.policy.ers_signals (one test per invariant), and the control plane
+"""The one signal path: tiderl.policy.ers.signals (one test per invariant), and the control plane
 and the simulator building the same signals from the same measurements."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from tiderl.config import load_job
 from tiderl.policy.ers import ErsLimits, ErsPolicy, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, build_signals, rate_window, slot_wait_s, task_times
+from tiderl.policy.ers.signals import ErsSnapshot, build_signals, rate_window, slot_wait_s, task_times
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
@@ -193,7 +193,7 @@ def test_4_the_latency_memory_is_scaled_to_the_work_of_a_group_now():
     s = build_signals(snapshot(steps=steps), 5)
     assert s.tokens_per_group == pytest.approx(1000.0)
     assert s.gen_latency_by_rollout == ((2, pytest.approx(5.0)), (3, pytest.approx(10.0)))
-    from tiderl.policy.ers_signals import gen_latency_by_rollout
+    from tiderl.policy.ers.signals import gen_latency_by_rollout
 
     assert gen_latency_by_rollout(steps) == ((2, pytest.approx(5.0)), (3, pytest.approx(20.0)))  # unscaled
 

@@ -1,4 +1,4 @@
-"""The trainer's side of ERS (tiderl.policy.ers_trainer): one test per invariant of its docstring,
+"""The trainer's side of ERS (tiderl.policy.ers.trainer): one test per invariant of its docstring,
 with hand-worked timelines."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers_rate import Split, split_of
-from tiderl.policy.ers_trainer import readiness, repartition, step_compute_s
+from tiderl.policy.ers.model import Split, split_of
+from tiderl.policy.ers.trainer import readiness, repartition, step_compute_s
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s, refs_needed
 from tiderl.roles import Role
 
@@ -126,7 +126,7 @@ def test_the_split_planner_and_the_re_partition_divide_the_trainer_alike():
 
 
 def test_the_split_planner_prices_a_step_as_the_re_partition_does():
-    from tiderl.policy.ers_rate import _compute_s
+    from tiderl.policy.ers.model import _compute_s
     # 2,000 tokens on 6 actors of 100-token shares: 4 micro-batches, all ready at the start.
     for actors, refs in ((6, 1), (6, 2), (3, 1), (4, 0)):
         n = -(-2000 // (SHARE * actors))

@@ -361,7 +361,7 @@ def test_the_simulator_measures_the_task_slots_as_the_control_plane_reads_them()
     root = Path(__file__).resolve().parents[1]
     import yaml
 
-    from tiderl.policy.ers_signals import slot_wait_s, task_times
+    from tiderl.policy.ers.signals import slot_wait_s, task_times
 
     workload = build(WorkloadSpec, yaml.safe_load((root / "jobs/sim/bench-latency.workload.yaml").read_text()), "w")
     cluster = build(ClusterSpec, yaml.safe_load((root / "jobs/sim/cpu.cluster.yaml").read_text()), "c")

@@ -18,7 +18,7 @@ class ErsConfig:
     policy: Literal["paper", "rate"] = option(
         "rate",
         help="`rate`: move toward the split where the measured generation rate meets the trainer's consumption "
-        "rate (tiderl.policy.ers_rate); `paper`: the paper's threshold rules on HoL latency, RAS and the "
+        "rate (tiderl.policy.ers.choose); `paper`: the paper's threshold rules on HoL latency, RAS and the "
         "generation deficit (section 5.2). Cold start and evaluation rules apply to both.",
     )
     rate_margin: float = option(

@@ -5,7 +5,8 @@
 - :mod:`tiderl.policy.ra2p`: the RA2P readiness signals (RAS, TPRM), the
   Appendix A cost model, the mode choice and the micro-batch dispatchers.
 - :mod:`tiderl.policy.ers`: the Elastic Resource Scaling planner (next role
-  map, RA2P mode and fetch size at a sync boundary).
+  map, RA2P mode and fetch size at a sync boundary), a package shaped
+  ``plan = overrides(choose(model(signals)))``.
 
 None of them imports torch, a database, HTTP or subprocess; the real ranks and
 the simulator (`tiderl sim`) call the very same functions. Each module's

@@ -22,8 +22,9 @@ from tiderl.config import JobConfig, load_job
 from tiderl.observe import MetricsServer, TensorBoardLog
 from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run.bell import Bell
-from tiderl.policy import admission, ers, ers_rate
-from tiderl.policy.ers_signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
+from tiderl.policy import admission, ers
+from tiderl.policy.ers.model import describe
+from tiderl.policy.ers.signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.systems import (FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles,
                             oldest_trainable_version)
@@ -181,7 +182,7 @@ class ControlPlane:
             reason = decision.reason.value
             self._ask_engines(version, decision.warm)
             if decision.moves:
-                old, new = (ers_rate.describe(signals, self.limits, r) for r in (before, decision.roles))
+                old, new = (describe(signals, self.limits, r) for r in (before, decision.roles))
                 seen = (f" (predicted trajectory tokens trained {old['predicted_trained_tok_s']:.0f} -> "
                         f"{new['predicted_trained_tok_s']:.0f} a second, "
                         f"{new['predicted_trained_tok_s'] / old['predicted_trained_tok_s'] - 1:+.1%})"

@@ -3,7 +3,7 @@
 What ERS reads, built as the control plane builds it: the training groups completed in a step
 (:class:`GroupSums`), the step as a :class:`~tiderl.policy.ers.StepObservation`, the rollout ranks'
 idle and busy rank-seconds, the trainer's stage times and the snapshot handed to
-:func:`tiderl.policy.ers_signals.build_signals`. And what its plan does: roles changed, ranks
+:func:`tiderl.policy.ers.signals.build_signals`. And what its plan does: roles changed, ranks
 leaving or joining rollout, engines started on the base model where a rank has none.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from tiderl.policy import ers
 from tiderl.policy.ers import ErsSignals, Role, StepObservation
-from tiderl.policy.ers_signals import ErsSnapshot, EvaluationMemory, build_signals
+from tiderl.policy.ers.signals import ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes, time_per_ready_microbatch_s
 from tiderl.sim.tasks import SimGroup, SimTask
 

@@ -37,7 +37,7 @@ from tiderl.policy import admission, ers
 from tiderl.policy.ctb import PriorityWeights
 from tiderl.policy.ctb_budget import BudgetLimits
 from tiderl.policy.ers import ErsLimits, Role, StepObservation
-from tiderl.policy.ers_signals import EvaluationMemory
+from tiderl.policy.ers.signals import EvaluationMemory
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.sim.costs import derive_costs
 from tiderl.sim.ers_boundary import ErsBoundary, GroupSums

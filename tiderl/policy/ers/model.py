@@ -1,11 +1,8 @@
-"""The rate-matching ERS planner: move ranks toward the split where the
-generation rate of the rollout ranks meets the consumption rate of the
-trainer ranks (``ers.policy: rate``).
+"""The ERS planner's rate model (``ers.policy: rate``): the rollout supply, the trainer's demand and the
+goodput it predicts for each split of the ranks (:func:`estimate` from the signals' window,
+:func:`predict_tok_s` per split). :mod:`tiderl.policy.ers.choose` picks the split from it.
 
-Pure: no torch, no database, no HTTP, no processes. :func:`tiderl.policy.ers.plan`
-calls :func:`plan_rate` after its cold-start and evaluation rules. (Over 450 lines: the model, the
-candidate splits and the moves are one planner whose parts only make sense together, and a third
-of the file is this statement of its model and invariants.)
+Pure: no torch, no database, no HTTP, no processes.
 
 Model (every rate from the signals' window of recent steps, as measured)
 - Generation, by Little's law: at most F = (max_staleness + 1) x groups_ideal
@@ -28,7 +25,7 @@ Model (every rate from the signals' window of recent steps, as measured)
   split's host speed), in tokens. A group's measured latency counts from its
   release, so it holds its tasks' wait for a slot: that wait (measured from
   the group's creation to the tasks' claims, ``signals.slot_wait_s``, the
-  latency memory likewise, :mod:`tiderl.policy.ers_signals`) is taken out of
+  latency memory likewise, :mod:`tiderl.policy.ers.signals`) is taken out of
   the generation latency ``L_gen``, which is the engines', and the slot bound
   prices the slots instead: a further rollout rank then adds slots, where
   before it looked like an engine that a queue for slots did not need
@@ -41,7 +38,7 @@ Model (every rate from the signals' window of recent steps, as measured)
   and ``L_gen`` the rest (generation, prefill, queueing for engine time).
   ``L_gen`` is read off the recent splits' measurements
   (``gen_latency_by_rollout``, :func:`gen_latency_at`; each scaled to a group's
-  work in the window, :mod:`tiderl.policy.ers_signals`): measured counts as
+  work in the window, :mod:`tiderl.policy.ers.signals`): measured counts as
   measured, linear in ``1 / n`` between them (an engine iteration costs a
   fixed part plus a part per running sequence), and beyond them cautiously:
   fewer ranks than any measured scale ``L_gen`` fully with ``1 / n``
@@ -56,9 +53,9 @@ Model (every rate from the signals' window of recent steps, as measured)
 - Consumption, step by step over the window (with stage times): each window
   step's micro-batches, regrouped for the split's M actors with the readiness
   the step measured (its RAS ready at the start, the rest at its TPRM,
-  :func:`tiderl.policy.ers_trainer.readiness`; the arrivals after the start
+  :func:`tiderl.policy.ers.trainer.readiness`; the arrivals after the start
   ``G_gen(window's split) / G_gen(n)`` times later), cost
-  :func:`tiderl.policy.ers_trainer.step_compute_s` with M actors and R refs:
+  :func:`tiderl.policy.ers.trainer.step_compute_s` with M actors and R refs:
   colocated, the RA2P cost model's aggregation loop, a swap pair for every
   burst the arrivals make; decoupled, the pipeline's fill and a period per
   micro-batch (the trainer re-partition's step model). To that each step adds
@@ -89,67 +86,6 @@ Model (every rate from the signals' window of recent steps, as measured)
   window's busy share per rank over more. Rollout ranks may then be left
   ``IDLE`` (their engines kept, claiming nothing): a split may hold idle
   ranks only with a shared host.
-
-Trainer re-partition (``elastic_actors``): when no split is worth a move,
-the trainer's ranks may still be divided anew between actor and ref, the
-rollout side as it is, by the RA2P cost model on the window's measured
-readiness (:mod:`tiderl.policy.ers_trainer`, with its reasons and invariants).
-
-Decision: the best split over every split the limits allow (rollout ranks
->= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
-up to the count that keeps up with the actors, and within max_ref_ranks,
-idle ranks only with a shared host);
-ties go to the current split, then to fewer moves. The plan moves toward it (or, where its way ends in
-a valley, toward the next best split above the margin whose way does not and was measured: invariants 3
-and 9),
-at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
-moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
-and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
-(hysteresis).
-
-Invariants (each has a test in tests/test_policy_ers_rate.py)
-1. Invariants 1-5 and 11 of tiderl.policy.ers hold for rate plans too.
-2. No move without a predicted gain above ``rate_margin``; no move at all
-   while the window has fewer than MIN_WINDOW_STEPS steps or no measured
-   supply or demand, except a walk's (invariant 10).
-3. Every move goes toward the target: the best split, or where the way to it
-   ends in a valley (invariant 9), the best of the splits predicted above the
-   margin whose way does not and whose way the window measured (fewer rollout
-   ranks only where they idled, more only where the trainer waited for data:
-   :func:`regime`). Rollout ranks move the same way as the target's
-   rollout count (or, at an equal count, a rank passes through rollout on its
-   way between ref and actor).
-4. Supply-bound (the trainer waited at least 10% of the window, the rollout
-   ranks idled less than half a rank): rollout ranks never decrease. Rollout
-   ranks idle (one rank or more on average, for lack of admissible work):
-   rollout ranks never increase. What the window measured overrides the
-   model's extrapolation (:func:`regime`).
-5. Ref ranks are added only while the refs do not keep up with the actors
-   (M t_ref / R > t_act_f + t_act_b with the ref ranks before the move: :func:`tiderl.policy.ra2p.refs_keep_up`).
-6. The fetch size is always groups_ideal.
-7. Without a shared host no rank is moved to IDLE; idle ranks only return
-   to rollout. Host speed factors are 1 without a shared host.
-8. The trainer re-partition's invariants hold (tiderl.policy.ers_trainer), and it is tried only where
-   no split move is planned.
-9. No valley: a plan never lands on a split predicted slower than the current one. Where the first
-   ``max_moves_per_step`` moves toward the best split would (a path through a valley, such as a first
-   ref rank feeding many actors in the decoupled mode), it moves on toward the best split until the
-   prediction is back at the current one's or better (at most all the way), if the best split's
-   rollout count was measured (an extrapolated target is not worth a plan past the limit: on
-   mix-shift one such plan went to a rollout count never measured and ran at 0.6x); otherwise it
-   stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
-   pass through rollout on its way between ref and actor: its plan shows ACTOR <-> REF.
-10. A walk: while the current split is not measured (its window is shorter than MIN_WINDOW_STEPS) and the
-   previous plan moved rollout ranks, the plan is judged on the newest measured split's signals
-   (``signals.walk``, tiderl.policy.ers_signals). It moves only the way the previous plan moved the
-   rollout ranks, only for a predicted gain above ``rate_margin``, within the move limit (or out of a
-   valley, invariant 9), never toward more rollout ranks once the last step idled a rollout rank's worth
-   (``rollout_idle_ranks`` >= IDLE_RANKS); no shared-host trial, no trainer re-partition; otherwise it
-   waits for the measurement (STEADY). So the planner moves a rank every step toward the split it
-   predicted, as the paper's bound allows (one rank per step), instead of one every MIN_WINDOW_STEPS + 1
-   steps, and judges the split it arrives at once measured.
-11. A split's supply is at most what its task slots play (:func:`slot_tok_s`; no bound without
-   ``rank_tasks`` or a measurement of the tasks' time in a slot).
 """
 
 from __future__ import annotations
@@ -159,20 +95,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tiderl.policy.admission import inflight_bound
-from tiderl.policy.ers import (ErsLimits, ErsPlan, ErsReason, ErsSignals, Role, StepObservation, finish_plan,
-                               move_roles)
-from tiderl.policy.ers_signals import MIN_WINDOW_STEPS, task_times
-from tiderl.policy.ers_trainer import coordination_s, ready_compute_s, repartition, step_compute_s
+from tiderl.policy.ers.inputs import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ers.signals import MIN_WINDOW_STEPS, task_times
+from tiderl.policy.ers.trainer import coordination_s, ready_compute_s, step_compute_s
 from tiderl.policy.host import HostShare
-from tiderl.policy.ra2p import StageTimes, refs_keep_up, refs_needed
+from tiderl.policy.ra2p import StageTimes
+from tiderl.roles import Role
 
-__all__ = ["RateModel", "Split", "busy_trainer_ranks", "candidates", "describe", "estimate", "gen_latency_at", "gen_latency_curve",
-           "host_factor", "latency_s", "plan_rate", "predict_tok_s", "regime", "slot_tok_s", "split_of"]
+__all__ = ["RateModel", "Split", "busy_trainer_ranks", "concurrency_share", "describe", "estimate", "gen_latency_at",
+           "gen_latency_curve", "host_factor", "latency_s", "predict_tok_s", "slot_tok_s", "split_of"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
-IDLE_CAP_RANKS = 0.5  # rollout ranks idle on average below which the rollout side counts as fully used
-IDLE_RANKS = 1.0  # rollout ranks idle on average from which a further rollout rank would idle too
-SUPPLY_WAIT_SHARE = 0.1  # the trainer waited this share of the window or more: generation is short
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -293,7 +226,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     last = window[-1]
     total_s = sum(s.duration_s for s in window)
     env = min(signals.group_env_s or 0.0, latency or 0.0)
-    # The current split's generation latency, without the wait for task slots (ers_signals): that wait is
+    # The current split's generation latency, without the wait for task slots (tiderl.policy.ers.signals): that wait is
     # the slots' (the slot bound of _supply_tok_s), not the engines'.
     curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks,
                               max(0.0, (latency or 0.0) - env - signals.slot_wait_s))
@@ -367,7 +300,7 @@ def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:
     """The compute time of a step of `tokens`, every micro-batch ready at the start: the trainer
-    re-partition's step model (:func:`tiderl.policy.ers_trainer.step_compute_s`), so that the split
+    re-partition's step model (:func:`tiderl.policy.ers.trainer.step_compute_s`), so that the split
     planner and the re-partition price a partition alike. Colocated, the RA2P cost model's aggregation
     loop; decoupled, the pipeline's fill (the last actor waits for ceil(M / R) reference shares, then
     its own work) plus a period per further micro-batch, max(t_act_f + t_act_b, M t_ref / R).
@@ -481,205 +414,6 @@ def predict_tok_s(split: Split, model: RateModel) -> tuple[float, float, float]:
     step_s = model.step_tokens / (model.consumed_tok_s_per_actor * split.actors * f)  # type: ignore[operator]
     demand = model.step_tokens / step_s if step_s > 0 else math.inf
     return supply, demand, min(supply, demand)
-
-
-def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> list[Split]:
-    """Every split the limits allow from `current` (same number of movable ranks)."""
-    movable = current.rollout + current.refs + current.idle + (current.actors if limits.elastic_actors else 0)
-    actor_counts = range(limits.min_actor_ranks, movable - limits.min_rollout_ranks + 1) \
-        if limits.elastic_actors else [current.actors]
-    out = []
-    for actors in actor_counts:
-        free = movable - (actors if limits.elastic_actors else 0)
-        max_refs = refs_needed(actors, times)
-        if limits.max_ref_ranks is not None:
-            max_refs = min(max_refs, limits.max_ref_ranks)
-        # Refs already present stay candidates: the planner may keep them rather than move at once.
-        for refs in range(0, max(max_refs, current.refs if actors == current.actors else 0) + 1):
-            for idle in range(0, free - refs - limits.min_rollout_ranks + 1 if limits.host is not None else 1):
-                rollout = free - refs - idle
-                if rollout >= limits.min_rollout_ranks:
-                    out.append(Split(rollout, actors, refs, idle))
-    return out
-
-
-def _distance(a: Split, b: Split) -> int:
-    return abs(a.rollout - b.rollout) + abs(a.actors - b.actors) + abs(a.refs - b.refs) + abs(a.idle - b.idle)
-
-
-def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
-    fetch = limits.groups_ideal
-    now = split_of(current)
-    model = estimate(signals, limits)
-    basis = signals  # the measurement the plan is judged on
-    walking = model is None and signals.walk is not None and signals.last_rollout_change != 0
-    if walking:  # the current split is not measured yet: go on toward what the last measurement predicted
-        basis = signals.walk  # type: ignore[assignment]
-        model = estimate(basis, limits)
-    if model is None or now.actors < 1:
-        return finish_plan(current, current, fetch, ErsReason.STEADY)
-    options = candidates(now, limits, model.stage_times)
-    # What the window measured overrides the model's extrapolation in the clear cases.
-    seen = regime(basis)
-    if seen == "supply":
-        options = [s for s in options if s.rollout >= now.rollout]
-    elif seen == "idle":
-        options = [s for s in options if s.rollout <= now.rollout]
-    if not options:  # e.g. idle ranks without a shared host, while rollout ranks idle: nothing to gain
-        return finish_plan(current, current, fetch, ErsReason.STEADY)
-    scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
-    best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
-    now_g = predict_tok_s(now, model)[2]
-    if walking and not _walk_goes_on(now, best, signals):
-        return finish_plan(current, current, fetch, ErsReason.STEADY)
-    trial = None if walking else _host_trial(now, options, model, seen, limits)
-    if trial is not None:
-        targets = [trial]
-    elif walking and best_g <= now_g * (1 + limits.rate_margin):
-        return finish_plan(current, current, fetch, ErsReason.STEADY)
-    elif best == now or best_g <= now_g * (1 + limits.rate_margin):
-        refs = repartition(now, signals, limits)
-        if refs is None:
-            return finish_plan(current, current, fetch, ErsReason.STEADY)
-        if refs > now.refs:
-            new = move_roles(current, Role.ACTOR, Role.REF, refs - now.refs)
-        else:
-            new = move_roles(current, Role.REF, Role.ACTOR, now.refs - refs)
-        return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
-    else:
-        # The best split first; where the way to it ends in a valley (invariant 9), the next best split
-        # predicted above the margin whose way does not, if the window measured the way it goes (on
-        # text-agentic x h100x32 from 24/8/0, 21/8/3's way passed through one ref rank feeding 8 actors,
-        # and the planner stayed 22 steps at 0.8x with idle rollout ranks, where 21/11/0 was predicted
-        # 0.05% below 21/8/3: docs/RESULTS.md).
-        ranked = sorted(scored, key=lambda x: (x[0], x[1]), reverse=True)
-        targets = [best] + [s for g, _, s in ranked if s not in (now, best) and g > now_g * (1 + limits.rate_margin)
-                            and _measured_way(now, s, seen) and (not walking or _walk_goes_on(now, s, signals))]
-    for target in targets:
-        moved = _toward(current, now, target, limits, model, now_g, exempt=trial is not None)
-        if moved is None:
-            continue
-        new, split = moved
-        if split.idle > now.idle:
-            reason = ErsReason.RATE_TO_IDLE
-        elif split.rollout > now.rollout:
-            reason = ErsReason.RATE_TO_ROLLOUT
-        elif split.rollout < now.rollout:
-            reason = ErsReason.RATE_TO_TRAINER
-        else:
-            reason = ErsReason.RATE_REBALANCE
-        return finish_plan(current, new, fetch, reason)
-    return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
-
-
-def _measured_way(now: Split, target: Split, seen: str) -> bool:
-    """Whether the window measured that the rollout side can go `target`'s way: fewer rollout ranks where
-    they idled (regime "idle"), more where the trainer waited for data ("supply"). Only such a target stands
-    in for a best split that no plan can reach: below a measured rollout count the model extrapolates, and
-    on mix-shift x h100x8 a stand-in at one rollout rank (never measured) ran at 0.6x of its prediction."""
-    if target.rollout < now.rollout:
-        return seen == "idle"
-    if target.rollout > now.rollout:
-        return seen == "supply"
-    return True
-
-
-def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits, model: RateModel,
-            now_g: float, exempt: bool = False) -> tuple[tuple[Role, ...], Split] | None:
-    """The role map and split after the moves toward `target` within the limits (beyond them only to leave a
-    valley, toward a measured rollout count: invariant 9), or None where no move is made or the plan would
-    land on a split predicted slower than the current one (`exempt`: the shared host's trial, a measurement)."""
-    new = current
-    split = now
-    moves = {True: 0, False: 0}  # moves to rollout, other moves: each kind within its limit
-    limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
-    measured = dict(model.gen_curve)  # rollout counts measured: a valley is crossed only toward one
-    while split != target:
-        step = _one_move(new, split, target, limits, model.stage_times)
-        if step is None:
-            break
-        grows = step[1].rollout > split.rollout
-        # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
-        # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
-        if moves[grows] >= limit[grows] and (predict_tok_s(split, model)[2] >= now_g
-                                             or target.rollout not in measured):
-            break
-        new, split = step
-        moves[grows] += 1
-    if split == now or (not exempt and predict_tok_s(split, model)[2] < now_g):
-        return None
-    return new, split
-
-
-def _walk_goes_on(now: Split, best: Split, signals: ErsSignals) -> bool:
-    """A walk goes on only the way the previous plan moved the rollout ranks (it never turns on a split
-    not yet measured), and not toward more rollout ranks once the last step idled a rollout rank's worth."""
-    way = best.rollout - now.rollout
-    if way * signals.last_rollout_change <= 0:
-        return False
-    return not (way > 0 and signals.rollout_idle_ranks >= IDLE_RANKS)
-
-
-def _host_trial(now: Split, options: list[Split], model: RateModel, seen: str, limits: ErsLimits) -> Split | None:
-    """On a shared host, with a rollout rank's worth idling (`idle` regime), one rollout rank fewer (left
-    idle) when that rollout count was never measured: how an engine's iteration cost divides between
-    its fixed part and its sequences, and so what fewer engines each batching more would give, is not
-    known from one split, and on a shared host it decides. The trial is measured like any split, then
-    the model judges both (invariant 4 keeps it from growing rollout back while ranks idle)."""
-    if limits.host is None or seen != "idle" or now.rollout - 1 < limits.min_rollout_ranks:
-        return None
-    trial = replace(now, rollout=now.rollout - 1, idle=now.idle + 1)
-    if trial not in options or trial.rollout in dict(model.gen_curve):
-        return None
-    if concurrency_share(trial.rollout, model) < 1.0:  # fewer engines could not even hold the tasks in flight
-        return None
-    return trial
-
-
-def regime(signals: ErsSignals) -> str:
-    """What the window shows, independent of the model: `supply` (the trainer waited at least
-    SUPPLY_WAIT_SHARE of the time and the rollout ranks idled less than IDLE_CAP_RANKS), `idle` (a rollout
-    rank or more idled on average, for lack of work the staleness bound admits: a further one would idle
-    too) or `mixed`."""
-    window = signals.window
-    total = sum(s.duration_s for s in window)
-    if total <= 0:
-        return "mixed"
-    wait = sum(s.trainer_wait_s for s in window) / total
-    idle = sum(s.rollout_idle_rank_s for s in window) / total
-    if wait >= SUPPLY_WAIT_SHARE and idle < IDLE_CAP_RANKS:
-        return "supply"
-    if idle >= IDLE_RANKS:
-        return "idle"
-    return "mixed"
-
-
-def _one_move(roles: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits,
-              times: StageTimes | None) -> tuple[tuple[Role, ...], Split] | None:
-    """One rank moved toward `target`, or None when no allowed move gets closer."""
-    if now.rollout < target.rollout or (now.rollout == target.rollout and now != target):
-        if now.refs > target.refs:
-            return move_roles(roles, Role.REF, Role.ROLLOUT, 1), replace(now, rollout=now.rollout + 1,
-                                                                         refs=now.refs - 1)
-        if now.idle > target.idle:
-            return move_roles(roles, Role.IDLE, Role.ROLLOUT, 1), replace(now, rollout=now.rollout + 1,
-                                                                          idle=now.idle - 1)
-        if limits.elastic_actors and now.actors > target.actors and now.actors > limits.min_actor_ranks:
-            return (move_roles(roles, Role.ACTOR, Role.ROLLOUT, 1, lowest_first=True),
-                    replace(now, rollout=now.rollout + 1, actors=now.actors - 1))
-        return None
-    if now.rollout > target.rollout and now.rollout > limits.min_rollout_ranks:
-        ref_room = limits.max_ref_ranks is None or now.refs < limits.max_ref_ranks
-        if now.refs < target.refs and ref_room and not refs_keep_up(now.actors, now.refs, times):
-            return move_roles(roles, Role.ROLLOUT, Role.REF, 1), replace(now, rollout=now.rollout - 1,
-                                                                         refs=now.refs + 1)
-        if limits.host is not None and now.idle < target.idle:
-            return move_roles(roles, Role.ROLLOUT, Role.IDLE, 1), replace(now, rollout=now.rollout - 1,
-                                                                          idle=now.idle + 1)
-        if limits.elastic_actors and now.actors < target.actors:
-            return move_roles(roles, Role.ROLLOUT, Role.ACTOR, 1), replace(now, rollout=now.rollout - 1,
-                                                                           actors=now.actors + 1)
-    return None
 
 
 def describe(signals: ErsSignals, limits: ErsLimits, roles: Sequence[Role]) -> dict[str, float] | None:

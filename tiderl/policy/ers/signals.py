@@ -23,7 +23,7 @@ Definitions
   delayed by the evaluation), at most ``history_steps``. A step during which
   an evaluation ran (``StepObservation.evaluation``) is in no window: its
   waits and latencies are the evaluation's. The rate
-  planner (:mod:`tiderl.policy.ers_rate`) estimates its rates from them, so a
+  planner (:mod:`tiderl.policy.ers.model`) estimates its rates from them, so a
   split is judged only once it has been measured (``MIN_WINDOW_STEPS``
   settled steps). Group latency, environment time and tokens are the means
   over the groups that completed in the window.
@@ -71,7 +71,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tiderl.policy.ers import ErsLimits, ErsReason, ErsSignals, StepObservation
+from tiderl.policy.ers.inputs import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ers.outputs import ErsReason
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 

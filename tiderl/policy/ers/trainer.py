@@ -4,7 +4,7 @@ ref ranks keep up with the actors is :func:`tiderl.policy.ra2p.refs_needed`.
 
 Pure: no torch, no database, no HTTP, no processes.
 
-Why a re-partition. The rate model (:mod:`tiderl.policy.ers_rate`) prices
+Why a re-partition. The rate model (:mod:`tiderl.policy.ers.model`) prices
 every candidate split's step as this module does (:func:`readiness` and
 :func:`step_compute_s`, each window step in turn), so it tells the RA2P modes
 apart where readiness decides, and it moves toward a better partition itself
@@ -45,11 +45,11 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tiderl.policy.ers import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ers.inputs import ErsLimits, ErsSignals, StepObservation
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s, refs_needed
 
 if TYPE_CHECKING:
-    from tiderl.policy.ers_rate import Split
+    from tiderl.policy.ers.model import Split
 
 __all__ = ["coordination_s", "readiness", "ready_compute_s", "repartition", "step_compute_s"]
 
