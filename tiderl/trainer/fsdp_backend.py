@@ -30,7 +30,6 @@ Without a group (one actor) nothing is sharded: the model computes in the same p
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from tiderl.trainer import state
 from tiderl.trainer.backend import ActorBackend, ActorForward, OptimConfig, OptimStats
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer.torch_backend import (HostSwap, TorchRef, _actor_forward, _banned, _load, autocast,
-                                         compute_dtype, optimizer_step, set_lr)
+                                         compute_dtype, model_class, optimizer_step, set_lr)
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks, each sharded on its own: the modules that transformers itself keeps
@@ -60,12 +59,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _skeleton(model_path: Path) -> torch.nn.Module:
     """The model of `model_path`'s config on the meta device: its structure, tied weights included, and no
     storage, read nor allocated."""
-    config = json.loads((model_path / "config.json").read_text())
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        return auto.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        return model_class(config).from_config(config, dtype=torch.float32)
 
 
 def _shards_from_first_rank(model: torch.nn.Module, full: dict[str, torch.Tensor], group: dist.ProcessGroup,

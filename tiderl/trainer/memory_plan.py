@@ -56,12 +56,12 @@ class ModelShape:
         """From a transformers config (a vision-language one: its text model's widths, every parameter
         counted): the model built on the meta device, so no memory is taken and no weights read."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from tiderl.trainer.torch_backend import model_class
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
         with torch.device("meta"):
-            model = auto.from_config(config)
+            model = model_class(config).from_config(config)
         params = sum(p.numel() for p in model.parameters())
         names = set(getattr(model, "_no_split_modules", None) or ())
         layers = [m for m in model.modules() if type(m).__name__ in names]

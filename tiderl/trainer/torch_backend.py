@@ -10,7 +10,6 @@ which is what RA2P's dispatchers produce.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -107,17 +106,22 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=dtype)
 
 
+def model_class(config: Any) -> Any:
+    """The transformers auto class a model config builds: a vision-language model (both towers train, and both
+    are published by save_pretrained) or a causal LM."""
+    if getattr(config, "vision_config", None):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _load(model_path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"trainer backend: {model_path} is not a Hugging Face model directory (no config.json)")
-    if "vision_config" in json.loads((model_path / "config.json").read_text()):
-        from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-        # A vision-language model: both towers train, and both are published (save_pretrained).
-        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model.to(device)
+    return model_class(AutoConfig.from_pretrained(model_path)).from_pretrained(model_path, dtype=dtype).to(device)
 
 
 def _logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
