@@ -278,6 +278,7 @@ def test_a_transfer_serves_exactly_the_trainers_weights_and_a_failed_one_loads_n
         server.commit(7)
         assert run(engine.receive_weights(server.address, 7)) == 7
         assert engine.weights_version == 7 and engine.last_update.path == "transfer"
+        assert engine.last_update.via == "shared_memory"  # vLLM's worker process is on the server's host
         # Every tensor once, in fp32: the tied output layer is the embedding's storage and is not sent again.
         assert engine.last_update.nbytes == sum(t.numel() * 4 for n, t in model.state_dict().items() if n != "lm_head.weight")
         g = run(engine.generate(prompt, sampled))
@@ -307,7 +308,7 @@ def test_requests_in_flight_go_on_through_an_update_on_the_new_weights(engine, f
     spec = SamplingSpec(max_new_tokens=600, temperature=1.0, stop_token_ids=(), seed=3,
                         banned_token_ids=tuple({fmt.end_of_turn_id, *fmt.stop_ids}))
     model = _perturbed(model_dir, 2)
-    server = WeightServer()
+    server = WeightServer(shared_memory=False)  # the bytes sent, as to an engine on another host
     try:
         server.stage(base + 1, model.state_dict().items())
         server.commit(base + 1)
@@ -327,6 +328,7 @@ def test_requests_in_flight_go_on_through_an_update_on_the_new_weights(engine, f
     finally:
         server.close()
     assert engine.last_update.in_flight == 1 and engine.last_update.stall_s > 0
+    assert engine.last_update.via == "sent"
     versions = g.versions
     switch = versions.index(base + 1)
     assert len(g.token_ids) == 600 and 20 <= switch < 600

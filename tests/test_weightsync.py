@@ -1,15 +1,22 @@
-"""Weights without files: the wire format, the trainer's server and an engine's client, for real (TCPStore and
-gloo over localhost), without vLLM. The engine side through vLLM's API is in tests/test_rollout_vllm.py."""
+"""Weights without files: the wire format, the trainer's server and an engine's client, for real (TCPStore, gloo
+over localhost, shared-memory files), without vLLM. The engine side through vLLM's API is in
+tests/test_rollout_vllm.py."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tiderl.weightsync import client as client_module
+from tiderl.weightsync import shm
 from tiderl.weightsync.client import WeightClient
 from tiderl.weightsync.server import WeightServer
 from tiderl.weightsync.wire import TransferError, pack, unpack, version_digest
@@ -41,15 +48,17 @@ def test_packed_buckets_hold_every_tensor_in_the_wire_dtype_and_a_damaged_one_is
     assert version_digest(b.layout for b in buckets) != version_digest(b.layout for b in buckets[1:])
 
 
-def test_an_engine_gets_the_newest_committed_version_and_never_an_uncommitted_one() -> None:
+@pytest.mark.parametrize("mapped", [True, False], ids=["shared_memory", "sent"])
+def test_an_engine_gets_the_newest_committed_version_and_never_an_uncommitted_one(mapped: bool) -> None:
     server = WeightServer(commit_wait_s=0.3)
     try:
-        client = WeightClient(server.address, timeout_s=30)
+        client = WeightClient(server.address, timeout_s=30, shared_memory=mapped)
         server.stage(1, state(1).items())
         with pytest.raises(TransferError, match="no committed version >= 1"):
             client.receive(1)  # staged, not committed: an engine never samples on weights the store lacks
         server.commit(1)
         r = client.receive(1, expected=list(state(1)))
+        assert r.via == ("shared_memory" if mapped else "sent")
         assert r.version == 1 and r.nbytes == sum(t.numel() * t.element_size() for t in state(1).values())
         assert all(torch.equal(t, state(1)[n]) for n, t in r.tensors)
         server.stage(2, state(2).items())
@@ -62,8 +71,87 @@ def test_an_engine_gets_the_newest_committed_version_and_never_an_uncommitted_on
         while server.stats.versions_served < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert server.stats.versions_served == 3 and not server.stats.failed
+        assert server.stats.versions_mapped == (3 if mapped else 0)  # the refused one was handed out too
+        assert server.stats.bytes_sent == (0 if mapped else 3 * r.nbytes)
+        assert client.receive(2).version == 2  # the connection is in step after a refused version
     finally:
         server.close()
+
+
+def test_shared_memory_files_are_the_owners_only_and_removed_when_replaced_while_a_mapping_lives_on() -> None:
+    server = WeightServer()
+    try:
+        client = WeightClient(server.address, timeout_s=30)
+        first = server.stage(1, state(1).items())
+        server.commit(1)
+        assert first.paths and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in first.paths)
+        r1 = client.receive(1)
+        second = server.stage(2, state(2).items())
+        assert all(Path(p).exists() for p in first.paths)  # v1 is still the one served
+        server.commit(2)
+        assert not any(Path(p).exists() for p in first.paths)  # replaced: unlinked...
+        assert all(torch.equal(t, state(1)[n]) for n, t in r1.tensors)  # ...while the engine's mapping holds
+        assert client.receive(2).version == 2 and all(Path(p).exists() for p in second.paths)
+    finally:
+        server.close()
+    assert not any(Path(p).exists() for p in second.paths)
+
+
+def test_files_an_engine_cannot_open_are_sent_instead_and_not_tried_again(monkeypatch) -> None:
+    opened = []
+
+    def another_host(path: str, nbytes: int) -> torch.Tensor:
+        opened.append(path)
+        raise FileNotFoundError(errno.ENOENT, "no such file", path)
+
+    monkeypatch.setattr(client_module, "map_bucket", another_host)
+    server = WeightServer()
+    try:
+        server.stage(1, state(1).items())
+        server.commit(1)
+        client = WeightClient(server.address, timeout_s=30)
+        r = client.receive(1)
+        assert r.via == "sent" and torch.equal(dict(r.tensors)["model.norm.weight"], state(1)["model.norm.weight"])
+        assert len(opened) == 2 and not client.shared_memory  # asked twice (a version may be replaced meanwhile)
+        assert client.receive(1).via == "sent" and len(opened) == 2
+    finally:
+        server.close()
+
+
+def test_a_full_shared_memory_keeps_the_version_in_the_servers_memory(monkeypatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    server = WeightServer()
+    try:
+        monkeypatch.setattr(shm.os, "posix_fallocate", full)
+        staged = server.stage(1, state(1).items())
+        monkeypatch.undo()
+        server.commit(1)
+        assert staged.paths == [] and not list(shm.SHM_DIR.glob(f"{server._arena.tag}-*"))
+        r = WeightClient(server.address, timeout_s=30).receive(1)
+        assert r.via == "sent" and r.version == 1
+    finally:
+        server.close()
+
+
+def test_the_files_of_a_server_that_died_are_removed_by_the_next_one(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    left = tmp_path / f"{shm.PREFIX}{pid}-0123abcd-v3-b0"
+    mine = tmp_path / f"{shm.PREFIX}{os.getpid()}-0123abcd-v3-b0"
+    other = tmp_path / "tiderl-weights-notes.txt"
+    for p in (left, mine, other):
+        p.write_bytes(b"x")
+    arena = shm.ShmArena(tmp_path)
+    assert not left.exists() and mine.exists() and other.exists()
+    data, path = arena.alloc(4, 0, 10)
+    assert data.numel() == 10 and Path(path).parent == tmp_path
+    arena.release_all()
+    assert not Path(path).exists() and mine.exists()
 
 
 def test_a_request_waits_for_the_commit_of_the_version_it_saw_announced() -> None:

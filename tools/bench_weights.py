@@ -7,7 +7,9 @@ move by noise before each version, the :class:`~tiderl.trainer.publish.WeightPub
 joiners either way) and, for the transfer, the :class:`~tiderl.weightsync.server.WeightServer`. Each round
 publishes two versions per path (``files``: read from this host's page cache, as a rank on the trainer leader's
 node; ``files_cold``: the files evicted from it first, as a rank on another node reads them from the shared
-filesystem; ``transfer``): one with nothing in flight, one while ``--in-flight`` requests run. Per path it
+filesystem; ``transfer``: the engine on the server's host maps the version's shared-memory files;
+``transfer_sent``: the server keeps the version in its own memory and sends the bytes over the connection, as
+to an engine on another host): one with nothing in flight, one while ``--in-flight`` requests run. Per path it
 reports (medians over ``--rounds``):
 
 - ``publish_s``: the trainer's side until the version is published (files: write and hash; transfer: the
@@ -24,7 +26,7 @@ reports (medians over ``--rounds``):
 - ``max_logprob_diff``: engine against transformers on the new weights, over ``--tokens`` tokens sampled
   after the update.
 
-``ratios`` gives each files path over the transfer per size. Prints one JSON line per size, then a summary line.
+``ratios`` gives each files path over each transfer path per size. Prints one JSON line per size, then a summary line.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trainer import model_size, parse_params  # noqa: E402
 
 # `files`: the version's files in this host's page cache (a rank on the trainer leader's node); `files_cold`:
-# evicted first (a rank on another node, reading the shared filesystem); `transfer`: trainer.weight_sync: transfer.
-PATHS = ("files", "files_cold", "transfer")
+# evicted first (a rank on another node, reading the shared filesystem); `transfer`: trainer.weight_sync: transfer,
+# the engine on the server's host (it maps the server's shared-memory files); `transfer_sent`: the same with the
+# bytes sent over the connection, as to an engine on another host.
+PATHS = ("files", "files_cold", "transfer", "transfer_sent")
+TRANSFERS = ("transfer", "transfer_sent")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -156,7 +161,7 @@ def _update(engine: Any, path: str, pub: Any, version: int, address: str, verify
         await engine.reload_weights(pub.path, version)
         return version
 
-    return engine.receive_weights(address, version) if path == "transfer" else files()
+    return engine.receive_weights(address, version) if path in TRANSFERS else files()
 
 
 def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -197,7 +202,8 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
                     pub = publisher.publish(_Actor(trainer), version)
                     if path == "files_cold":
                         evict(pub.path)
-                    if path == "transfer":
+                    if path in TRANSFERS:
+                        server.shared_memory = path == "transfer"
                         server.stage(version, trainer.state_dict().items(), torch.float32)
                         server.commit(version)
                     published_at = time.monotonic()
@@ -212,6 +218,7 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
                     else:
                         got = asyncio.run(in_flight(engine, update, prompt, args, banned))
                     row.update(got)
+                    row["via"] = engine.last_update.via or "files"
                 rows[path].append(row)
     finally:
         server.close()
@@ -224,9 +231,10 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
         out[path]["in_flight"] = min(r["in_flight"] for r in rs)
         out[path]["kept"] = all(r["kept"] for r in rs)
         out[path]["versions_split"] = min(r["versions_split"] for r in rs)
-    out["over_transfer"] = {f"{path}/transfer": {k: out[path][k] / out["transfer"][k] for k in
-                                                 ("to_first_token_s", "update_s", "stall_s") if out["transfer"][k] > 0}
-                            for path in PATHS if path != "transfer"}
+        out[path]["via"] = sorted({r["via"] for r in rs})
+    out["over_transfer"] = {f"{path}/{t}": {k: out[path][k] / out[t][k] for k in
+                                            ("to_first_token_s", "update_s", "stall_s") if out[t][k] > 0}
+                            for t in TRANSFERS for path in PATHS if path not in TRANSFERS}
     return out
 
 

@@ -176,9 +176,10 @@ class Engine(ABC):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WeightsUpdate:
-    """One weights update of the engine: how the version came (``files`` or ``transfer``), its bytes, the
-    seconds the engine's requests stood still (``stall_s``: the load, and for a transfer the receive) and
-    how many were in flight (kept, resumed on the new weights)."""
+    """One weights update of the engine: how the version came (``files`` or ``transfer``; a transfer ``via``
+    ``shared_memory`` on the trainer leader's host, else ``sent``), its bytes, the seconds the engine's
+    requests stood still (``stall_s``: the load, and for a transfer the receive) and how many were in flight
+    (kept, resumed on the new weights)."""
 
     version: int
     path: str
@@ -187,6 +188,7 @@ class WeightsUpdate:
     receive_s: float = 0.0
     stall_s: float = 0.0
     in_flight: int = 0
+    via: str = ""
 
 
 class WeightsNotReceived(EngineError):

@@ -5,9 +5,9 @@ vLLM builds one :class:`TideWeightTransferEngine` per worker when the engine is 
 through vLLM's own calls (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``, by ``collective_rpc``). Unlike vLLM's push backends, the engine pulls: its
 ``update_weights`` asks the trainer's :class:`~tiderl.weightsync.server.WeightServer` for the newest
-committed version (at least the one asked for), receives it whole with every bucket checked, and only
-then loads it in place (vLLM's layerwise reload, the tied output layer prepared again as after a file
-reload). A transfer that fails before the load leaves the weights untouched and is reported in the
+committed version (at least the one asked for), takes it whole with every bucket checked (mapped from the
+server's shared-memory files on its host, else received over the connection), and only then loads it in
+place (vLLM's layerwise reload, the tied output layer prepared again as after a file reload). A transfer that fails before the load leaves the weights untouched and is reported in the
 result, not raised: the rank then loads the version's files.
 
 This module runs inside vLLM's worker processes.
@@ -84,7 +84,7 @@ class TideWeightTransferEngine(WeightTransferEngine[TideTransferInit, TideTransf
             return
         done = load_in_place(self.model, self.model_config, received.tensors)
         self.result = {"version": received.version, "digest": received.digest, "nbytes": received.nbytes,
-                       "receive_s": received.seconds, **done}
+                       "receive_s": received.seconds, "via": received.via, **done}
 
     def finish_weight_update(self) -> None:
         """Nothing left: the whole version was loaded and prepared in :meth:`update_weights`."""

@@ -111,7 +111,7 @@ class EngineWeights:
             self._check_loaded(results, f"weights transfer from {address}")
             r = results[0]
             return WeightsUpdate(versions.pop(), "transfer", nbytes=int(r["nbytes"]), digest=str(r["digest"]),
-                                 receive_s=float(r["receive_s"]))
+                                 receive_s=float(r["receive_s"]), via=str(r.get("via", "")))
 
         return (await self._update(transfer)).version
 

@@ -1,8 +1,11 @@
 """An engine's side of the weight transfer: ask the trainer's :class:`~tiderl.weightsync.server.WeightServer`
-for a version and receive it whole, every bucket checked against its CRC32 as it arrives.
+for a version and take it whole, every bucket checked against its CRC32.
 
-Nothing is handed to the model before the whole version is here and checked, so a transfer that fails
-(the server gone, a dead connection, a damaged bucket) leaves the engine's weights as they were.
+An engine on the server's host maps the version's shared-memory files (nothing is sent); any other engine,
+or one that cannot open them, receives the buckets over the connection, each checked as it arrives. The
+layout (and so whether the version holds every tensor the model needs) is checked before any data, and
+nothing is handed to the model before the whole version is here and checked, so a transfer that fails (the
+server gone, a dead connection, a damaged bucket) leaves the engine's weights as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiderl.weightsync.wire import BucketLayout, TransferError, check, unpack, version_digest
+from tiderl.weightsync.shm import map_bucket
+from tiderl.weightsync.wire import BucketLayout, TransferError, check, unpack, version_digest, workers
+
+MAP_TRIES = 2  # a version's files may be replaced between its header and the mapping: ask once more
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,16 +35,18 @@ class Received:
     digest: str
     nbytes: int
     seconds: float
+    via: str = "sent"  # or "shared_memory": mapped from the server's files on this host
 
 
 class WeightClient:
     """One connection to a weight server (`address` ``host:port``), kept for every later version."""
 
     def __init__(self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 15.0,
-                 header_timeout_s: float = 60.0) -> None:
+                 header_timeout_s: float = 60.0, shared_memory: bool = True) -> None:
         """`connect_timeout_s` bounds everything before the data group exists (a server that hangs costs no
         more), `header_timeout_s` each wait for a version's layout (the server waits up to its commit_wait_s),
-        `timeout_s` the buckets."""
+        `timeout_s` the buckets. `shared_memory`: map a version's files where the server offers them (False:
+        always have the bytes sent)."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise TransferError(f"weight server address {address!r} is not host:port")
@@ -55,20 +63,45 @@ class WeightClient:
         self._store.set_timeout(timedelta(seconds=header_timeout_s))
         self._prefix = prefix
         self._seq = 0
+        self.shared_memory = shared_memory  # off for good once the server's files cannot be opened here
 
     def receive(self, min_version: int, expected: Collection[str] = ()) -> Received:
         """The server's newest committed version (at least `min_version`), every bucket checked. Raises
         TransferError where none can be had or a tensor of `expected` is not in it."""
-        self._seq += 1
         t0 = time.monotonic()
+        header: dict[str, Any] | None = None
+        if self.shared_memory:
+            for _ in range(MAP_TRIES):
+                header, layouts = self._ask(min_version, shm=True)
+                if "shm" not in header:
+                    break  # the server holds this version in its own memory: the buckets are on their way
+                _check_layout(header, layouts, expected)  # nothing was sent: refused before any data
+                mapped = _mapped(header, layouts)
+                if mapped is not None:
+                    return Received(int(header["version"]), mapped, str(header["digest"]),
+                                    sum(b.nbytes for b in layouts), time.monotonic() - t0, "shared_memory")
+                header = None  # replaced meanwhile, or not this host's files: ask again
+            else:
+                self.shared_memory = False  # twice not openable: another host's (or another user's) files
+        if header is None:
+            header, layouts = self._ask(min_version, shm=False)
+        tensors = self._received(header, layouts)
+        _check_layout(header, layouts, expected)  # after the buckets, so the connection stays in step
+        return Received(int(header["version"]), tensors, str(header["digest"]), sum(b.nbytes for b in layouts),
+                        time.monotonic() - t0)
+
+    def _ask(self, min_version: int, *, shm: bool) -> tuple[dict[str, Any], list[BucketLayout]]:
+        self._seq += 1
         try:
-            self._store.set(f"{self._prefix}req/{self._seq}", json.dumps({"min_version": min_version}))
+            self._store.set(f"{self._prefix}req/{self._seq}", json.dumps({"min_version": min_version, "shm": shm}))
             header = json.loads(self._store.get(f"{self._prefix}hdr/{self._seq}"))
         except (RuntimeError, OSError) as e:
             raise TransferError(f"weight server {self.address}: {e}") from e
         if "error" in header:
             raise TransferError(f"weight server {self.address}: {header['error']}")
-        layouts = [BucketLayout.from_json(b) for b in header["buckets"]]
+        return header, [BucketLayout.from_json(b) for b in header["buckets"]]
+
+    def _received(self, header: dict[str, Any], layouts: list[BucketLayout]) -> list[tuple[str, torch.Tensor]]:
         tensors: list[tuple[str, torch.Tensor]] = []
         with ThreadPoolExecutor(max_workers=1) as checker:  # bucket i checked while i + 1 arrives
             checks = []
@@ -83,21 +116,35 @@ class WeightClient:
                 tensors += unpack(data, layout, checked=True)
             for c in checks:
                 c.result()  # raises TransferError for a damaged bucket
-        digest = version_digest(layouts)
-        if digest != header["digest"]:
-            raise TransferError(f"weights v{header['version']}: the layout's digest {digest[:12]} is not the "
-                                f"one sent ({header['digest'][:12]})")
-        names = {n for n, _ in tensors}
-        lacking = sorted(set(expected) - names)
-        if lacking:
-            raise TransferError(f"weights v{header['version']} lack {len(lacking)} of the model's tensors "
-                                f"({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})")
-        return Received(int(header["version"]), tensors, digest, sum(b.nbytes for b in layouts),
-                        time.monotonic() - t0)
+        return tensors
 
     def close(self) -> None:
         self._pg = None  # type: ignore[assignment]
         self._store = None  # type: ignore[assignment]
+
+
+def _check_layout(header: dict[str, Any], layouts: list[BucketLayout], expected: Collection[str]) -> None:
+    """Raise TransferError where the layouts are not the ones the server named, or lack a tensor of `expected`."""
+    digest = version_digest(layouts)
+    if digest != header["digest"]:
+        raise TransferError(f"weights v{header['version']}: the layout's digest {digest[:12]} is not the "
+                            f"one sent ({header['digest'][:12]})")
+    lacking = sorted(set(expected) - {s.name for b in layouts for s in b.slots})
+    if lacking:
+        raise TransferError(f"weights v{header['version']} lack {len(lacking)} of the model's tensors "
+                            f"({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})")
+
+
+def _mapped(header: dict[str, Any], layouts: list[BucketLayout]) -> list[tuple[str, torch.Tensor]] | None:
+    """The version's tensors mapped from its shared-memory files, every bucket checked (in parallel: zlib
+    releases the GIL), or None where a file cannot be opened here. Raises TransferError for a damaged bucket."""
+    try:
+        data = [map_bucket(path, layout.nbytes) for path, layout in zip(header["shm"], layouts, strict=True)]
+    except (OSError, RuntimeError, ValueError):
+        return None
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        list(pool.map(check, data, layouts))
+    return [kv for d, layout in zip(data, layouts) for kv in unpack(d, layout, checked=True)]
 
 
 def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:

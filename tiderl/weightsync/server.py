@@ -8,9 +8,11 @@ reads files, and gets the newest committed version (never older than the one it 
 server waits a while for a version it has staged but not committed yet).
 
 Transport: a ``torch.distributed`` TCPStore on the leader for the rendezvous and the small messages
-(requests, layouts), and one two-rank gloo process group per engine worker for the buckets. Each
-engine worker is served by its own thread; one that dies mid-transfer costs only its thread (its peer
-sees a closed connection and falls back to files).
+(requests, layouts). The buckets are packed into shared-memory files where the host allows
+(:mod:`tiderl.weightsync.shm`): an engine on the leader's host maps them and nothing is sent; any other
+engine gets them over a two-rank gloo process group of its own. Each engine worker is served by its own
+thread; one that dies mid-transfer costs only its thread (its peer sees a closed connection and falls back
+to files).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tiderl.weightsync.shm import ShmArena
 from tiderl.weightsync.wire import BUCKET_BYTES, Bucket, pack, version_digest
 
 log = logging.getLogger("tiderl.weightsync")
@@ -40,20 +43,25 @@ class Staged:
     version: int
     buckets: list[Bucket]
     digest: str
+    paths: list[str] = field(default_factory=list)  # the buckets' shared-memory files; empty: process memory
     header: str = ""
+    shm_header: str = ""  # the header with the files' paths, for an engine that can map them
 
     @property
     def nbytes(self) -> int:
         return sum(b.layout.nbytes for b in self.buckets)
 
     def __post_init__(self) -> None:
-        self.header = json.dumps({"version": self.version, "digest": self.digest,
-                                  "buckets": [b.layout.to_json() for b in self.buckets]})
+        header = {"version": self.version, "digest": self.digest,
+                  "buckets": [b.layout.to_json() for b in self.buckets]}
+        self.header = json.dumps(header)
+        self.shm_header = json.dumps(header | {"shm": self.paths}) if self.paths else ""
 
 
 @dataclass(slots=True)
 class ServerStats:
     versions_served: int = 0
+    versions_mapped: int = 0  # of those served, the ones an engine mapped from shared memory (nothing sent)
     bytes_sent: int = 0
     send_s: float = 0.0
     clients: int = 0
@@ -64,7 +72,10 @@ class WeightServer:
     """Stage versions, commit them, serve the newest committed one until :meth:`close`."""
 
     def __init__(self, host: str | None = None, *, timeout_s: float = 300.0, commit_wait_s: float = 30.0,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, shared_memory: bool = True) -> None:
+        """`shared_memory`: pack versions into shared-memory files where the host has room (engines on this
+        host then map them); False: in this process's memory, every engine sent the bytes. The attribute of
+        that name decides for each version staged after it is set."""
         self.timeout = timedelta(seconds=timeout_s)
         self.commit_wait_s = commit_wait_s
         self.bucket_bytes = bucket_bytes
@@ -73,6 +84,8 @@ class WeightServer:
         self._cond = threading.Condition()
         self._pending: dict[int, Staged] = {}
         self._committed: Staged | None = None
+        self.shared_memory = shared_memory
+        self._arena = ShmArena()
         self._closed = False
         self._awaited: dict[int, str] = {}  # thread -> the key it blocks on
         self.stats = ServerStats()
@@ -86,11 +99,45 @@ class WeightServer:
               ) -> Staged:
         """Pack `version` (servable after :meth:`commit`); returns what was staged. A tensor that shares its
         storage with one before it (a tied output layer: the engine loads the embedding) is sent once."""
-        buckets = pack(_distinct(tensors), dtype, self.bucket_bytes)
-        staged = Staged(version, buckets, version_digest(b.layout for b in buckets))
+        buckets, paths = self._pack(version, tensors, dtype)
+        staged = Staged(version, buckets, version_digest(b.layout for b in buckets), paths)
         with self._cond:
+            dropped = [s for v, s in self._pending.items() if v <= version]
             self._pending = {v: s for v, s in self._pending.items() if v > version} | {version: staged}
+        self._release(dropped)
         return staged
+
+    def _pack(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+              ) -> tuple[list[Bucket], list[str]]:
+        arena = self._arena
+        if not (self.shared_memory and arena.usable):
+            return pack(_distinct(tensors), dtype, self.bucket_bytes), []
+        paths: list[str] = []
+        room = True
+
+        def alloc(index: int, nbytes: int) -> torch.Tensor:
+            nonlocal room
+            if room:
+                try:
+                    data, path = arena.alloc(version, index, nbytes)
+                    paths.append(path)
+                    return data
+                except OSError as e:  # a full tmpfs: this version from process memory, sent to every engine
+                    room = False
+                    log.warning("weights v%d: no room in shared memory (%s); engines on this host get it sent",
+                                version, e)
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        buckets = pack(_distinct(tensors), dtype, self.bucket_bytes, alloc)
+        if not room:
+            arena.release(paths)  # the buckets already in it stay mapped here, unnamed
+            paths = []
+        return buckets, paths
+
+    def _release(self, dropped: Iterable[Staged]) -> None:
+        """Unlink the shared-memory files of versions no longer served (an engine that mapped one keeps it)."""
+        for staged in dropped:
+            self._arena.release(staged.paths)
 
     def commit(self, version: int) -> None:
         """Serve `version` (staged before) from now on; older versions are dropped."""
@@ -98,9 +145,11 @@ class WeightServer:
             staged = self._pending.pop(version, None)
             if staged is None:
                 raise KeyError(f"weights v{version} were not staged")
+            dropped = staged
             if self._committed is None or self._committed.version < version:
-                self._committed = staged
+                dropped, self._committed = self._committed, staged
             self._cond.notify_all()
+        self._release([dropped] if dropped is not None else [])
 
     @property
     def committed_version(self) -> int | None:
@@ -114,6 +163,7 @@ class WeightServer:
             self._pending.clear()
             self._cond.notify_all()
             awaited = list(self._awaited.values())
+        self._arena.release_all()
         for key in awaited:  # wake the threads blocked on their next key
             self._store.set(key, CLOSED)
         for t in [self._accept, *self._threads]:
@@ -185,6 +235,11 @@ class WeightServer:
                     store.set(f"{prefix}hdr/{seq}", json.dumps({
                         "error": f"no committed version >= {json.loads(request)['min_version']} to serve "
                                  f"(newest: {have})"}))
+                    continue
+                if staged.shm_header and json.loads(request).get("shm"):  # the engine maps the files itself
+                    store.set(f"{prefix}hdr/{seq}", staged.shm_header)
+                    self.stats.versions_served += 1
+                    self.stats.versions_mapped += 1
                     continue
                 store.set(f"{prefix}hdr/{seq}", staged.header)
                 t0 = time.monotonic()

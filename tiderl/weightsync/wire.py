@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,23 +69,35 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+Alloc = Callable[[int, int], torch.Tensor]  # (bucket index, bytes) -> a uint8 host buffer of that size
+
+
 def pack(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-         bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+         bucket_bytes: int = BUCKET_BYTES, alloc: Alloc | None = None) -> list[Bucket]:
     """The tensors in buckets of about `bucket_bytes`, floating-point ones cast to `dtype` (None: as
-    they are), in the order given. Each bucket is a fresh host buffer with its CRC32, computed on a
-    thread while the next bucket is packed."""
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        packed = [(data, slots, pool.submit(crc32, data)) for data, slots in _packed(tensors, dtype, bucket_bytes)]
+    they are), in the order given. Each bucket is a fresh host buffer (from `alloc`, else process memory)
+    with its CRC32, computed on a thread while the next bucket is packed."""
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        packed = [(data, slots, pool.submit(crc32, data))
+                  for data, slots in _packed(tensors, dtype, bucket_bytes, alloc)]
         return [Bucket(data, BucketLayout(data.numel(), crc.result(), slots)) for data, slots, crc in packed]
 
 
-def _packed(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
-            bucket_bytes: int) -> Iterator[tuple[torch.Tensor, tuple[Slot, ...]]]:
+def workers() -> int:
+    """Threads for CRC passes (zlib releases the GIL: they run in parallel)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _packed(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None, bucket_bytes: int,
+            alloc: Alloc | None) -> Iterator[tuple[torch.Tensor, tuple[Slot, ...]]]:
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
+    index = 0
 
     def flush() -> tuple[torch.Tensor, tuple[Slot, ...]]:
-        data = torch.empty(size, dtype=torch.uint8)
+        nonlocal index
+        data = alloc(index, size) if alloc is not None else torch.empty(size, dtype=torch.uint8)
+        index += 1
         slots, offset = [], 0
         for name, t in pending:
             n = t.numel() * t.element_size()
