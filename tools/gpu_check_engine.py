@@ -16,8 +16,8 @@ from gpu_check_env import ensure_vllm_plugins, use_model
 from gpu_check_meter import device_free, record, synchronize
 from gpu_check_trainer import make_actor, train_step, trainer_group
 
-TRANSPORT = ("tiderl.weightsync: a TCPStore rendezvous and a two-rank gloo group over TCP, from the trainer's "
-             "host memory into the engine worker's host memory, then loaded onto its device; no NCCL path exists")
+TRANSPORT = ("tiderl.weightsync: a TCPStore rendezvous; the engine on this host maps the server's shared-memory "
+             "buckets (else a two-rank gloo group over TCP), then loads them onto its device; no NCCL path exists")
 
 
 # ---- 3, 5, 6: the engine, the agreement, the transfer ---------------------------------------------
@@ -273,7 +273,7 @@ class EngineStages:
                     got = asyncio.run(engine.receive_weights(server.address, version))
                     row["receive_and_load_s"] = round(time.perf_counter() - t0, 3)
                     up = engine.last_update
-                    row.update({"received_version": got, "receive_s": round(up.receive_s, 3),
+                    row.update({"received_version": got, "receive_s": round(up.receive_s, 3), "via": up.via,
                                 "stall_s": round(up.stall_s, 3), "engine_bytes": up.nbytes})
                     fresh = self.generate(prompts, p.new_tokens)
                     row["after_transfer"] = _diff(*self._after(prompts, fresh, version))
@@ -285,6 +285,7 @@ class EngineStages:
                     t0 = time.perf_counter()
                     received = client.receive(version)
                     row["receive_s"] = round(time.perf_counter() - t0, 3)
+                    row["via"] = received.via
                     t0 = time.perf_counter()
                     on_device = [t.to(ctx.device) for _, t in received.tensors]
                     synchronize(ctx)
