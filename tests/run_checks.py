@@ -24,10 +24,13 @@ def check_run(run_dir: Path, *, max_staleness: int) -> dict:
             crows = c.execute(select(control)).mappings().all()
             erows = c.execute(select(events).where(events.c.kind == "role")).mappings().all()
             task_states = [r.state for r in c.execute(select(tasks.c.state))]
+        origin = store.fork_origin()
     finally:
         store.close()
-    # Versions advance one by one from 0.
-    assert [v["version"] for v in vrows] == list(range(len(vrows)))
+    # Versions advance one by one from 0 (a fork's: from the version of the checkpoint it started from, after 0,
+    # its base model).
+    start = origin.version if origin is not None else 0
+    assert [v["version"] for v in vrows] == ([0] + list(range(start + 1, start + len(vrows))) if vrows else [])
     # Exactly once: every consumed trajectory belongs to one version, whose row counts it; one per task.
     consumed = [t for t in trows if t["state"] == "consumed"]
     assert len({t["task_id"] for t in trows}) == len(trows)
@@ -48,7 +51,7 @@ def check_run(run_dir: Path, *, max_staleness: int) -> dict:
         assert sum(1 for t in consumed if t["group_id"] == gid) == groups[gid]["size"]
     # Role switches only at boundaries: each role a rank takes up is the planned role of a published version.
     plans: dict[tuple[int, int], str] = {(r["version"], r["rank"]): r["role"] for r in crows}
-    published = {v["version"] for v in vrows}
+    published = {v["version"] for v in vrows} | {start}
     for e in erows:
         data = json.loads(e["data"])
         assert data["version"] in published

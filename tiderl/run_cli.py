@@ -1,4 +1,5 @@
-"""`tiderl run JOB.yaml [--set k=v ...] [--run-dir DIR]` and `tiderl run --resume RUN_DIR [--set k=v ...]`."""
+"""`tiderl run JOB.yaml [--set k=v ...] [--run-dir DIR]`, `tiderl run --resume RUN_DIR [--set k=v ...]` and
+`tiderl run --resume RUN_DIR --fork NEW_DIR [--set k=v ...]`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --set trainer.num_steps=N, extend a finished one to N steps. A --set on resume "
                              "changes the run's config for every process and is recorded in its store, or is "
                              "refused (exit 2) for a key the run was made with (docs/running.md).")
+    parser.add_argument("--fork", type=Path, default=None, metavar="NEW_DIR",
+                        help="With --resume RUN_DIR: start a new run in NEW_DIR (absent or empty) from RUN_DIR's "
+                             "newest complete checkpoint (weights, optimizer state, step), RUN_DIR only read; --set "
+                             "changes its config, any key but model.* (docs/running.md).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and args.job is not None:
         print("tiderl run: give either a job file or --resume RUN_DIR, not both", file=sys.stderr)
         return 2
+    if args.fork is not None:
+        return _fork(args)
     try:
         launch = prepare(args.job, args.overrides, args.run_dir, args.resume)
     except (RunDirError, LaunchError) as e:
@@ -83,6 +90,31 @@ def run(args: argparse.Namespace) -> int:
     if job_id is None:
         return run_launch(launch)
     return _run_in_slurm_job(launch, job_id)
+
+
+def _fork(args: argparse.Namespace) -> int:
+    """`--resume RUN_DIR --fork NEW_DIR`: a new run from RUN_DIR's newest checkpoint (tiderl.run.fork)."""
+    from tiderl.rundir import RunDirError
+    from tiderl.run.fork import prepare_fork
+    from tiderl.run.launcher import run_launch
+
+    if args.resume is None or args.run_dir is not None:
+        print("tiderl run: --fork NEW_DIR goes with --resume RUN_DIR (the run to fork), and names the new run's "
+              "directory itself (no --run-dir)", file=sys.stderr)
+        return 2
+    try:
+        launch = prepare_fork(args.resume, args.overrides, args.fork)
+    except RunDirError as e:
+        print(f"tiderl run: {e}", file=sys.stderr)
+        return 2
+    origin = launch.store.fork_origin()
+    assert origin is not None
+    for change in launch.changes:
+        print(f"tiderl run: {change.text()} (recorded in the fork's store)", file=sys.stderr)
+    print(f"tiderl run: forked {args.resume} at its checkpoint of step {origin.step} into {args.fork}: training "
+          f"from version {origin.version} to {launch.config.trainer.num_steps}", file=sys.stderr)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    return run_launch(launch) if job_id is None else _run_in_slurm_job(launch, job_id)
 
 
 def _run_in_slurm_job(launch: "Launch", job_id: str) -> int:

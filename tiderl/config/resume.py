@@ -14,6 +14,9 @@ was submitted).
 
 An allow-list rather than a deny-list: a key added later is refused on resume until someone decides
 otherwise here.
+
+A fork (`tiderl run --resume RUN_DIR --fork NEW_DIR`) is a new run: its own store, groups, ranks and plans, so
+every key may change there but those the checkpoint it starts from was made with (`FORK_REFUSED`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ REFUSED_BECAUSE: dict[str, str] = {
 }
 DEFAULT_REASON = "the run's store, weights and groups were made with the old value"
 
+# Keys a fork may not change, with why (a prefix ending in "." covers its section).
+FORK_REFUSED: dict[str, str] = {
+    "model.": "the checkpoint the fork starts from holds this model's weights, trained with its tokenizer and chat "
+              "format",
+}
+
 
 @dataclass(frozen=True)
 class Change:
@@ -109,6 +118,20 @@ def refusal(change: Change) -> str | None:
     if _match(change.key, RESUMABLE) is not None:
         return None
     return _match(change.key, REFUSED_BECAUSE) or DEFAULT_REASON
+
+
+def fork_refusal(change: Change) -> str | None:
+    """Why `change` may not be made on a fork; None when it may."""
+    return _match(change.key, FORK_REFUSED)
+
+
+def override_of(change: Change, overrides: list[str]) -> str | None:
+    """The `--set` among `overrides` that made `change` (`env.options.high=3` changes `env.options`), if any."""
+    for given in overrides:
+        key = given.partition("=")[0].strip()
+        if key == change.key or change.key.startswith(key + ".") or key.startswith(change.key + "."):
+            return given
+    return None
 
 
 def resumable_keys() -> list[str]:

@@ -64,6 +64,7 @@ class ControlPlane:
         # a resumed run plans again before its next step).
         self._planned_fetch = config.trainer.groups_ideal
         self._inflight_cap: int | None = None  # ERS's adaptive admission (None: the staleness bound's)
+        self._drawn_before: int | None = None  # training groups a fork's source drew (0: a run of its own)
 
     # ---- one tick --------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -111,8 +112,17 @@ class ControlPlane:
                 max(0, remaining))
         if n:
             g = self.config.rollout.group_size
-            self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, total + i), g)
+            first = self._first_seed_index() + total
+            self.store.add_groups([NewGroup(TaskKind.TRAIN, train_seed(self.config.seed, first + i), g)
                                    for i in range(n)])
+
+    def _first_seed_index(self) -> int:
+        """Where this run's training prompts start: after those its source drew for a fork (which then trains
+        none of the source's prompts again), else at the first."""
+        if self._drawn_before is None:
+            origin = self.store.fork_origin()
+            self._drawn_before = origin.source_train_groups if origin is not None else 0
+        return self._drawn_before
 
     def drop_doomed(self, version: int) -> list[int]:
         """Drop the open training groups that hold a trajectory older than the staleness bound of step
@@ -162,11 +172,11 @@ class ControlPlane:
     # ---- planning --------------------------------------------------------------------------
     def plan(self, version: int) -> PlanRecord:
         cfg = self.config
-        if version == 0:
+        # The first plan of a run (of a fork too, whose store starts at its checkpoint's version) is the initial split.
+        current = self.store.roles_at(version - 1) if version > 0 else {}
+        if not current:
             current = initial_roles(cfg.launch.num_ranks, cfg.launch.rollout_fraction, self.system.spare_role,
                                     cfg.trainer.actor_ranks)
-        else:
-            current = self.store.roles_at(version - 1)
         fetch = cfg.trainer.groups_min if self.system.fetch_policy is FetchPolicy.MIN else cfg.trainer.groups_ideal
         mode = self.system.ra2p_mode or Ra2pMode.COLOCATED
         reason = "fixed"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from tiderl.config import ConfigError, JobConfig, dump_job, load_job
-from tiderl.config.resume import Change, changes, refusal, resumable_keys
+from tiderl.config.resume import Change, changes, override_of, refusal, resumable_keys
 from tiderl.paths import RunPaths, use_private_umask
 from tiderl.run import procs
 from tiderl.run.context import write_run_files
@@ -63,7 +63,8 @@ class Launch:
     resumed: bool
     changes: tuple[Change, ...] = ()
     """A resume's `--set` overrides, allowed (`tiderl.config.resume`) and not applied yet: `apply_changes`
-    writes them into RUN_DIR/config.yaml and the store before any process of the run starts."""
+    writes them into RUN_DIR/config.yaml and the store before any process of the run starts. A fork's
+    (`tiderl.run.fork`) are in its config and store already."""
 
 
 def prepare(job: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None) -> Launch:
@@ -99,10 +100,8 @@ def refuse_changes(found: tuple[Change, ...], overrides: list[str]) -> None:
         why = refusal(change)
         if why is None:
             continue
-        keys = {o: o.partition("=")[0].strip() for o in overrides}  # `env.options.high=3` changes env.options
-        given = [o for o, k in keys.items() if k == change.key or change.key.startswith(k + ".")
-                 or k.startswith(change.key + ".")]
-        raise ConfigError(f"--set {given[0]}" if given else "tiderl run --resume", change.key,
+        given = override_of(change, overrides)
+        raise ConfigError(f"--set {given}" if given else "tiderl run --resume", change.key,
                           f"cannot change on resume ({change.old!r} -> {change.new!r}): {why}; nothing was changed. "
                           f"Keys that may change on resume: {', '.join(resumable_keys())}")
 

@@ -14,6 +14,7 @@ from tiderl.store.types import (
     ClaimRequest,
     EventRecord,
     FinishedTrajectory,
+    ForkOrigin,
     GroupState,
     MetricPoint,
     NewGroup,
@@ -58,7 +59,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BufferState", "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankRecord", "RankReport",
+    "BufferState", "ClaimLostError", "RankDeclaredDeadError", "ClaimRequest", "EventRecord", "FinishedTrajectory", "ForkOrigin", "GroupState", "MetricPoint", "NewGroup", "PlanRecord", "RankRecord", "RankReport",
     "RankState", "ReadyTrajectory", "ReclaimResult", "Role", "RunRecord", "RunState", "RunStore", "StoreBusyError",
     "NoRunError", "StoreError", "StoreTaskState", "StoreURLError", "StoreUnreachableError", "TaskClaim", "TaskFailure", "TaskKind", "TaskWhereabouts", "TrajectoryState",
     "VersionRecord",

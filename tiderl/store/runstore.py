@@ -79,7 +79,8 @@ from tiderl.store.schema import VIEWS, events, metadata, ranks, runs, view_sql
 from tiderl.store.shared_tx import RankDeclaredDeadError
 from tiderl.store.step_figures import parse_env_figures
 from tiderl.store.trainer_side import ClaimLostError, TrainerTransactions
-from tiderl.store.types import BufferState, RankRecord, RankState, Role, RunRecord, RunState, TrainerGeneration
+from tiderl.store.types import (BufferState, ForkOrigin, RankRecord, RankState, Role, RunRecord, RunState,
+                                TrainerGeneration)
 from tiderl.store.watch import WatchState
 
 __all__ = ["ClaimLostError", "RankDeclaredDeadError", "RunStore"]
@@ -272,6 +273,34 @@ class RunStore(RankTransactions, TrainerTransactions, ControlTransactions):
                                             data=json.dumps({"changes": list(changed)})))
 
         self.tx.write(write)
+
+    def start_fork(self, origin: ForkOrigin, changed: Sequence[Mapping[str, Any]]) -> None:
+        """A fork's new store starts at the version of the source's checkpoint, in one transaction: the run's
+        version, and a `forked` event naming the source, its checkpoint, its feed's count and the `--set`
+        overrides (old -> new), which `fork_origin` reads back."""
+        now = time.time()
+        text = "".join(f"; {c['key']}: {c['old']!r} -> {c['new']!r}" for c in changed)
+        data = {"run_dir": origin.run_dir, "step": origin.step, "version": origin.version,
+                "source_train_groups": origin.source_train_groups, "changes": list(changed)}
+
+        def write(c: Connection) -> None:
+            c.execute(update(runs).where(runs.c.id == 1).values(version=origin.version, updated_at=now))
+            c.execute(insert(events).values(ts=now, rank=None, source="launcher", kind="forked",
+                                            message=f"forked from {origin.run_dir} at its checkpoint of step "
+                                                    f"{origin.step} (version {origin.version}){text}",
+                                            data=json.dumps(data)))
+
+        self.tx.write(write)
+
+    def fork_origin(self) -> ForkOrigin | None:
+        """Where this run was forked from (`start_fork`); None for a run of its own."""
+        raw = self.tx.read(lambda c: c.execute(select(events.c.data).where(events.c.kind == "forked")
+                                               .order_by(events.c.id).limit(1)).scalar())
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return ForkOrigin(run_dir=data["run_dir"], step=int(data["step"]), version=int(data["version"]),
+                          source_train_groups=int(data["source_train_groups"]))
 
     def _run_row(self, *columns: Any) -> Any:
         """The run's row (those columns, else all). NoRunError, not a bare SQL error, where the store's file

@@ -48,6 +48,19 @@ class RunRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ForkOrigin:
+    """Where a fork (`tiderl run --resume RUN_DIR --fork NEW_DIR`) started: the source run directory, the step and
+    version of the source's checkpoint it started from, and how many training groups the source had drawn (the
+    fork's feed draws its prompts after those: it trains none of the source's again). Its store's `forked` event
+    holds it (`RunStore.fork_origin`)."""
+
+    run_dir: str
+    step: int
+    version: int
+    source_train_groups: int
+
+
+@dataclass(frozen=True, slots=True)
 class TrainerGeneration:
     """The trainer group's restart generation (`RunStore.trainer_generation`): 0 until its first restart."""
 
