@@ -58,3 +58,10 @@ def check_run(run_dir: Path, *, max_staleness: int) -> dict:
         assert plans[(data["version"], e["rank"])] == data["role"]
     return {"versions": len(vrows) - 1, "consumed": len(consumed), "role_events": len(erows),
             "tasks": len(task_states)}
+
+
+def shared_memory_left_behind() -> list[str]:
+    """Weight-server shared-memory files whose server process has ended (a run must remove its own)."""
+    from tiderl.weightsync.shm import left_by_dead
+
+    return [p.name for p in left_by_dead()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from run_checks import check_run
+from run_checks import check_run, shared_memory_left_behind
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["trainer.num_steps=3", "trainer.groups_min=1", "trainer.groups_ideal=2", "rollout.group_size=4",
@@ -66,3 +66,4 @@ def test_a_short_run_on_vllm_serves_every_version_it_received(tmp_path: Path) ->
         db.close()
     assert on_policy and max(on_policy) <= 1e-4, on_policy
     assert paths == {"weights_transfer_stall_s"} and not fell_back, paths
+    assert not shared_memory_left_behind()  # the leader's weight server removed its buckets

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fake_engine import SCRIPTED_ENGINE, scripted_run_env
-from run_checks import check_run
+from run_checks import check_run, shared_memory_left_behind
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTED = [f"rollout.engine={SCRIPTED_ENGINE}", "model.init_train_steps=5", "trainer.num_steps=3",
@@ -73,6 +73,7 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
         store.close()
     if extra == TRANSFER:
         assert received and max(received) >= 2 and not read and not failed, (received, read, failed)
+        assert not shared_memory_left_behind()  # the leader's weight server removed its buckets
     else:
         assert read and max(read) >= 2 and not received, (received, read)
     idle = [name for name, text in logs.items() if "role idle from" in text]

@@ -26,6 +26,7 @@ from pathlib import Path
 from tiderl.paths import use_private_umask
 from tiderl.run.context import RankContext, RunStopped
 from tiderl.run.supervise import CHILD_ENV, supervise
+from tiderl.run.weights import close_weight_server
 from tiderl.store import RankDeclaredDeadError
 from tiderl.store.engine import StoreError
 from tiderl.store.types import EventRecord, PlanRecord, RankReport, RankState, Role
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.store.set_rank_state(ctx.rank, state)
         engine = ctx.engine
         try:
+            close_weight_server(ctx)  # the leader's shared-memory buckets go with it
             if engine is not None:
                 engine.close()
         finally:

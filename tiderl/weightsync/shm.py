@@ -18,6 +18,7 @@ user, another mount namespace), gets the same buckets over the connection instea
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ class ShmArena:
         self.usable = directory.is_dir() and os.access(directory, os.W_OK)
         if self.usable:
             sweep_dead(directory)
+            atexit.register(self.release_all)  # a process that ends without closing its server
 
     def alloc(self, version: int, index: int, nbytes: int) -> tuple[torch.Tensor, str]:
         """A zeroed uint8 tensor of `nbytes` mapped from a new file, and the file's path. Raises OSError where
@@ -80,15 +82,25 @@ def map_bucket(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
 
 
-def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
-    """Remove the files this user's servers left behind on this host when they died (their pid gone)."""
-    removed = []
+def left_by_dead(directory: Path = SHM_DIR) -> list[Path]:
+    """This user's servers' files on this host whose server process has ended."""
     uid = os.getuid()
+    found = []
     for p in directory.glob(f"{PREFIX}*"):
         m = _NAME.match(p.name)
         try:
-            if m is None or p.stat().st_uid != uid or _alive(int(m.group(1))):
-                continue
+            if m is not None and p.stat().st_uid == uid and not _alive(int(m.group(1))):
+                found.append(p)
+        except OSError:
+            continue
+    return found
+
+
+def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
+    """Remove the files this user's servers left behind on this host when they died."""
+    removed = []
+    for p in left_by_dead(directory):
+        try:
             p.unlink()
         except OSError:
             continue
