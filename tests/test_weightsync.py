@@ -141,13 +141,15 @@ def test_the_files_of_a_server_that_died_are_removed_by_the_next_one(tmp_path: P
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    left = tmp_path / f"{shm.PREFIX}{pid}-0123abcd-v3-b0"
-    mine = tmp_path / f"{shm.PREFIX}{os.getpid()}-0123abcd-v3-b0"
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    left = tmp_path / f"{shm.PREFIX}{ns}-{pid}-0123abcd-v3-b0"
+    mine = tmp_path / f"{shm.PREFIX}{ns}-{os.getpid()}-0123abcd-v3-b0"
+    elsewhere = tmp_path / f"{shm.PREFIX}{ns + 1}-{pid}-0123abcd-v3-b0"  # another container's: its pids are not ours
     other = tmp_path / "tiderl-weights-notes.txt"
-    for p in (left, mine, other):
+    for p in (left, mine, elsewhere, other):
         p.write_bytes(b"x")
     arena = shm.ShmArena(tmp_path)
-    assert not left.exists() and mine.exists() and other.exists()
+    assert not left.exists() and mine.exists() and elsewhere.exists() and other.exists()
     data, path = arena.alloc(4, 0, 10)
     assert data.numel() == 10 and Path(path).parent == tmp_path
     arena.release_all()

@@ -8,9 +8,11 @@
 
 Measured, each the median of `--repeats` timings after a warm-up, on the job's
 own model and settings:
-- vLLM (the job's engine settings): the time of one engine iteration at each
-  batch size (generating `--decode-tokens` more tokens per request, EOS
-  ignored, minus the same requests generating one token), fitted as
+- vLLM, on a rollout rank's own engine (`VllmEngine` from the job: its settings,
+  eager on a CPU), started once for every engine figure below: its start time;
+  the time of one engine iteration at each batch size (generating
+  `--decode-tokens` more tokens per request, EOS ignored, minus the same
+  requests generating one token), fitted as
   ``decode_step_s + batch x decode_s_per_seq``; prefill time per prompt token
   (long against short prompts, one generated token); the engine's KV capacity;
   a weight reload from safetensors files plus the prefix-cache reset.
@@ -22,7 +24,7 @@ own model and settings:
   writing the weights; one model offload + onload (the backend's `HostSwap`);
   the trainer role's whole step (`ActorRank.train_step` on synthetic groups of
   the job's shape), whose time beyond its compute is the per-step overhead.
-- A turn through the project's engine wrapper (`VllmEngine`), as many loops
+- A turn through the project's engine wrapper (the same engine), as many loops
   at once as a rollout rank runs: the latency beyond the measured iteration
   and prefill costs is the per-turn overhead; the CPU seconds per second its
   process and vLLM's engine process use meanwhile are the cores a busy
@@ -52,7 +54,7 @@ import time
 from pathlib import Path
 
 from calibrate_cpu_machine import (measure_host_slots, measure_trainer, measure_trainer_step, measure_turns,
-                                   measure_vllm)
+                                   measure_vllm, start_engine)
 from calibrate_cpu_workload import measure_env, trajectory_stats
 from calibrate_cpu_yaml import DECOUPLED_STEP_S, cluster_yaml, workload_yaml
 
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload-from", type=Path, help="A finished run dir: write the workload file from it.")
     parser.add_argument("--workload-out", type=Path, default=ROOT / "jobs" / "sim" / "hilo-bench.workload.yaml")
     parser.add_argument("--repeats", type=int, default=5, help="Timings per figure (median), after a warm-up.")
-    parser.add_argument("--batches", default="1,2,4,8,16", help="Engine batch sizes for the decode fit.")
+    parser.add_argument("--batches", default="1,2,4,8,16",
+                        help="Engine batch sizes for the decode fit (at most the job's rollout.max_concurrency).")
     parser.add_argument("--decode-tokens", type=int, default=32, help="Tokens generated per decode timing.")
     parser.add_argument("--seq-tokens", type=int, default=64, help="Sequence length of the trainer timings.")
     parser.add_argument("--env-episodes", type=int, default=4, help="Episodes per env session.")
@@ -111,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     m.update(control_intervals(job))
     m.update(measure_trainer(path, job.trainer.micro_batch_tokens, args.seq_tokens, args.repeats))
     m.update(measure_host_slots(path, job.trainer.micro_batch_tokens, args.seq_tokens, args.host_iterations))
-    m.update(measure_vllm(job, path, m["weights_dir"], m["batches"], args.decode_tokens, args.repeats))
-    shutil.rmtree(m.pop("weights_dir"), ignore_errors=True)
     if args.workload_from is not None:
         m.update(measure_env(job.env.name, job.rollout.max_concurrency, args.env_episodes))
         m["trajectories"] = trajectory_stats(args.workload_from)
@@ -120,8 +121,15 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tokens_mean": 110.0, "turns_mean": 5.0})
     gen = max(1, round(shape["gen_tokens_per_turn"]))
     obs = max(1, round((shape["tokens_mean"] - shape["prompt_tokens"]) / max(shape["turns_mean"], 1.0)) - gen)
-    m.update(measure_turns(job, path, m, job.rollout.max_concurrency, args.turns, round(shape["prompt_tokens"]),
-                           gen, obs))
+    # One engine for every engine figure: a start costs more than all the timings on it.
+    engine, m["engine_start_s"] = start_engine(job, path)
+    try:
+        m.update(measure_vllm(engine, path, m["weights_dir"], m["batches"], args.decode_tokens, args.repeats))
+        m.update(measure_turns(engine, path, m, job.rollout.max_concurrency, args.turns,
+                               round(shape["prompt_tokens"]), gen, obs))
+    finally:
+        engine.close()
+    shutil.rmtree(m.pop("weights_dir"), ignore_errors=True)
     m.update(measure_trainer_step(job, path, shape["tokens_mean"], args.trainer_steps))
     m["trainer_steps"] = args.trainer_steps
     m["load_after"] = load_average()

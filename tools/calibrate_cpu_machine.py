@@ -98,8 +98,10 @@ def measure_trainer(model_path: Path, micro_batch_tokens: int, seq_tokens: int, 
     }
 
 
-def _train_loop(model_path: str, seq_tokens: int, micro_batch_tokens: int, iterations: int, start, out) -> None:
-    """One process: wait for the start signal, time `iterations` forward+backward passes."""
+def _train_worker(model_path: str, seq_tokens: int, micro_batch_tokens: int, iterations: int, commands,
+                  out) -> None:
+    """One process: load and warm up, say so (None on `out`), then at each command on `commands` time
+    `iterations` forward+backward passes (the seconds on `out`); a None command ends it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,61 +109,103 @@ def _train_loop(model_path: str, seq_tokens: int, micro_batch_tokens: int, itera
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (max(1, micro_batch_tokens // seq_tokens), seq_tokens))
     model(input_ids=ids).logits.sum().backward()  # warm-up
-    start.wait()
-    t0 = time.perf_counter()
-    for _ in range(iterations):
-        model(input_ids=ids).logits.sum().backward()
-    out.put(time.perf_counter() - t0)
+    out.put(None)
+    while commands.get() is not None:
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            model(input_ids=ids).logits.sum().backward()
+        out.put(time.perf_counter() - t0)
 
 
 def measure_host_slots(model_path: Path, micro_batch_tokens: int, seq_tokens: int, iterations: int,
                        num_procs: int = 2) -> dict:
     """How many busy ranks the host runs at full speed: the same training loop alone, then in
-    `num_procs` processes at once; slots = num_procs x (time alone) / (time together)."""
+    `num_procs` processes at once; slots = num_procs x (time alone) / (time together). The processes
+    are started and warmed up once, before any clock starts; one waiting for its command uses no CPU."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    commands = [ctx.Queue() for _ in range(num_procs)]
+    procs = [ctx.Process(target=_train_worker, args=(str(model_path), seq_tokens, micro_batch_tokens, iterations,
+                                                     q, out)) for q in commands]
+    for proc in procs:
+        proc.start()
 
     def run(n: int) -> float:
-        start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_train_loop, args=(str(model_path), seq_tokens, micro_batch_tokens, iterations,
-                                                       start, out)) for _ in range(n)]
-        for proc in procs:
-            proc.start()
-        time.sleep(2.0 + 2.0 * n)  # model loads and warm-ups done before the clock starts
-        start.set()
-        times = [out.get(timeout=900) for _ in procs]
-        for proc in procs:
-            proc.join()
-        return statistics.fmean(times)
+        for q in commands[:n]:
+            q.put(True)
+        return statistics.fmean(_take(out, procs) for _ in range(n))
 
-    alone_before = run(1)
-    together = run(num_procs)
-    alone = (alone_before + run(1)) / 2  # alone before and after: the machine's load drifts
+    try:
+        for _ in procs:
+            _take(out, procs)  # every model loaded and warmed up
+        alone_before = run(1)
+        together = run(num_procs)
+        alone = (alone_before + run(1)) / 2  # alone before and after: the machine's load drifts
+    finally:
+        for q in commands:
+            q.put(None)
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
     return {"host_alone_s": alone, "host_together_s": together, "host_procs": num_procs,
             "host_compute_slots": min(float(num_procs), max(1.0, num_procs * alone / together))}
 
 
-# ---- vLLM ---------------------------------------------------------------------------------------
-def measure_vllm(job, model_path: Path, weights_dir: str, batches: list[int], decode_tokens: int,
-                 repeats: int) -> dict:
-    """Engine iteration time by batch size, prefill per token, reload, KV capacity (the job's settings)."""
-    r = job.rollout
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(r.kv_cache_gib)))
-    from vllm import LLM, SamplingParams
+def _take(out, procs: list, timeout_s: float = 900.0) -> float | None:
+    """The next item a training process put on `out`; a process that died, or nothing within `timeout_s`,
+    ends the calibration with a message."""
+    import queue
 
-    max_len = job.model.max_context_tokens
-    kwargs = {}
-    if r.kv_cache_blocks is not None:
-        kwargs["num_gpu_blocks_override"] = r.kv_cache_blocks
-        max_len = min(max_len, (r.kv_cache_blocks - 1) * r.kv_block_size)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"calibrate_cpu: a shared-host training process died or hung "
+                                 f"(exit codes {dead or 'none'}, {timeout_s:.0f} s)") from None
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------
+def start_engine(job, model_path: Path) -> tuple:
+    """The rollout rank's own engine (`for_job`: the job's settings, eager on a CPU), started once for
+    every engine figure, and its start time. Spawns: call under `if __name__ == "__main__":`."""
+    from tiderl.rollout.vllm_engine import for_job
+
     t0 = time.perf_counter()
-    llm = LLM(model=str(model_path), dtype="float32", seed=job.seed, block_size=r.kv_block_size,
-              max_model_len=max_len, max_num_seqs=max(r.max_concurrency, max(batches)),
-              enable_prefix_caching=True, **kwargs)
-    start_s = time.perf_counter() - t0
-    blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
-    chunk = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    engine = for_job(job, model_path)
+    return engine, time.perf_counter() - t0
+
+
+def measure_vllm(engine, model_path: Path, weights_dir: str, batches: list[int], decode_tokens: int,
+                 repeats: int) -> dict:
+    """Engine iteration time by batch size, prefill per token, reload, KV capacity, on `engine`
+    (`start_engine`). Its vLLM `LLM` is driven synchronously on the wrapper's engine thread (no request of
+    the wrapper in flight), so the timings hold no wrapper overhead; the job's weights are back in it after."""
+    # The wrapper owns the LLM and its thread; a tool may borrow both between requests (as
+    # tools/check_vision_engine.py does), and the wrapper has no public handle for this.
+    llm = engine._llm
+    config = llm.llm_engine.vllm_config
+    max_seqs = int(config.scheduler_config.max_num_seqs)
+    if max(batches) > max_seqs:
+        raise SystemExit(f"calibrate_cpu: --batches {max(batches)} exceeds the engine's max_num_seqs {max_seqs} "
+                         "(rollout.max_concurrency: a rank never batches more)")
+    figures = asyncio.run(engine._call(lambda: _measure_llm(llm, model_path, weights_dir, batches, decode_tokens,
+                                                            repeats)))
+    return {"kv_capacity_tokens": engine.kv_capacity_tokens,
+            "prefill_chunk_tokens": int(config.scheduler_config.max_num_batched_tokens), **figures}
+
+
+def _measure_llm(llm, model_path: Path, weights_dir: str, batches: list[int], decode_tokens: int,
+                 repeats: int) -> dict:
+    """The timings of `measure_vllm`, on the engine thread."""
+    from vllm import SamplingParams
+
+    max_len = int(llm.llm_engine.vllm_config.model_config.max_model_len)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(1)
 
@@ -186,38 +230,32 @@ def measure_vllm(job, model_path: Path, weights_dir: str, batches: list[int], de
     t_short = median_s(lambda: run(pf_batch, short, 1), repeats)
     prefill_s_per_token = max(t_long - t_short, 1e-9) / (pf_batch * (long - short))
 
-    def reload() -> None:
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
+    def reload(path: str) -> None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         llm.reset_prefix_cache()
 
-    reload_s = median_s(reload, repeats)
-    out = {
-        "engine_start_s": start_s,
-        "kv_capacity_tokens": (blocks - 1) * r.kv_block_size,
-        "prefill_chunk_tokens": chunk,
+    reload_s = median_s(lambda: reload(weights_dir), repeats)
+    reload(str(model_path))  # the job's own weights again, for the turns timed on this engine next
+    return {
         "decode_iteration_s_by_batch": {str(b): iteration_s[b] for b in batches},
         "decode_step_s": step_s,
         "decode_s_per_seq": per_seq_s,
         "prefill_s_per_token": prefill_s_per_token,
         "weight_reload_s": reload_s,
     }
-    del llm
-    return out
 
 
 def model_vocab(model_path: Path) -> int:
     return int(json.loads((model_path / "config.json").read_text())["vocab_size"])
 
 
-def measure_turns(job, model_path: Path, m: dict, sessions: int, turns: int, prompt_tokens: int,
+def measure_turns(engine, model_path: Path, m: dict, sessions: int, turns: int, prompt_tokens: int,
                   gen_tokens: int, obs_tokens: int) -> dict:
-    """Turn latency through the project's engine wrapper (`VllmEngine`, as a rollout rank drives it):
-    `sessions` loops of `turns` generations each, the context growing by the answer and an observation.
+    """Turn latency through the project's engine wrapper (`engine`, a `VllmEngine` as a rollout rank drives
+    it): `sessions` loops of `turns` generations each, the context growing by the answer and an observation.
     The overhead is the mean latency minus what the measured iteration and prefill costs account for."""
     from tiderl.rollout.engine import SamplingSpec
-    from tiderl.rollout.vllm_engine import for_job
 
-    engine = for_job(job, model_path)
     rng = random.Random(2)
     vocab = model_vocab(model_path)
     latencies: list[float] = []
@@ -240,12 +278,9 @@ def measure_turns(job, model_path: Path, m: dict, sessions: int, turns: int, pro
         procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
         return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
-    try:
-        cpu0, wall0 = cpu_s(), time.perf_counter()
-        asyncio.run(main())
-        busy_cores = (cpu_s() - cpu0) / (time.perf_counter() - wall0)
-    finally:
-        engine.close()
+    cpu0, wall0 = cpu_s(), time.perf_counter()
+    asyncio.run(main())
+    busy_cores = (cpu_s() - cpu0) / (time.perf_counter() - wall0)
     mean = statistics.fmean(latencies[sessions:])  # the first turn of each loop warms up
     iteration = m["decode_step_s"] + sessions * m["decode_s_per_seq"]
     engine_s = gen_tokens * iteration + (gen_tokens + obs_tokens) * m["prefill_s_per_token"]

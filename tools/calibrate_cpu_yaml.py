@@ -56,7 +56,7 @@ rollout:
   max_num_seqs: {r.max_concurrency}           # [J] rollout.max_concurrency (tasks per rollout rank)
   prefill_chunk_tokens: {m['prefill_chunk_tokens']}   # [M] the engine's max_num_batched_tokens (chunked prefill)
   weight_reload_s: 0.0       # unused with measured costs (measured.weight_sync_s)
-  engine_start_s: {num(m['engine_start_s'])}      # [M] the engine's start on the job's model (vLLM's LLM(...), once, alone)
+  engine_start_s: {num(m['engine_start_s'])}      # [M] a rollout rank's engine start on the job's model (VllmEngine from the job, once, alone)
 training:
   micro_batch_tokens: {t.micro_batch_tokens}     # [J] trainer.micro_batch_tokens
   max_staleness: {r.max_staleness}           # [J] rollout.max_staleness

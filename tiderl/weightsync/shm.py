@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger("tiderl.weightsync")
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tiderl-weights-"
-_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[0-9a-f]+-v\d+-b\d+$")
+_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(\d+)-[0-9a-f]+-v\d+-b\d+$")  # pid namespace, pid, random
 
 
 class ShmArena:
@@ -38,7 +38,7 @@ class ShmArena:
 
     def __init__(self, directory: Path = SHM_DIR) -> None:
         self.directory = directory
-        self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.tag = f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
         self.usable = directory.is_dir() and os.access(directory, os.W_OK)
         if self.usable:
             sweep_dead(directory)
@@ -83,13 +83,15 @@ def map_bucket(path: str, nbytes: int) -> torch.Tensor:
 
 
 def left_by_dead(directory: Path = SHM_DIR) -> list[Path]:
-    """This user's servers' files on this host whose server process has ended."""
+    """This user's servers' files on this host whose server process has ended (servers of this pid namespace
+    only: another's pids cannot be told apart here)."""
     uid = os.getuid()
     found = []
     for p in directory.glob(f"{PREFIX}*"):
         m = _NAME.match(p.name)
         try:
-            if m is not None and p.stat().st_uid == uid and not _alive(int(m.group(1))):
+            if (m is not None and p.stat().st_uid == uid and int(m.group(1)) == _pid_namespace()
+                    and not _alive(int(m.group(2)))):
                 found.append(p)
         except OSError:
             continue
@@ -108,6 +110,14 @@ def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
     if removed:
         log.info("removed %d shared-memory weight files of servers that died", len(removed))
     return removed
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (a container on the same host may share /dev/shm but not its pids)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:
