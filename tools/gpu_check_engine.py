@@ -17,7 +17,7 @@ from gpu_check_meter import device_free, record, synchronize
 from gpu_check_trainer import make_actor, train_step, trainer_group
 
 TRANSPORT = ("tiderl.weightsync: a TCPStore rendezvous; the engine on this host maps the server's shared-memory "
-             "buckets (else a two-rank gloo group over TCP), then loads them onto its device; no NCCL path exists")
+             "buckets (else they come over a TCP connection), then loads them onto its device; no NCCL path exists")
 
 
 # ---- 3, 5, 6: the engine, the agreement, the transfer ---------------------------------------------

@@ -11,6 +11,7 @@ server gone, a dead connection, a damaged bucket) leaves the engine's weights as
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Collection
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tiderl.weightsync.shm import map_bucket
-from tiderl.weightsync.wire import BucketLayout, TransferError, check, unpack, version_digest, workers
+from tiderl.weightsync.wire import HELLO, BucketLayout, TransferError, check, recv_into, unpack, version_digest, workers
 
 MAP_TRIES = 2  # a version's files may be replaced between its header and the mapping: ask once more
 
@@ -43,7 +44,7 @@ class WeightClient:
 
     def __init__(self, address: str, *, timeout_s: float = 300.0, connect_timeout_s: float = 15.0,
                  header_timeout_s: float = 60.0, shared_memory: bool = True) -> None:
-        """`connect_timeout_s` bounds everything before the data group exists (a server that hangs costs no
+        """`connect_timeout_s` bounds everything before the data connection is open (a server that hangs costs no
         more), `header_timeout_s` each wait for a version's layout (the server waits up to its commit_wait_s),
         `timeout_s` the buckets. `shared_memory`: map a version's files where the server offers them (False:
         always have the bytes sent)."""
@@ -51,14 +52,16 @@ class WeightClient:
         if not host or not port.isdigit():
             raise TransferError(f"weight server address {address!r} is not host:port")
         self.address = address
-        timeout = timedelta(seconds=timeout_s)
+        connect = min(timeout_s, connect_timeout_s)
         try:
-            self._store = _connect(host, int(port), timedelta(seconds=min(timeout_s, connect_timeout_s)))
+            self._store = _connect(host, int(port), timedelta(seconds=connect))
             self.id = self._store.add("clients", 1)
             self._store.set(f"hello/{self.id}", "1")
             prefix = f"c{self.id}/"
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", self._store), 1, 2, timeout)
-        except (RuntimeError, OSError) as e:  # torch's store and gloo errors are RuntimeErrors
+            self._sock = socket.create_connection((host, int(self._store.get("data_port"))), timeout=connect)
+            self._sock.sendall(HELLO.pack(self.id))
+            self._sock.settimeout(timeout_s)
+        except (RuntimeError, OSError) as e:  # torch's store errors are RuntimeErrors
             raise TransferError(f"cannot reach the weight server at {address}: {e}") from e
         self._store.set_timeout(timedelta(seconds=header_timeout_s))
         self._prefix = prefix
@@ -108,8 +111,8 @@ class WeightClient:
             for i, layout in enumerate(layouts):
                 data = torch.empty(layout.nbytes, dtype=torch.uint8)
                 try:
-                    self._pg.recv([data], 0, i).wait()
-                except RuntimeError as e:
+                    recv_into(self._sock, data)
+                except OSError as e:  # a timeout, a reset, or closed early (ConnectionError)
                     raise TransferError(f"weight server {self.address}: v{header['version']} bucket {i + 1} of "
                                         f"{len(layouts)} not received: {e}") from e
                 checks.append(checker.submit(check, data, layout))
@@ -119,7 +122,7 @@ class WeightClient:
         return tensors
 
     def close(self) -> None:
-        self._pg = None  # type: ignore[assignment]
+        self._sock.close()
         self._store = None  # type: ignore[assignment]
 
 

@@ -10,7 +10,8 @@ server waits a while for a version it has staged but not committed yet).
 Transport: a ``torch.distributed`` TCPStore on the leader for the rendezvous and the small messages
 (requests, layouts). The buckets are packed into shared-memory files where the host allows
 (:mod:`tiderl.weightsync.shm`): an engine on the leader's host maps them and nothing is sent; any other
-engine gets them over a two-rank gloo process group of its own. Each engine worker is served by its own
+engine gets them over a TCP connection of its own (the socket's bytes straight from the buckets' memory:
+2.5x what gloo's point-to-point sends gave on the development machine's loopback). Each engine worker is served by its own
 thread; one that dies mid-transfer costs only its thread (its peer sees a closed connection and falls back
 to files).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -30,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from tiderl.weightsync.shm import ShmArena
-from tiderl.weightsync.wire import BUCKET_BYTES, Bucket, pack, version_digest
+from tiderl.weightsync.wire import BUCKET_BYTES, HELLO, Bucket, pack, version_digest
 
 log = logging.getLogger("tiderl.weightsync")
 POLL_S = 1.0  # how often a server waiting for a commit looks whether it closed
 IDLE = timedelta(days=7)  # a thread's wait for the next request (woken by close)
 CLOSED = "closed"
+GREET_S = 15.0  # how long a new data connection may take to name its client, and a client to open it
 
 
 @dataclass(slots=True)
@@ -90,8 +93,13 @@ class WeightServer:
         self._awaited: dict[int, str] = {}  # thread -> the key it blocks on
         self.stats = ServerStats()
         self._threads: list[threading.Thread] = []
+        self._conns: dict[int, socket.socket] = {}  # client id -> its data connection
+        self._data = socket.create_server(("0.0.0.0", 0), backlog=128)
+        self._store.set("data_port", str(self._data.getsockname()[1]))
         self._accept = threading.Thread(target=self._accept_loop, name="weights-accept", daemon=True)
         self._accept.start()
+        self._accept_data = threading.Thread(target=self._data_loop, name="weights-data", daemon=True)
+        self._accept_data.start()
 
     # ---- the trainer's side ----------------------------------------------------------------------
 
@@ -163,10 +171,14 @@ class WeightServer:
             self._pending.clear()
             self._cond.notify_all()
             awaited = list(self._awaited.values())
+            conns = list(self._conns.values())
         self._arena.release_all()
         for key in awaited:  # wake the threads blocked on their next key
             self._store.set(key, CLOSED)
-        for t in [self._accept, *self._threads]:
+        for conn in conns:  # and those blocked sending
+            _shut(conn)
+        _shut(self._data)
+        for t in [self._accept, self._accept_data, *self._threads]:
             t.join(timeout=POLL_S * 5)
         self._store = None  # type: ignore[assignment]  # the listening socket closes: clients see it gone
 
@@ -198,6 +210,41 @@ class WeightServer:
             self.stats.clients += 1
             k += 1
 
+    def _data_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._data.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._greet, args=(conn,), name="weights-greet", daemon=True).start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        """A data connection names its client first; one that does not, or names a client that has one, is
+        closed."""
+        try:
+            conn.settimeout(GREET_S)
+            (k,) = HELLO.unpack(conn.recv(HELLO.size, socket.MSG_WAITALL))
+        except (OSError, struct.error):
+            _shut(conn)
+            return
+        with self._cond:
+            if self._closed or k in self._conns:
+                _shut(conn)
+                return
+            self._conns[k] = conn
+            self._cond.notify_all()
+
+    def _connection(self, k: int) -> socket.socket | None:
+        """Client `k`'s data connection, once it has opened it (None after GREET_S, or once closed)."""
+        deadline = time.monotonic() + GREET_S
+        with self._cond:
+            while not self._closed and k not in self._conns:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, POLL_S))
+            return None if self._closed else self._conns[k]
+
     def _servable(self, min_version: int) -> Staged | None:
         """The committed version if it is at least `min_version`, waiting up to `commit_wait_s` for the
         commit (a rank may see the boundary a moment before the leader marks the version servable)."""
@@ -216,12 +263,12 @@ class WeightServer:
     def _serve(self, k: int) -> None:
         prefix = f"c{k}/"
         store = self._connect()
-        try:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", store), 0, 2, self.timeout)
-        except Exception as e:  # the engine went away before the group formed
-            self.stats.failed.append(f"client {k}: {e}")
-            log.warning("weights client %d could not join: %s", k, e)
+        conn = self._connection(k)
+        if conn is None:  # the engine went away before it opened its data connection
+            self.stats.failed.append(f"client {k}: no data connection within {GREET_S:.0f} s")
+            log.warning("weights client %d opened no data connection", k)
             return
+        conn.settimeout(self.timeout.total_seconds())
         seq = 0
         while True:
             seq += 1
@@ -243,15 +290,25 @@ class WeightServer:
                     continue
                 store.set(f"{prefix}hdr/{seq}", staged.header)
                 t0 = time.monotonic()
-                for i, b in enumerate(staged.buckets):
-                    pg.send([b.data], 1, i).wait()
+                for b in staged.buckets:
+                    conn.sendall(memoryview(b.data.numpy()).cast("B"))
                 self.stats.send_s += time.monotonic() - t0
                 self.stats.versions_served += 1
                 self.stats.bytes_sent += staged.nbytes
             except Exception as e:  # the engine died or left mid-transfer: only this client is lost
                 self.stats.failed.append(f"client {k}: {e}")
                 log.warning("weights client %d dropped: %s", k, e)
+                _shut(conn)
                 return
+
+
+def _shut(sock: socket.socket) -> None:
+    """Close a socket, waking a thread blocked on it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _distinct(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

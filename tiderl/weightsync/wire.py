@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
+import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 BUCKET_BYTES = 256 << 20
+HELLO = struct.Struct("!Q")  # the first bytes of an engine's data connection: its client id
 
 
 class TransferError(RuntimeError):
@@ -147,3 +150,15 @@ def version_digest(layouts: Iterable[BucketLayout]) -> str:
     """One name for a whole version: SHA256 of its layout and its buckets' CRC32s."""
     text = json.dumps([b.to_json() for b in layouts], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recv_into(sock: socket.socket, data: torch.Tensor) -> None:
+    """Fill a host uint8 tensor from `sock` (its timeout applies to each read); ConnectionError where the
+    peer closes first."""
+    view = memoryview(data.numpy()).cast("B")
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, 64 << 20))
+        if n == 0:
+            raise ConnectionError(f"the connection closed after {got} of {len(view)} bytes")
+        got += n
