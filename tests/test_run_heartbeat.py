@@ -134,8 +134,9 @@ def test_a_rank_declared_dead_leaves_with_code_75_and_closes_its_engine(monkeypa
                             record_event=lambda *a, **k: calls.append(("event", a[1])))
     engine = SimpleNamespace(close=lambda: calls.append(("engine_closed", None)))
     launch = SimpleNamespace(heartbeat_s=60.0, heartbeat_timeout_s=120.0)
-    ctx = SimpleNamespace(rank=2, store=store, engine=engine, paths=SimpleNamespace(root=Path("/nonexistent")),
-                          config=SimpleNamespace(launch=launch))
+    server = SimpleNamespace(address="node:1", close=lambda: calls.append(("weights_closed", None)))
+    ctx = SimpleNamespace(rank=2, store=store, engine=engine, weight_server=server, config=SimpleNamespace(launch=launch),
+                          paths=SimpleNamespace(root=Path("/nonexistent"), weight_server=Path("/nonexistent/ws.json")))
 
     async def serve(ctx: object) -> None:
         raise RankDeclaredDeadError("rank 2 was declared dead while away")
@@ -150,4 +151,4 @@ def test_a_rank_declared_dead_leaves_with_code_75_and_closes_its_engine(monkeypa
         signal.signal(signal.SIGTERM, before)
     assert code == rank_mod.EXIT_DECLARED_DEAD == 75
     assert ("state", RankState.DEAD) in calls and ("event", "rank_left") in calls
-    assert calls[-2:] == [("engine_closed", None), ("store_closed", None)]
+    assert calls[-3:] == [("weights_closed", None), ("engine_closed", None), ("store_closed", None)]
