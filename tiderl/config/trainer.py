@@ -81,9 +81,10 @@ class TrainerConfig:
     weight_sync: Literal["files", "transfer"] = option(
         "files",
         help="How the rollout engines get each version: `files` (each engine checks weights/vN against its SHA256SUMS "
-        "and reads it) or `transfer` (pulled from the trainer leader's memory through vLLM's weight-transfer API, in "
-        "buckets checked as they arrive; an engine that cannot reach it reads the files). The trainer writes "
-        "weights/vN either way. Measured on one CPU host, the transfer is not faster yet (docs/trainer.md).",
+        "and reads it) or `transfer` (pulled from the trainer leader through vLLM's weight-transfer API: mapped from "
+        "its shared memory on its host, sent over TCP elsewhere, every bucket checked; an engine that cannot reach it "
+        "reads the files). The trainer writes weights/vN either way. Measured on one CPU host, the transfer is 1.25x "
+        "files on the leader's host and slower over TCP (docs/trainer.md).",
     )
     backend: str = option(
         "torch",
