@@ -162,7 +162,7 @@ class FakeEngine(Engine):
             raise EngineError(str(e)) from e
         self.transfers.append((address, received.version, received.digest))
         self.last_update = WeightsUpdate(received.version, "transfer", nbytes=received.nbytes, digest=received.digest,
-                                         receive_s=received.seconds, stall_s=received.seconds)
+                                         receive_s=received.seconds, stall_s=received.seconds, via=received.via)
         self._blocks.clear()
         self._version = received.version
         return received.version

@@ -67,12 +67,14 @@ def test_a_whole_local_run_with_a_scripted_engine(tmp_path: Path, system: str, e
         # Weights without files (trainer.weight_sync: transfer): the rollout ranks pulled the versions from the
         # trainer leader's server, every bucket checked; with files, they read weights/vN.
         received = {r["version"] for r in store.reader.metric_rows(["weights_transfer_stall_s"])}
+        mapped = {r["version"] for r in store.reader.metric_rows(["weights_shared_memory_bytes"])}
         read = {r["version"] for r in store.reader.metric_rows(["weights_files_stall_s"])}
         failed = store.recent_events(kinds=["weights_transfer_failed"])
     finally:
         store.close()
     if extra == TRANSFER:
         assert received and max(received) >= 2 and not read and not failed, (received, read, failed)
+        assert mapped == received  # every engine is on the leader's host: it mapped each version
         assert not shared_memory_left_behind()  # the leader's weight server removed its buckets
     else:
         assert read and max(read) >= 2 and not received, (received, read)

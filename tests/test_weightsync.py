@@ -97,7 +97,7 @@ def test_shared_memory_files_are_the_owners_only_and_removed_when_replaced_while
     assert not any(Path(p).exists() for p in second.paths)
 
 
-def test_files_an_engine_cannot_open_are_sent_instead_and_not_tried_again(monkeypatch) -> None:
+def test_files_an_engine_cannot_open_are_sent_instead_and_tried_again_only_after_a_while(monkeypatch) -> None:
     opened = []
 
     def another_host(path: str, nbytes: int) -> torch.Tensor:
@@ -112,8 +112,15 @@ def test_files_an_engine_cannot_open_are_sent_instead_and_not_tried_again(monkey
         client = WeightClient(server.address, timeout_s=30)
         r = client.receive(1)
         assert r.via == "sent" and torch.equal(dict(r.tensors)["model.norm.weight"], state(1)["model.norm.weight"])
-        assert len(opened) == 2 and not client.shared_memory  # asked twice (a version may be replaced meanwhile)
-        assert client.receive(1).via == "sent" and len(opened) == 2
+        assert len(opened) == 2  # asked twice (a version may be replaced meanwhile)
+        assert client.receive(1).via == "sent" and len(opened) == 2  # not tried again for a while...
+        monkeypatch.setattr(client_module, "MAP_RETRY_S", 0.0)
+        soon = WeightClient(server.address, timeout_s=30)
+        soon.receive(1)
+        soon.receive(1)
+        assert len(opened) == 6  # ...then tried again (the files may have been removed for a time only)
+        monkeypatch.undo()
+        assert soon.receive(1).via == "shared_memory"
     finally:
         server.close()
 

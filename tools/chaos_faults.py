@@ -287,6 +287,28 @@ def _hang_weight_server(trial: Trial) -> str:
            f"({len(hole.held)} connections held)"
 
 
+def _remove_shared_weights(trial: Trial) -> str:
+    """Unlink the weight server's shared-memory buckets as they appear, for HOLE_S seconds: the engines on its
+    host cannot map a version and must have it sent over their connections instead."""
+    from tiderl.weightsync.shm import PREFIX, SHM_DIR
+
+    named = trial.run_dir / "rendezvous" / "weight-server.json"
+    while not named.exists():
+        if trial.left_s() <= 0 or (trial.launcher is not None and trial.launcher.poll() is not None):
+            raise ChaosError(f"{named} never appeared (is trainer.weight_sync transfer?)")
+        time.sleep(POLL_S)
+    pid = json.loads(named.read_text())["pid"]
+    trial.extra["fault_at"] = time.time()
+    end, removed = time.monotonic() + HOLE_S, 0
+    while time.monotonic() < end and trial.left_s() > 0:
+        for p in SHM_DIR.glob(f"{PREFIX}*-{pid}-*"):
+            p.unlink(missing_ok=True)
+            removed += 1
+        time.sleep(0.05)
+    return f"the leader's (pid {pid}) shared-memory weight files unlinked as they appeared for {HOLE_S:.0f} s " \
+           f"({removed} removed)"
+
+
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("rollout_kill", _kill_rank("rollout"), what="SIGKILL of a rollout rank"),
     Fault("actor_kill", _kill_rank("actor"), what="SIGKILL of the actor rank"),
@@ -300,6 +322,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           what="the newest weights file truncated as it appears (engines reading files)"),
     Fault("weights_server_hang", _hang_weight_server, sets=("trainer.weight_sync=transfer",), min_steps=15,
           what=f"the weight server unreachable (a listener that never answers) for {HOLE_S:.0f} s"),
+    Fault("weights_shm_gone", _remove_shared_weights, sets=("trainer.weight_sync=transfer",), min_steps=15,
+          what=f"the weight server's shared-memory buckets unlinked as they appear for {HOLE_S:.0f} s"),
     Fault("store_lock", _lock_store, what=f"store write lock held {LOCK_HOLD_S:.0f} s by an outside connection"),
     Fault("disk_full", _fill_disk, setup=_mount_tmpfs, what=f"run directory's tmpfs full for {DISK_FULL_S:.0f} s"),
     Fault("env_garbage", _garbage, setup=_garbage_setup, what=f"env server answering malformed JSON for {GARBAGE_S:.0f} s"),

@@ -302,6 +302,9 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                     if update is not None and update.version == loaded:  # how long its requests stood still
                         report.metrics.append(MetricPoint(f"weights_{update.path}_stall_s", update.stall_s, loaded,
                                                           "rollout"))
+                        if update.via:  # a transfer: mapped from the leader's shared memory, or sent
+                            report.metrics.append(MetricPoint(f"weights_{update.via}_bytes", float(update.nbytes),
+                                                              loaded, "rollout"))
                     evals = [tid for tid, c in role.claims.items() if c.kind is TaskKind.EVAL]
                     await role.release(report, evals)  # they may only run on the weights they evaluate
                     role.worker.poke()  # new weights, fewer tasks: the scheduler decides again

@@ -27,6 +27,7 @@ from tiderl.weightsync.shm import map_bucket
 from tiderl.weightsync.wire import HELLO, BucketLayout, TransferError, check, recv_into, unpack, version_digest, workers
 
 MAP_TRIES = 2  # a version's files may be replaced between its header and the mapping: ask once more
+MAP_RETRY_S = 30.0  # after files that could not be opened, have versions sent this long before trying again
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class WeightClient:
         """`connect_timeout_s` bounds everything before the data connection is open (a server that hangs costs no
         more), `header_timeout_s` each wait for a version's layout (the server waits up to its commit_wait_s),
         `timeout_s` the buckets. `shared_memory`: map a version's files where the server offers them (False:
-        always have the bytes sent)."""
+        always have the bytes sent); files that cannot be opened are not tried again for MAP_RETRY_S."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise TransferError(f"weight server address {address!r} is not host:port")
@@ -66,14 +67,15 @@ class WeightClient:
         self._store.set_timeout(timedelta(seconds=header_timeout_s))
         self._prefix = prefix
         self._seq = 0
-        self.shared_memory = shared_memory  # off for good once the server's files cannot be opened here
+        self.shared_memory = shared_memory
+        self._map_after = 0.0  # monotonic time before which versions are sent (the files could not be opened)
 
     def receive(self, min_version: int, expected: Collection[str] = ()) -> Received:
         """The server's newest committed version (at least `min_version`), every bucket checked. Raises
         TransferError where none can be had or a tensor of `expected` is not in it."""
         t0 = time.monotonic()
         header: dict[str, Any] | None = None
-        if self.shared_memory:
+        if self.shared_memory and time.monotonic() >= self._map_after:
             for _ in range(MAP_TRIES):
                 header, layouts = self._ask(min_version, shm=True)
                 if "shm" not in header:
@@ -84,8 +86,8 @@ class WeightClient:
                     return Received(int(header["version"]), mapped, str(header["digest"]),
                                     sum(b.nbytes for b in layouts), time.monotonic() - t0, "shared_memory")
                 header = None  # replaced meanwhile, or not this host's files: ask again
-            else:
-                self.shared_memory = False  # twice not openable: another host's (or another user's) files
+            else:  # twice not openable: another host's (or user's) files, or removed: sent for a while
+                self._map_after = time.monotonic() + MAP_RETRY_S
         if header is None:
             header, layouts = self._ask(min_version, shm=False)
         tensors = self._received(header, layouts)
