@@ -18,6 +18,7 @@ to files).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -35,7 +36,7 @@ from tiderl.weightsync.shm import ShmArena
 from tiderl.weightsync.wire import BUCKET_BYTES, HELLO, Bucket, pack, version_digest
 
 log = logging.getLogger("tiderl.weightsync")
-POLL_S = 1.0  # how often a server waiting for a commit looks whether it closed
+JOIN_S = 5.0  # how long close waits for each of its threads
 IDLE = timedelta(days=7)  # a thread's wait for the next request (woken by close)
 CLOSED = "closed"
 GREET_S = 15.0  # how long a new data connection may take to name its client, and a client to open it
@@ -179,7 +180,7 @@ class WeightServer:
             _shut(conn)
         _shut(self._data)
         for t in [self._accept, self._accept_data, *self._threads]:
-            t.join(timeout=POLL_S * 5)
+            t.join(timeout=JOIN_S)
         self._store = None  # type: ignore[assignment]  # the listening socket closes: clients see it gone
 
     # ---- serving ---------------------------------------------------------------------------------
@@ -236,29 +237,21 @@ class WeightServer:
 
     def _connection(self, k: int) -> socket.socket | None:
         """Client `k`'s data connection, once it has opened it (None after GREET_S, or once closed)."""
-        deadline = time.monotonic() + GREET_S
-        with self._cond:
-            while not self._closed and k not in self._conns:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, POLL_S))
-            return None if self._closed else self._conns[k]
+        with self._cond:  # woken by _greet and by close
+            self._cond.wait_for(lambda: self._closed or k in self._conns, timeout=GREET_S)
+            return None if self._closed else self._conns.get(k)
 
     def _servable(self, min_version: int) -> Staged | None:
         """The committed version if it is at least `min_version`, waiting up to `commit_wait_s` for the
         commit (a rank may see the boundary a moment before the leader marks the version servable)."""
-        deadline = time.monotonic() + self.commit_wait_s
-        with self._cond:
-            while not self._closed:
-                c = self._committed
-                if c is not None and c.version >= min_version:
-                    return c
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, POLL_S))
-        return None
+
+        def ready() -> bool:
+            return self._closed or (self._committed is not None and self._committed.version >= min_version)
+
+        with self._cond:  # woken by commit and by close
+            self._cond.wait_for(ready, timeout=self.commit_wait_s)
+            c = self._committed
+            return c if not self._closed and c is not None and c.version >= min_version else None
 
     def _serve(self, k: int) -> None:
         prefix = f"c{k}/"
@@ -304,10 +297,8 @@ class WeightServer:
 
 def _shut(sock: socket.socket) -> None:
     """Close a socket, waking a thread blocked on it."""
-    try:
+    with contextlib.suppress(OSError):  # not connected, or already shut
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 

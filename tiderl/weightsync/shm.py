@@ -25,6 +25,7 @@ import re
 import secrets
 from pathlib import Path
 
+import psutil
 import torch
 
 log = logging.getLogger("tiderl.weightsync")
@@ -91,7 +92,7 @@ def left_by_dead(directory: Path = SHM_DIR) -> list[Path]:
         m = _NAME.match(p.name)
         try:
             if (m is not None and p.stat().st_uid == uid and int(m.group(1)) == _pid_namespace()
-                    and not _alive(int(m.group(2)))):
+                    and not psutil.pid_exists(int(m.group(2)))):
                 found.append(p)
         except OSError:
             continue
@@ -118,13 +119,3 @@ def _pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
