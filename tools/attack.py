@@ -9,15 +9,23 @@ that dict. `CASES` lists them; a sibling module `tools/attack_store.py` that def
 (callables taking no argument, returning such dicts) is run too. Cases that need an ordinary
 user run their attacker as one: as root the tool creates the user `tiderl-attack` (useradd)
 or uses `nobody`, and says so; without root it runs them as the current user and says so.
+
+As root, `--all` runs the campaign twice: as root, then as that ordinary user (`--as both`, the
+default there), so the unprivileged server's defences are tried too. The second run is this tool
+again under `setpriv` in a private mount namespace, where a directory that keeps the user from the
+interpreter, the venv or the checkout (a home directory of mode 0700) is covered by a tmpfs holding
+only those paths; nothing outside the namespace changes. Each line names who ran it (`as`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,12 +231,86 @@ CASES: list[Callable[[Target], dict[str, Any]]] = [
 ]
 
 
+def _reach_script(uid: int, argv: list[str], home: str) -> str:
+    """A shell script for `unshare --mount` that makes the interpreter, the venv and the checkout reachable
+    for `uid` (each directory on their way that others cannot enter is covered by a 0755 tmpfs holding
+    only the needed entries, bound from their originals), then runs `argv` as `uid` with `home`."""
+    import shlex
+
+    cover: dict[Path, set[str]] = {}
+    for need in {Path(sys.base_prefix), Path(sys.prefix), ROOT}:
+        parts = need.resolve().parts
+        for depth in range(1, len(parts) - 1):
+            d = Path(*parts[:depth + 1])
+            st = os.stat(d)
+            if not st.st_mode & 0o001 and st.st_uid != uid:
+                cover.setdefault(d, set()).add(parts[depth + 1])
+                break
+    lines = ["set -e", "mount --make-rprivate /"]
+    for n, (d, names) in enumerate(sorted(cover.items())):
+        stage = tempfile.mkdtemp(prefix="tiderl-attack-reach-")
+        for name in sorted(names):
+            q = shlex.quote
+            lines += [f"mkdir -p {q(stage)}/{q(name)}", f"mount --bind {q(str(d / name))} {q(stage)}/{q(name)}"]
+        lines.append(f"mount -t tmpfs -o mode=0755,size=1m tiderl-reach{n} {shlex.quote(str(d))}")
+        for name in sorted(names):
+            q = shlex.quote
+            lines += [f"mkdir {q(str(d / name))}", f"mount --move {q(stage)}/{q(name)} {q(str(d / name))}"]
+    env = f"HOME={home} PATH=/usr/local/bin:/usr/bin:/bin TMPDIR=/tmp LANG=C.UTF-8"
+    lines.append(f"exec setpriv --reuid={uid} --regid={uid} --clear-groups -- env -i {env} "
+                 + " ".join(shlex.quote(a) for a in argv))
+    return "\n".join(lines)
+
+
+def _as_ordinary_user(argv: list[str]) -> int:
+    """Run this tool with `argv` as the ordinary user (root only); its lines are passed on. Exit status 1
+    when a case was not blocked or the run could not be made."""
+    uid, how = _ordinary_user()
+    assert uid is not None
+    home = tempfile.mkdtemp(prefix="tiderl-attack-home-")
+    os.chown(home, uid, uid)
+    script = _reach_script(uid, [sys.executable, str(Path(__file__).resolve()), *argv], home)
+    try:
+        proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE, text=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        for stage in Path(tempfile.gettempdir()).glob("tiderl-attack-reach-*"):
+            with contextlib.suppress(OSError):
+                stage.rmdir()  # empty again once the namespace is gone
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    for line in lines:
+        print(line, flush=True)
+    if not lines:
+        print(json.dumps({"case": "as_ordinary_user", "blocked": False, "as": "user",
+                          "evidence": f"{how}; the run as that user gave no result (exit {proc.returncode})"}))
+    print(f"attack.py: the second run {how.removeprefix('ran ')}", file=sys.stderr)
+    return proc.returncode or (0 if lines else 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--all", action="store_true")
     group.add_argument("--case", help="one case by name, e.g. slowloris_health")
+    parser.add_argument("--as", dest="who", choices=["self", "user", "both"], default=None,
+                        help="who runs the campaign: this user (self), the ordinary user (user, root only), or "
+                             "both in turn (the default as root; self otherwise)")
     args = parser.parse_args()
+    who = args.who or ("both" if os.geteuid() == 0 else "self")
+    if who != "self" and os.geteuid() != 0:
+        print("attack.py: --as user and --as both need root (to create the user and its namespace)", file=sys.stderr)
+        return 2
+    rest = ["--all"] if args.all else ["--case", args.case]
+    if who == "user":
+        return _as_ordinary_user([*rest, "--as", "self"])
+    status = _campaign(args)
+    if who == "both":
+        status = max(status, _as_ordinary_user([*rest, "--as", "self"]))
+    return status
+
+
+def _campaign(args: argparse.Namespace) -> int:
+    name = pwd.getpwuid(os.geteuid()).pw_name
     cases: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     target: list[Target] = []
 
@@ -255,11 +337,12 @@ def main() -> int:
             return 2
     failed = 0
     try:
-        for name, run in cases:
+        for case, run in cases:
             try:
-                result = {"case": name, **run()}
+                result = {"case": case, "as": name, **run()}
             except Exception as e:
-                result = {"case": name, "blocked": False, "evidence": f"the case failed: {type(e).__name__}: {e}"}
+                result = {"case": case, "as": name, "blocked": False,
+                          "evidence": f"the case failed: {type(e).__name__}: {e}"}
             failed += result["blocked"] is False
             print(json.dumps(result), flush=True)
     finally:
