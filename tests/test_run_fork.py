@@ -193,18 +193,154 @@ def test_a_fork_from_another_base_model_is_refused(source: Path, tmp_path: Path,
     assert not launched
 
 
+def fail_full(*args: object) -> None:
+    """In place of the fork's export of its weights: the disk is full."""
+    raise OSError(28, "No space left on device")
+
+
 def test_a_fork_that_fails_while_it_is_made_leaves_nothing(source: Path, tmp_path: Path, launched: list,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    def full(*args: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr("tiderl.run.fork._export_weights", full)
+    monkeypatch.setattr("tiderl.run.fork._export_weights", fail_full)
     fork = tmp_path / "fork"
     fork.mkdir()  # an empty directory may be given: it is left empty
     assert main(["run", "--resume", str(source), "--fork", str(fork)]) == 2
     assert "the fork could not be made" in capsys.readouterr().err
     assert fork.is_dir() and not any(fork.iterdir()) and not launched
+
+
+def test_status_shows_where_a_fork_started(source: Path, tmp_path: Path, launched: list,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    fork = tmp_path / "fork"
+    assert main(["run", "--resume", str(source), "--fork", str(fork)]) == 0
+    launched[0].store.close()
+    capsys.readouterr()
+    assert main(["status", str(fork), "--json", "--no-probe"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["forked_from"] == {"run_dir": str(source.resolve()), "step": 2, "version": 2,
+                                  "source_train_groups": SOURCE_GROUPS}
+    assert main(["status", str(fork), "--no-probe"]) == 0
+    assert f"forked from {source.resolve()} at its checkpoint of step 2 (version 2)" in capsys.readouterr().out
+    # A run of its own says nothing of the kind.
+    assert main(["status", str(source), "--json", "--no-probe"]) == 0
+    assert "forked_from" not in json.loads(capsys.readouterr().out)
+    assert main(["status", str(source), "--no-probe"]) == 0
+    assert "forked from" not in capsys.readouterr().out
+
+
+def test_a_fork_resumes_as_a_run_and_a_requeued_job_resumes_the_fork_not_its_source(
+        source: Path, tmp_path: Path, launched: list, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Slurm job whose step is `tiderl run --resume SOURCE --fork NEW_DIR`: its first attempt makes the fork; a
+    requeue runs the same command line again (SLURM_RESTART_COUNT > 0), which resumes NEW_DIR; by hand,
+    `tiderl run --resume NEW_DIR` resumes it, and the fork's command again is refused, naming the resume."""
+    before = snapshot(source)
+    fork = tmp_path / "fork"
+    in_job: list = []
+    monkeypatch.setattr("tiderl.run_cli._run_in_slurm_job", lambda launch, job_id: in_job.append(launch) or 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    command = ["run", "--resume", str(source), "--fork", str(fork), "--set", "trainer.num_steps=6"]
+
+    def attempt(restarts: int) -> object:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+        assert main(command) == 0
+        launch = in_job.pop()
+        launch.store.close()
+        return launch
+
+    first = attempt(0)
+    assert not first.resumed and first.paths.root == fork
+    capsys.readouterr()
+    for restarts in (1, 2):
+        again = attempt(restarts)
+        assert again.resumed and again.paths.root == fork and again.config.trainer.num_steps == 6
+        assert not again.changes
+        err = capsys.readouterr().err
+        assert f"requeued ({restarts})" in err and f"resuming {fork} at version 2 of 6" in err
+    assert_unchanged(before, source)
+
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    assert main(["run", "--resume", str(fork)]) == 0
+    [resumed] = launched
+    try:
+        assert resumed.resumed and resumed.paths.root == fork and resumed.store.position()[1] == 2
+        assert resumed.store.fork_origin().run_dir == str(source.resolve())
+        assert ControlPlane(resumed.config, resumed.store)._first_seed_index() == SOURCE_GROUPS
+        point = find_resume_point(model_dir(resumed.config), fork / "weights", fork / "ckpt")
+        assert point.version == 2 and point.is_exact
+    finally:
+        resumed.store.close()
+    assert main(command) == 2
+    assert f"it holds this fork already: `tiderl run --resume {fork}` resumes it" in capsys.readouterr().err
+    assert len(launched) == 1 and not in_job
+    assert_unchanged(before, source)
+
+
+def test_a_fork_whose_store_is_elsewhere_leaves_no_store_where_it_fails(
+        source: Path, tmp_path: Path, launched: list, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A `store.url` outside NEW_DIR (SQLite here; PostgreSQL's schema below): the file the failed fork made goes."""
+    monkeypatch.setattr("tiderl.run.fork._export_weights", fail_full)
+    db = tmp_path / "stores" / "fork.db"
+    db.parent.mkdir()
+    assert main(["run", "--resume", str(source), "--fork", str(tmp_path / "fork"), "--set",
+                 f"store.url=sqlite:///{db}"]) == 2
+    assert "nothing of it was kept" in capsys.readouterr().err
+    assert not any(db.parent.iterdir()) and not (tmp_path / "fork").exists() and not launched
+
+
+def pg_schemas(url: str) -> dict[str, set[str]]:
+    """The schemas on the server that a run could have made or a user made, each with its tables."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as c:
+            rows = c.execute(text("SELECT n.nspname, c.relname FROM pg_namespace n LEFT JOIN pg_class c ON "
+                                  "c.relnamespace = n.oid AND c.relkind IN ('r', 'v') WHERE n.nspname LIKE 'run_%' "
+                                  "OR n.nspname = 'mine'")).all()
+    finally:
+        engine.dispose()
+    out: dict[str, set[str]] = {}
+    for schema, table in rows:
+        out.setdefault(schema, set()).update([table] if table else [])
+    return out
+
+
+@pytest.mark.postgres
+def test_a_fork_that_fails_on_postgresql_drops_what_it_made_of_its_store(
+        pg_server, source: Path, tmp_path: Path, launched: list, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from sqlalchemy import create_engine, text
+
+    from tiderl.store.location import run_schema
+
+    url = pg_server.url
+    fork = tmp_path / "fork"
+    assert main(["run", "--resume", str(source), "--fork", str(fork), "--set", f"store.url={url}"]) == 0
+    [made] = launched
+    made.store.close()
+    assert "runs" in pg_schemas(url)[run_schema(fork)]  # a fork made whole keeps its schema
+    monkeypatch.setattr("tiderl.run.fork._export_weights", fail_full)
+    failed = tmp_path / "failed"
+    assert main(["run", "--resume", str(source), "--fork", str(failed), "--set", f"store.url={url}"]) == 2
+    assert "nothing of it was kept" in capsys.readouterr().err
+    assert run_schema(failed) not in pg_schemas(url) and not failed.exists()
+
+    # A schema of the user's own, named in the URL: the store's tables and views go, the schema and the rest stay.
+    engine = create_engine(url)
+    with engine.begin() as c:
+        c.execute(text("CREATE SCHEMA mine"))
+        c.execute(text("CREATE TABLE mine.notes (line text)"))
+    try:
+        assert main(["run", "--resume", str(source), "--fork", str(failed), "--set",
+                     f"store.url={url}?options=-csearch_path%3Dmine"]) == 2
+        assert pg_schemas(url)["mine"] == {"notes"} and len(launched) == 1
+    finally:
+        with engine.begin() as c:
+            c.execute(text("DROP SCHEMA mine CASCADE"))
+        engine.dispose()
 
 
 @pytest.mark.slow
@@ -229,6 +365,7 @@ def test_a_fork_of_a_finished_run_trains_on_from_its_checkpoint(tmp_path: Path) 
     assert_unchanged(before, source)
     status = json.loads(tiderl("status", str(fork), "--json").stdout)
     assert status["state"] == "finished" and status["version"] == 5
+    assert (status["forked_from"]["run_dir"], status["forked_from"]["step"]) == (str(source.resolve()), 2)
     assert check_run(fork, max_staleness=1)["versions"] == 3  # versions 3, 4 and 5, each trained once
     first, published = tensors(fork / "weights" / "v2"), tensors(source / "weights" / "v2")
     assert all(torch.equal(t, published[k]) for k, t in first.items())

@@ -93,15 +93,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fork(args: argparse.Namespace) -> int:
-    """`--resume RUN_DIR --fork NEW_DIR`: a new run from RUN_DIR's newest checkpoint (tiderl.run.fork)."""
+    """`--resume RUN_DIR --fork NEW_DIR`: a new run from RUN_DIR's newest checkpoint (tiderl.run.fork). In a
+    requeued Slurm job (its script runs this command line again) the fork its first attempt made is resumed:
+    NEW_DIR, never RUN_DIR."""
     from tiderl.rundir import RunDirError
-    from tiderl.run.fork import prepare_fork
+    from tiderl.run.fork import made_fork, prepare_fork
     from tiderl.run.launcher import run_launch
 
     if args.resume is None or args.run_dir is not None:
         print("tiderl run: --fork NEW_DIR goes with --resume RUN_DIR (the run to fork), and names the new run's "
               "directory itself (no --run-dir)", file=sys.stderr)
         return 2
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")  # Slurm's count of this job's requeues
+    if restarts.isdigit() and int(restarts) > 0 and made_fork(args.resume, args.fork) is not None:
+        print(f"tiderl run: job {os.environ.get('SLURM_JOB_ID')} requeued ({restarts}): {args.fork} holds the fork "
+              f"of {args.resume} an earlier attempt made; resuming it as it was made (the --set overrides are "
+              "in its config already)", file=sys.stderr)
+        return run(argparse.Namespace(**vars(args) | {"resume": args.fork, "fork": None, "overrides": []}))
     try:
         launch = prepare_fork(args.resume, args.overrides, args.fork)
     except RunDirError as e:

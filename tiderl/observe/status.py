@@ -187,12 +187,16 @@ def _probe(url: str, timeout_s: float, token: str | None = None) -> dg.EnvServer
 
 def status_document(run_dir: Path, store: Any, *, stall_after_s: float | None = None, probe: bool = True,
                     jobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """`collect` plus `diagnosis` (and `slurm`: the run's Slurm `jobs`, where the caller looked them up): what
-    `tiderl status --json` prints."""
+    """`collect` plus `diagnosis` (and `slurm`: the run's Slurm `jobs`, where the caller looked them up; and
+    `forked_from`: a fork's source run directory and the step and version of its checkpoint the fork started
+    from, `tiderl.store.ForkOrigin`, for a fork only): what `tiderl status --json` prints."""
     from tiderl.config import load_job
     from tiderl.paths import RunPaths
 
     doc = {"at": time.time()} | collect(store)
+    origin = store.fork_origin()
+    if origin is not None:  # a fork (`tiderl run --resume RUN_DIR --fork NEW_DIR`): where it started
+        doc["forked_from"] = dataclasses.asdict(origin)
     config = load_job(RunPaths(run_dir).config)
     is_live = doc["state"] not in dg.TERMINAL_STATES
     snap = snapshot(store, limits_of(config, stall_after_s), now=time.time(),
@@ -211,6 +215,8 @@ def render(doc: dict[str, Any]) -> str:
         f"run {doc['name']} ({doc['system']}): {doc['state']}" + (f" - {doc['message']}" if doc["message"] else ""),
         f"version {doc['version']}  elapsed {doc['elapsed_s']:.0f} s  consumed {doc['consumed_tokens']} tokens  "
         f"goodput {doc['goodput_tok_s']:.1f} tok/s  RWT {doc['rwt_s']:.1f} s  TWT {doc['twt_s']:.1f} s",
+        *([f"forked from {origin['run_dir']} at its checkpoint of step {origin['step']} (version "
+           f"{origin['version']})"] if (origin := doc.get("forked_from")) else []),
         *([f"steady goodput {doc['steady_goodput_tok_s']:.1f} tok/s from version {doc['steady_from_version']} "
            f"(start-up before it {doc['startup_s']:.0f} s: model, engines, first steps)"]
           if doc.get("steady_goodput_tok_s") is not None else []),

@@ -8,7 +8,9 @@ have pruned its own `weights/vN`), `NEW_DIR/ckpt/stepN` a copy of the checkpoint
 from it exactly as a resumed run does (`tiderl.trainer.rank.find_resume_point`) and its rollout ranks start on
 version N. Its feed draws its prompts after every prompt the source drew. Everything is checked before anything
 is made (the config merged with the overrides, as a run's or a resume's; a source with a complete checkpoint;
-the same base model); a fork that fails while it is made leaves no NEW_DIR.
+the same base model); a fork that fails while it is made leaves no NEW_DIR, nor the store it made outside it (a
+PostgreSQL schema, a SQLite file `store.url` names). The fork is whole once its `forked` event is written, the last
+thing made (`made_fork`): a requeued Slurm job whose step is this command resumes it (`tiderl.run_cli`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tiderl.run.launcher import Launch
 from tiderl.rundir import RunDirError, create_run, model_checksum, open_run, validate_job
 from tiderl.store import ForkOrigin, RunStore, TaskKind
 from tiderl.store.engine import StoreError
+from tiderl.store.location import store_url
 
 if TYPE_CHECKING:
     from tiderl.trainer.publish import Checkpoint
@@ -63,9 +66,28 @@ def prepare_fork(source: Path, overrides: list[str], new_dir: Path) -> Launch:
     return Launch(config, paths, store, resumed=False, changes=found)
 
 
+def made_fork(source: Path, new_dir: Path) -> ForkOrigin | None:
+    """Where the fork of `source` that `new_dir` holds started, where a fork was made there whole (its `forked`
+    event is the last thing `prepare_fork` writes); None where `new_dir` holds no run, another run, or a fork
+    whose making was cut off."""
+    try:
+        _, store = open_run(new_dir, read_only=True)
+    except RunDirError:
+        return None
+    try:
+        origin = store.fork_origin()
+    except StoreError:
+        return None
+    finally:
+        store.close()
+    return origin if origin is not None and Path(origin.run_dir) == Path(source).resolve() else None
+
+
 def _check_new_dir(src: RunPaths, new_dir: Path) -> None:
     if new_dir.exists() and (not new_dir.is_dir() or any(new_dir.iterdir())):
-        raise RunDirError(f"{new_dir}: exists and is not an empty directory: a fork makes a new run directory")
+        made = f" (it holds this fork already: `tiderl run --resume {new_dir}` resumes it)" \
+            if made_fork(src.root, new_dir) else ""
+        raise RunDirError(f"{new_dir}: exists and is not an empty directory{made}: a fork makes a new run directory")
     target, root = new_dir.resolve(), src.root.resolve()
     if target == root or root in target.parents:
         raise RunDirError(f"{new_dir}: inside {src.root}, which a fork only reads: give a directory outside it")
@@ -94,8 +116,6 @@ def _check_steps(config: JobConfig, found: tuple[Change, ...], ckpt: Checkpoint,
 
 def _same_store(src: RunPaths, new_dir: Path, config: JobConfig, saved: JobConfig) -> bool:
     """Whether the fork's store would be the source's (a `store.url` naming one SQLite file or PostgreSQL schema)."""
-    from tiderl.store.location import store_url
-
     return store_url(new_dir, config.store.url) == store_url(src.root, saved.store.url)
 
 
@@ -127,8 +147,16 @@ def _base_model(config: JobConfig, src_store: RunStore, src_root: Path) -> tuple
 def _make(config: JobConfig, new_dir: Path, ckpt: Checkpoint, base: tuple[Path, str], origin: ForkOrigin,
           found: tuple[Change, ...]) -> tuple[RunPaths, RunStore]:
     """The fork's directory and store (`base`: version 0, its path and checksum), its checkpoint and weights;
-    nothing of it left where this fails."""
+    nothing of it left where this fails: its directory, and what it made of its store (`RunStore.drop_created`:
+    a store outside the directory, a PostgreSQL schema, is dropped too)."""
     existed = new_dir.is_dir()
+    # The fork's store before the fork makes it: what a failure takes back is what was not there.
+    place = RunStore(store_url(new_dir, config.store.url), config.store)
+    try:
+        before = place.existing_tables()
+    except StoreError as e:
+        place.close()
+        raise RunDirError(f"{new_dir}: the fork's store: {e}; nothing was created") from e
     store: RunStore | None = None
     try:
         paths, store = create_run(config, new_dir)
@@ -139,12 +167,19 @@ def _make(config: JobConfig, new_dir: Path, ckpt: Checkpoint, base: tuple[Path, 
     except BaseException as e:
         if store is not None:
             store.close()
+        kept = "nothing of it was kept"
+        try:
+            place.drop_created(before)
+        except (StoreError, OSError) as drop_error:  # the server gone meanwhile: the user drops it
+            kept = f"its directory was removed, but not its store {place.label} ({drop_error}): drop that by hand"
         shutil.rmtree(new_dir, ignore_errors=True)
         if existed:
             new_dir.mkdir()
         if isinstance(e, (OSError, StoreError, RuntimeError, ValueError)):  # torch's and DCP's errors among them
-            raise RunDirError(f"{new_dir}: the fork could not be made, nothing of it was kept: {e}") from e
+            raise RunDirError(f"{new_dir}: the fork could not be made, {kept}: {e}") from e
         raise
+    finally:
+        place.close()
 
 
 def _copy_checkpoint(ckpt: Checkpoint, paths: RunPaths) -> Checkpoint:

@@ -194,6 +194,45 @@ class RunStore(RankTransactions, TrainerTransactions, ControlTransactions):
             tmp.chmod(0o600)
         os.replace(tmp, pointer)
 
+    def existing_tables(self) -> frozenset[str] | None:
+        """The tables this store's place holds before `create_schema` makes the store there (`drop_created`
+        takes back the rest): those of its PostgreSQL schema or SQLite file; None where that does not exist."""
+        if self.sqlite_path is not None and not self.sqlite_path.exists():
+            return None  # not connected: connecting would create the file
+        schema = schema_of(self.url) if self.dialect == "postgresql" else None
+
+        def read(c: Connection) -> frozenset[str] | None:
+            if schema is not None and c.execute(text("SELECT 1 FROM pg_namespace WHERE nspname = :name"),
+                                                {"name": schema}).first() is None:
+                return None
+            return frozenset(inspect(c).get_table_names(schema=schema))
+
+        return self.tx.read(read)
+
+    def drop_created(self, before: frozenset[str] | None) -> None:
+        """Take back the store a run being created made here and failed to finish (a fork), given what its
+        place held before (`existing_tables`): a PostgreSQL schema or SQLite file that did not exist goes whole;
+        one that held none of the store's tables loses the store's tables and views, the rest of it kept; one
+        that held a store already (another run's: the creation failed on it) is left as it is."""
+        path = self.sqlite_path
+        if before is not None and before & set(metadata.tables):
+            return
+        if before is None and path is not None:
+            for f in (path, *(path.with_name(path.name + side) for side in ("-wal", "-shm", "-journal"))):
+                f.unlink(missing_ok=True)
+            return
+        schema = schema_of(self.url) if self.dialect == "postgresql" else None
+
+        def drop(c: Connection) -> None:
+            if before is None and schema is not None:
+                c.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+                return
+            for name in VIEWS:
+                c.execute(text(f"DROP VIEW IF EXISTS {name}"))
+            metadata.drop_all(c)
+
+        self.tx.write(drop)
+
     def upgrade_schema(self) -> list[str]:
         """Add the nullable columns a store made by an earlier TideRL lacks (nothing else changes
         shape between versions). Returns the columns added as "table.column"; a current store
