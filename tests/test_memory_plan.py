@@ -65,6 +65,17 @@ def test_the_7b_job_fits_80_gib_with_fsdp_and_not_with_torch(qwen7b: ModelShape)
     assert rollout.parts["weights"] == 2 * qwen7b.params and "KV cache holds" in rollout.notes[0]
 
 
+def test_the_logits_are_one_chunk_whatever_the_micro_batch(qwen7b: ModelShape) -> None:
+    from tiderl.trainer.logits import chunk_tokens
+
+    args = dict(backend="fsdp", actors=8, compute_bytes=2, activation_checkpointing=True, colocated_ref=False)
+    big = mp.actor_memory(qwen7b, micro_batch_tokens=32768, **args).parts["logits"]
+    assert big == mp.actor_memory(qwen7b, micro_batch_tokens=8192, **args).parts["logits"]
+    assert big == chunk_tokens(qwen7b.vocab) * qwen7b.vocab * (2 + mp.LOGIT_BYTES) < 1 * GIB
+    small = mp.actor_memory(qwen7b, micro_batch_tokens=64, **args).parts["logits"]
+    assert small == 64 * qwen7b.vocab * (2 + mp.LOGIT_BYTES)  # fewer tokens than a chunk: what they make
+
+
 def test_a_rollout_engine_without_room_for_one_context_is_refused(qwen7b: ModelShape) -> None:
     plan = mp.rollout_memory(qwen7b, engine_bytes=2, tensor_parallel=1, gpu_bytes=24 * GIB, utilization=0.65,
                              max_context_tokens=32768)

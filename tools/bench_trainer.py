@@ -17,6 +17,10 @@ tokens (the actor only: no reference model, no KL term). Per rank it reports
 - ``plan_bytes``: what the memory plan (tiderl.trainer.memory_plan, `tiderl config`) gives an actor rank at
   these settings, and ``measured_over_plan``: the largest rank's peak over import against it.
 
+A backend followed by ``:whole`` (``fsdp:whole``) computes the output layer's logits for a whole
+micro-batch at once instead of a chunk of positions at a time (tiderl.trainer.logits), its plan likewise:
+``--backend fsdp,fsdp:whole`` shows what the chunks save at a large vocabulary.
+
 The backends run one after the other, each in fresh processes; ``ratios`` compares the first to the
 others. Prints one JSON line.
 """
@@ -62,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=None, help="keep the model here (default: a temp dir)")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    unknown = [b for b in args.backends if b not in BACKENDS]
+    unknown = [b for b in args.backends if b.removesuffix(":whole") not in BACKENDS]
     if unknown or not args.backends:
         p.error(f"--backend: {', '.join(unknown) or 'none given'} not among {', '.join(BACKENDS)}")
     if args.ranks < 1:
@@ -119,10 +123,11 @@ def _rank(rank: int, backend: str, args: argparse.Namespace, model_dir: Path, ou
     from tiderl.trainer.synthetic import random_samples
 
     torch.set_num_threads(args.threads_per_rank)
+    _whole_logits(backend)
     imported = _rss_peak()
     comm = init_trainer_group(rank, args.ranks, 0, out / f"rendezvous-{backend}") if args.ranks > 1 else None
     try:
-        actor = make_backend(backend, "actor", model_dir, optim=OptimConfig(lr=1e-5),
+        actor = make_backend(backend.removesuffix(":whole"), "actor", model_dir, optim=OptimConfig(lr=1e-5),
                              dp_group=comm.dp_group if comm else None,
                              activation_checkpointing=args.activation_checkpointing)
         loss = LossConfig(kl_coef=0.0)
@@ -152,6 +157,14 @@ def _rank(rank: int, backend: str, args: argparse.Namespace, model_dir: Path, ou
             "peak_over_import_bytes": peak - imported, **moves}))
     finally:
         leave_trainer_group()
+
+
+def _whole_logits(backend: str) -> None:
+    """`backend:whole`: the output layer's logits of a whole micro-batch at once (one chunk of any size)."""
+    from tiderl.trainer import logits
+
+    if backend.endswith(":whole"):
+        logits.CHUNK_ELEMENTS = 1 << 62
 
 
 def _state_moves(actor: Any, backend: str, comm: Any, ckpt: Path, ranks: int) -> dict[str, float]:
@@ -249,11 +262,19 @@ def _plans(args: argparse.Namespace, model_dir: Path) -> dict[str, int]:
 
     from tiderl.trainer import memory_plan
 
+    from tiderl.trainer import logits
+
     shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
-    return {b: memory_plan.actor_memory(shape, backend=b, actors=args.ranks, compute_bytes=4,
-                                        micro_batch_tokens=args.seqs * args.seq_tokens,
-                                        activation_checkpointing=args.activation_checkpointing,
-                                        colocated_ref=False).total for b in args.backends}
+    chunk = logits.CHUNK_ELEMENTS
+    plans = {}
+    for b in args.backends:
+        logits.CHUNK_ELEMENTS = (1 << 62) if b.endswith(":whole") else chunk
+        plans[b] = memory_plan.actor_memory(shape, backend=b.removesuffix(":whole"), actors=args.ranks,
+                                            compute_bytes=4, micro_batch_tokens=args.seqs * args.seq_tokens,
+                                            activation_checkpointing=args.activation_checkpointing,
+                                            colocated_ref=False).total
+    logits.CHUNK_ELEMENTS = chunk
+    return plans
 
 
 def _prod(shape: list[int]) -> int:

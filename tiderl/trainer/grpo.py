@@ -39,15 +39,22 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
     if not temperature > 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
-    scaled = logits[:, :-1].float()
+    ids = torch.tensor(banned, device=logits.device) if banned else None
+    return next_token_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), temperature, ids)
+
+
+def next_token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float,
+                        ids: torch.Tensor | None) -> torch.Tensor:
+    """``[..., V]`` logits, ``[...]`` target ids -> ``[...]``: log softmax(logits / temperature) at the targets,
+    normalised without the `ids` (banned) where the target is allowed (:func:`token_logprobs`; the chunked
+    output layer, tiderl.trainer.logits, reduces its chunks with this too)."""
+    scaled = logits.float()
     if temperature != 1.0:
         scaled = scaled / temperature
-    target = input_ids[:, 1:]
-    if banned:
+    if ids is not None:
         # Normalised over the allowed ids only, where the next token is allowed (every sampled token);
         # a banned next token (an image placeholder of the prompt, never trained) keeps its plain value,
         # so no position is -inf (a masked -inf would still make NaN of the loss).
-        ids = torch.tensor(banned, device=scaled.device)
         lse = torch.logsumexp(scaled, dim=-1)
         share = torch.exp(torch.logsumexp(scaled.index_select(-1, ids), dim=-1) - lse).clamp(max=1 - 1e-6)
         lse = torch.where(torch.isin(target, ids), lse, lse + torch.log1p(-share))
@@ -78,17 +85,24 @@ def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor, temperature: fl
     step = max(1, ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
     for i in range(0, rows.numel(), step):
         r, c = rows[i:i + step], cols[i:i + step]
-        x = logits[r, c].to(torch.float32)  # [n, V]: a copy (advanced indexing), changed in place below
-        if temperature != 1.0:
-            x.div_(temperature)
-        if ids is not None:
-            x.index_fill_(-1, ids, float("-inf"))
-        lse = torch.logsumexp(x, dim=-1)
-        p = torch.exp(x - lse.unsqueeze(-1))
-        if ids is not None:
-            x.index_fill_(-1, ids, 0.0)  # p is 0 there: 0 * 0, not 0 * -inf
-        out[r, c] = lse - p.mul_(x).sum(dim=-1)
+        out[r, c] = row_entropy(logits[r, c], temperature, ids)
     return out
+
+
+@torch.no_grad()
+def row_entropy(logits: torch.Tensor, temperature: float, ids: torch.Tensor | None) -> torch.Tensor:
+    """``[n, V]`` logits -> ``[n]`` float32 entropy of softmax(logits / temperature) without the `ids`. Changes
+    fp32 `logits` in place: the callers pass a copy of their own (an advanced index's)."""
+    x = logits.to(torch.float32)
+    if temperature != 1.0:
+        x.div_(temperature)
+    if ids is not None:
+        x.index_fill_(-1, ids, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    p = torch.exp(x - lse.unsqueeze(-1))
+    if ids is not None:
+        x.index_fill_(-1, ids, 0.0)  # p is 0 there: 0 * 0, not 0 * -inf
+    return lse - p.mul_(x).sum(dim=-1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:

@@ -14,8 +14,9 @@ job's trainer and rollout settings:
   for its backward (`ACTIVATION_WIDTHS`: 10 hidden-wide and 4 intermediate-wide tensors a token, in the
   compute dtype), for every layer, or with activation checkpointing each layer's input plus one
   layer's recompute; and the output layer's logits, in the compute dtype, their fp32 copy, the
-  log-softmax and its gradient (`LOGIT_BYTES`): with a 152k vocabulary, 2 GiB per 1,000 tokens in
-  bf16, the largest activation (the logits are not computed in chunks yet);
+  log-softmax and its gradient (`LOGIT_BYTES`), for one chunk of positions at a time
+  (tiderl.trainer.logits: at most `CHUNK_ELEMENTS` logits, 448 MiB in bf16 whatever the micro-batch;
+  whole, a 152k vocabulary would take 2 GiB per 1,000 tokens);
 - a reference model colocated with the actor (RA2P's colocated mode), frozen in the compute dtype;
 - a rollout rank's engine takes `rollout.gpu_memory_utilization` of its GPUs: its weights in the engine
   dtype, split over `rollout.tensor_parallel_size` GPUs, and a KV cache in the rest, which must hold at
@@ -104,7 +105,7 @@ def actor_memory(shape: ModelShape, *, backend: str, actors: int, compute_bytes:
     if backend == "torch" and actors > 1:
         parts["all-reduce buffer"] = 4 * p
     parts["activations"] = activation_bytes(shape, micro_batch_tokens, compute_bytes, activation_checkpointing)
-    parts["logits"] = micro_batch_tokens * shape.vocab * (compute_bytes + LOGIT_BYTES)
+    parts["logits"] = logit_elements(shape, micro_batch_tokens) * (compute_bytes + LOGIT_BYTES)
     if colocated_ref:
         parts["reference"] = compute_bytes * p
     return RankMemory("actor", parts)
@@ -124,8 +125,15 @@ def ref_memory(shape: ModelShape, *, compute_bytes: int, micro_batch_tokens: int
     return RankMemory("ref", {
         "weights": compute_bytes * shape.params,
         "activations": micro_batch_tokens * compute_bytes * (shape.hidden + shape.intermediate) * 2,
-        "logits": micro_batch_tokens * shape.vocab * (compute_bytes + 4 + 4),
+        "logits": logit_elements(shape, micro_batch_tokens) * (compute_bytes + 4 + 4),
     })
+
+
+def logit_elements(shape: ModelShape, tokens: int) -> int:
+    """Logits held at once for `tokens` positions: one chunk of the output layer's (tiderl.trainer.logits)."""
+    from tiderl.trainer.logits import chunk_tokens
+
+    return min(tokens, chunk_tokens(shape.vocab)) * shape.vocab
 
 
 def rollout_memory(shape: ModelShape, *, engine_bytes: int, tensor_parallel: int, gpu_bytes: int | None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from tiderl.trainer.backend import ActorBackend, ActorForward, OptimConfig, OptimStats, RefBackend
 from tiderl.trainer.batch import MicroBatch
 from tiderl.trainer import state
-from tiderl.trainer.grpo import token_entropy, token_logprobs
+from tiderl.trainer.logits import output_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -124,24 +125,28 @@ def _load(model_path: Path, device: torch.device, dtype: torch.dtype = torch.flo
     return model_class(AutoConfig.from_pretrained(model_path)).from_pretrained(model_path, dtype=dtype).to(device)
 
 
-def _logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
-    return model(
+def _run(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> Callable[[], Any]:
+    """The model's forward of `mb` (its output's ``.logits`` reduced by tiderl.trainer.logits)."""
+    return lambda: model(
         input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device), use_cache=False,
         **{name: t.to(device) for name, t in mb.vision.items()},  # images through the vision tower
-    ).logits
+    )
 
 
 def _logprobs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
               banned: tuple[int, ...] = ()) -> torch.Tensor:
-    return token_logprobs(_logits(model, mb, device), mb.input_ids.to(device), temperature=temperature, banned=banned)
+    """The tokens' log-probabilities, the output layer in chunks (tiderl.trainer.logits)."""
+    return output_logprobs(model, _run(model, mb, device), mb.input_ids.to(device), temperature=temperature,
+                           banned=banned)[0]
 
 
 def _actor_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device, temperature: float,
                    banned: tuple[int, ...] = ()) -> ActorForward:
     """The actor's log-probabilities and, from the same logits, its entropy at the trained tokens."""
-    logits = _logits(model, mb, device)
-    return ActorForward(token_logprobs(logits, mb.input_ids.to(device), temperature=temperature, banned=banned),
-                        token_entropy(logits, mb.loss_mask, temperature=temperature, banned=banned))
+    logprobs, entropy = output_logprobs(model, _run(model, mb, device), mb.input_ids.to(device),
+                                        temperature=temperature, banned=banned, loss_mask=mb.loss_mask)
+    assert entropy is not None
+    return ActorForward(logprobs, entropy)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
