@@ -128,16 +128,19 @@ def test_6_preemptive_max_rollout_at_cold_start_and_evaluation():
     assert plan((R, F, I, A), cold, full).roles == (R, I, I, A)
 
 
-def test_13_the_evaluations_end_puts_its_ref_and_idle_ranks_back():
+def test_13_the_evaluations_end_puts_its_ranks_back():
     before = (R, F, F, I, A, A)  # the planner's split before the evaluation
     during = (R, R, R, R, A, A)  # the evaluation's preemptive maximum rollout
     over = ErsSignals(ras_microbatches=0, ready_groups=8, hol_latency_s=0.0, tprm_s=None, step_history_s=HISTORY,
                       pre_evaluation_roles=before)
     p = plan(during, over, LIMITS)  # LIMITS: one move a step; the return is exempt like the preemptive move
     assert p.reason is ErsReason.EVALUATION_END and p.roles == before and p.mode is Ra2pMode.DECOUPLED
-    # Only rollout ranks move back: an actor or a rank that another rule moved meanwhile keeps its role.
+    # Only rollout ranks move back: a rank that another rule moved meanwhile keeps its role.
     moved = plan((R, R, F, R, A, R), over, LIMITS)
     assert moved.roles == (R, F, F, I, A, R) and {(m.from_role, m.to_role) for m in moved.moves} <= {(R, F), (R, I)}
+    # Actors the evaluation took (invariant 15) go back too.
+    back = plan((R, R, R, R, R, A), over, replace(LIMITS, elastic_actors=True))
+    assert back.reason is ErsReason.EVALUATION_END and back.roles == before
     # Nothing to put back, no preemptive rule, or still evaluating: the other rules plan as before.
     assert plan(before, over, LIMITS).reason is not ErsReason.EVALUATION_END
     assert plan(during, over, replace(LIMITS, preemptive_rollout=False)).reason is not ErsReason.EVALUATION_END

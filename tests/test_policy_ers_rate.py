@@ -489,3 +489,63 @@ def test_11_a_split_supplies_at_most_what_its_task_slots_play():
     assert plan((R, F, A, A), bare, SLOTTED).moves == ()
     # No slot bound (rank_tasks unknown): the slots never cap a split.
     assert slot_tok_s(1, estimate(sig, LIMITS)) == float("inf")
+
+
+def evaluation_signals(*seen: StepObservation) -> ErsSignals:
+    window = (obs(2, 4, latency_s=20.0, env_s=10.0), obs(2, 4, latency_s=20.0, env_s=10.0))
+    return replace(signals(*window), is_eval_next=True, evaluation_steps=seen)
+
+
+def test_15_an_evaluation_takes_the_actors_its_measured_steps_predict_to_pay():
+    from tiderl.policy.ers.model import FIXED_SHARE_PRIOR
+    from tiderl.policy.ers.overrides import evaluation_step_s
+
+    # The last evaluation step took 100 s at 2 rollout / 4 actor ranks, the actors waiting 80 s of it for data.
+    seen = replace(obs(2, 4, duration_s=100.0, wait_s=80.0), evaluation=True)
+    sig = evaluation_signals(seen)
+    roles = (R, R, A, A, A, A)
+
+    def expected(rollout: int, actors: int) -> float:
+        # One count measured: beyond it the wait keeps FIXED_SHARE_PRIOR of itself (gen_latency_at); the
+        # trainer's 20 s of work follows its actor ranks.
+        wait = 80.0 * (FIXED_SHARE_PRIOR + (1 - FIXED_SHARE_PRIOR) * 2 / rollout)
+        return wait + 20.0 * 4 / actors
+
+    assert evaluation_step_s(roles, (seen,)) == pytest.approx(100.0)
+    for rollout in (3, 4, 5):
+        assert evaluation_step_s((R,) * rollout + (A,) * (6 - rollout), (seen,)) == pytest.approx(
+            expected(rollout, 6 - rollout))
+    best = min((3, 4, 5), key=lambda n: expected(n, 6 - n))
+    assert expected(best, 6 - best) * 1.05 < 100.0
+    p = plan(roles, sig, ELASTIC)
+    assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == best and p.roles[:best] == (R,) * best
+    # A second count measured: between the two the wait is linear in 1 / n, and the newest step's work counts.
+    at4 = replace(obs(4, 2, duration_s=70.0, wait_s=10.0), evaluation=True)
+    w3 = 10.0 + (80.0 - 10.0) * (1 / 3 - 1 / 4) / (1 / 2 - 1 / 4)
+    assert evaluation_step_s((R, R, R, A, A, A), (seen, at4)) == pytest.approx(w3 + 60.0 * 2 / 3)
+    # A busy trainer in the evaluation step (it waited 10 s of 100): no actor pays; the preemptive rule's plan.
+    busy = evaluation_signals(replace(seen, trainer_wait_s=10.0))
+    assert plan(roles, busy, ELASTIC).roles == roles and plan(roles, busy, ELASTIC).reason is ErsReason.EVALUATION
+    # Without elastic actors, without an evaluation measured, at min_actor_ranks: no actor moves.
+    assert plan(roles, sig, LIMITS).roles == roles
+    assert plan(roles, sig, replace(ELASTIC, evaluation_actors=False)).roles == roles
+    assert plan(roles, replace(sig, evaluation_steps=()), ELASTIC).roles == roles
+    assert count(plan(roles, sig, replace(ELASTIC, min_actor_ranks=4)).roles, A) == 4
+    # Ref ranks go to rollout first, as the preemptive rule sends them; only then actors, where they pay:
+    # with the ref's rank in rollout (3 ranks: 66.7 + 20 s) a fourth (60 + 26.7 s) gains nothing.
+    assert expected(3, 4) == pytest.approx(expected(4, 3))
+    assert plan((R, R, F, A, A, A, A), sig, ELASTIC).roles == (R, R, R, A, A, A, A)
+    # Not at cold start: the preemptive rule's.
+    assert plan(roles, replace(sig, step_history_s=()), ELASTIC).reason is ErsReason.COLD_START
+
+
+def test_the_evaluation_steps_are_the_newest_of_each_rollout_count_after_the_fill():
+    from tiderl.policy.ers.signals import ErsSnapshot, build_signals, evaluation_steps
+
+    steps = tuple(replace(obs(n, 4), version=v, evaluation=e)
+                  for v, n, e in [(1, 2, True), (5, 2, False), (10, 2, True), (20, 3, True), (30, 2, True)])
+    assert [s.version for s in evaluation_steps(steps)] == [20, 30]
+    snapshot = ErsSnapshot(roles=(R, R, A, A, A, A), micro_batch_tokens=250, ready_tokens=0, ready_groups=0,
+                           oldest_ready_age_s=None, steps=steps, fill_steps=2)
+    assert [s.version for s in build_signals(snapshot, 5).evaluation_steps] == [20, 30]
+    assert [s.version for s in build_signals(replace(snapshot, steps=steps[:3]), 5).evaluation_steps] == [10]

@@ -61,6 +61,11 @@ class ErsConfig:
         True, help="At cold start and before evaluation steps, move every ref (and idle) rank to rollout at "
         "once; when the evaluation is over, put those ranks back to the roles they held before it, at once."
     )
+    evaluation_actors: bool = option(
+        True, help="With `elastic_actors` and `preemptive_rollout`: an evaluation step may also take actor ranks "
+        "to rollout, as many as the evaluation steps measured predict to shorten it by more than `rate_margin`; "
+        "they return when the evaluation is over (not on a shared host). false: only ref and idle ranks go.",
+    )
     adaptive_retention: bool = option(
         True,
         help="After a rollout scale-down that leaves a generation deficit, fetch fewer groups per step "

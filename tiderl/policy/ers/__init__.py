@@ -17,8 +17,9 @@ The planner's shape: ``plan = overrides(choose(model(signals)))``.
 - :mod:`tiderl.policy.ers.choose`: the split picked from the model and the moves toward it
   (:func:`~tiderl.policy.ers.choose.plan_rate`).
 - :mod:`tiderl.policy.ers.overrides`: the rules around the choice, each a named function: before it
-  (the first that applies replaces it) ERS disabled, cold start and evaluation steps (preemptive
-  rollout, on a shared host within the host's room), an evaluation's end; after it, engines on
+  (the first that applies replaces it) ERS disabled, evaluation steps that take actor ranks (with
+  ``elastic_actors``), cold start and evaluation steps (preemptive rollout, on a shared host within
+  the host's room), an evaluation's end; after it, engines on
   demand; and the paper's threshold rules (``ers.policy: paper``), taken in place of the rate choice.
 - :mod:`tiderl.policy.ers.trainer`: the trainer's side, its step model and re-partition between
   actor and ref ranks.
@@ -84,13 +85,19 @@ Roles and moves
 10. Disabled: the role map is unchanged and the mode follows it.
 13. An evaluation's end (``pre_evaluation_roles``, ``preemptive_rollout``):
     only ROLLOUT ranks move, each to the REF or IDLE role it held before the
-    evaluation; every other rank keeps its role.
+    evaluation (or ACTOR, with ``elastic_actors``); every other rank keeps its role.
 11. Pure: equal inputs give equal plans.
 14. Engines on demand (``engines_on_demand`` with a shared host and ``engine_ranks`` known): no rank
     whose engine is not up moves from IDLE to ROLLOUT; each such move the rules chose leaves the rank
     IDLE and lists it in ``warm`` (the rest of the plan as the rules chose it; the reason
     ``engine_start`` where nothing else moves).
     ``warm`` holds only IDLE ranks without an engine, and is empty otherwise.
+15. An evaluation step with ``elastic_actors`` (not at cold start, not on a shared host) and an evaluation
+    step measured (``evaluation_step``): besides invariant 6, actor ranks move to rollout (the lowest-index
+    first, never below ``min_actor_ranks``) only as many as give the shortest predicted evaluation step,
+    and only where it beats the preemptive split's by more than ``rate_margin``
+    (tiderl.policy.ers.overrides, ``evaluation_split``); the moves are exempt from the limits as the
+    preemptive ones.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ class ErsLimits:
     max_ref_ranks: int | None = None
     elastic_actors: bool = False
     preemptive_rollout: bool = True
+    evaluation_actors: bool = True
+    """With elastic_actors: evaluation steps may take actor ranks (tiderl.policy.ers.overrides.evaluation_split)."""
     adaptive_retention: bool = True
     policy: ErsPolicy = ErsPolicy.PAPER
     max_staleness: int = 1
@@ -116,6 +118,7 @@ class ErsLimits:
             max_ref_ranks=ers.max_ref_ranks,  # type: ignore[attr-defined]
             elastic_actors=ers.elastic_actors,  # type: ignore[attr-defined]
             preemptive_rollout=ers.preemptive_rollout,  # type: ignore[attr-defined]
+            evaluation_actors=getattr(ers, "evaluation_actors", True),
             adaptive_retention=ers.adaptive_retention,  # type: ignore[attr-defined]
             engines_on_demand=host is not None and ers.idle_engines == "on_demand",  # type: ignore[attr-defined]
         )
@@ -222,6 +225,10 @@ class ErsSignals:
     (None: no evaluation just ended)."""
     engine_ranks: frozenset[int] | None = None
     """Ranks whose engine is up now (None: not tracked; every rank joins rollout at a reload's cost)."""
+    evaluation_steps: tuple[StepObservation, ...] = ()
+    """The finished steps during which an evaluation ran, after the pipeline's fill: the newest one of each
+    rollout-rank count, newest last. The next evaluation's split is predicted from them
+    (tiderl.policy.ers.overrides.evaluation_split)."""
     walk: ErsSignals | None = None
     """The signals as they were at the end of the newest split the rate window measured, while the current
     split is not measured yet (None otherwise): the rate planner may go on with the previous plan's walk

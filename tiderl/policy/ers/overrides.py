@@ -8,6 +8,8 @@ Pure: no torch, no database, no HTTP, no processes. The invariants these rules k
 
 Before the choice (the first that applies replaces it):
 - :func:`disabled`: ERS off, the role map unchanged.
+- :func:`evaluation_split`: an evaluation step with ``elastic_actors``: the preemptive rule's moves and the
+  actor ranks predicted to pay (below).
 - :func:`preemptive_rollout`: cold start and evaluation steps (below).
 - :func:`evaluation_end`: the evaluation is over, its preemptive moves undone (below).
 After the choice (each in turn):
@@ -38,28 +40,47 @@ Signals (:class:`ErsSignals`)
   move limit because it only adds rollout capacity; once the evaluation is
   over (``pre_evaluation_roles``), the ranks it sent from ref or idle to
   rollout go back to those roles in one plan (also exempt: it undoes the
-  preemptive move, and the split before it was the planner's); actor ranks are not
-  moved preemptively (they return one per step at most). On a shared host
+  preemptive move, and the split before it was the planner's). On a shared host
   (``host``, tiderl.policy.host) rollout capacity is the host's, not the
   ranks': an idle rank returns to rollout only while the host runs every
   busy rollout rank at full speed (``host.speed(rollout + 1) == 1``, the
   trainer waiting); ref ranks beyond that become IDLE (a ref rank's
   decoupled step pays a coordination the colocated one does not: on this
   project's CPU host it costs more than the ref saves, docs/RESULTS.md).
+- Evaluation steps with ``elastic_actors`` and ``evaluation_actors`` (not on a shared host): an evaluation round holds the
+  step's publish until it is done, and its tasks go ahead of the training groups, so the step waits
+  for the rollout side while the actors wait for data (on phase-change x h100x8 such a step took
+  3.5x a normal one, the trainer waiting 2/3 of it). Actor ranks may join the rollout side for the
+  evaluation, at most down to ``min_actor_ranks``. The evaluation steps measured
+  (``evaluation_steps``, after the pipeline's fill) predict an evaluation step with n rollout and M
+  actor ranks to take ``W(n) + (D - W) x M_e / M``: W(n) the trainer's wait for data, read off the
+  newest evaluation step of each rollout count as the rate model reads generation latency
+  (:func:`tiderl.policy.ers.model.gen_latency_at`: measured where measured, linear in 1 / n
+  between, fully 1 / n below the fewest, half of it fixed above the most: the round's tasks, all
+  released at once ahead of the batch's, keep every rollout rank busy), and the trainer's work
+  D - W of the newest evaluation step (duration D, M_e actor ranks) following the actor ranks (in
+  an evaluation step the trainer waits first, then trains). The count with the shortest prediction
+  moves, if it beats the preemptive rule's split by more than ``rate_margin``; each evaluation
+  step measured at a new count sharpens the next prediction. The evaluation's end puts the actors
+  back with the ref and idle ranks (exempt from the move limits, as the preemptive plan). With no
+  evaluation step measured the preemptive rule alone applies.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
-from tiderl.policy.ers.inputs import ErsLimits, ErsSignals
+from tiderl.policy.ers.inputs import ErsLimits, ErsSignals, StepObservation
+from tiderl.policy.ers.model import gen_latency_at
 from tiderl.policy.ers.outputs import ErsPlan, ErsReason, finish_plan, mode_of, move_roles
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, break_even_ras, choose_mode, refs_keep_up
 from tiderl.roles import Role
 
 __all__ = ["AFTER_CHOICE", "BEFORE_CHOICE", "after_choice", "await_engines", "before_choice", "consumption_deficit",
-           "disabled", "evaluation_end", "host_room", "max_rollout", "plan_paper", "preemptive_rollout"]
+           "disabled", "evaluation_end", "evaluation_split", "evaluation_step_s", "host_room", "max_rollout",
+           "plan_paper", "preemptive_rollout"]
 
 
 def consumption_deficit(roles: Sequence[Role], signals: ErsSignals, limits: ErsLimits) -> bool:
@@ -98,21 +119,58 @@ def preemptive_rollout(current: tuple[Role, ...], signals: ErsSignals, limits: E
     return None
 
 
+def evaluation_split(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan | None:
+    """An evaluation step with ``elastic_actors``: the preemptive rule's split and the actor ranks the measured
+    evaluation steps predict to pay, moved to rollout (invariant 15); None where no actor is worth moving
+    (the preemptive rule then applies)."""
+    seen = signals.evaluation_steps
+    if (not (limits.preemptive_rollout and limits.elastic_actors and limits.evaluation_actors and signals.is_eval_next)
+            or not seen
+            or not signals.step_history_s or limits.host is not None):
+        return None
+    base = max_rollout(current, limits.host)
+    actors = sum(1 for r in base if r is Role.ACTOR)
+    options = [move_roles(base, Role.ACTOR, Role.ROLLOUT, k, lowest_first=True)
+               for k in range(max(0, actors - limits.min_actor_ranks) + 1)]
+    predicted = [evaluation_step_s(roles, seen) for roles in options]
+    if predicted[0] is None:
+        return None
+    best = min(range(len(options)), key=lambda k: (predicted[k] if predicted[k] is not None else math.inf, k))
+    if best == 0 or predicted[best] * (1 + limits.rate_margin) >= predicted[0]:  # type: ignore[operator]
+        return None
+    return finish_plan(current, options[best], limits.groups_ideal, ErsReason.EVALUATION)
+
+
+def evaluation_step_s(roles: tuple[Role, ...], seen: tuple[StepObservation, ...]) -> float | None:
+    """The predicted duration of an evaluation step on `roles` from the evaluation steps `seen` (newest last;
+    the module docstring); None without actor or rollout ranks or a measurement."""
+    rollout = sum(1 for r in roles if r is Role.ROLLOUT)
+    actors = sum(1 for r in roles if r is Role.ACTOR)
+    if rollout < 1 or actors < 1 or not seen:
+        return None
+    waits = tuple(sorted((s.rollout_ranks, min(s.trainer_wait_s, s.duration_s)) for s in seen if s.rollout_ranks >= 1))
+    if not waits:
+        return None
+    newest = seen[-1]
+    work = newest.duration_s - min(newest.trainer_wait_s, newest.duration_s)
+    return gen_latency_at(rollout, waits) + work * max(1, newest.actor_ranks) / actors
+
+
 def evaluation_end(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan | None:
-    """The evaluation is over: the ranks its preemptive rule sent to rollout go back (invariant 13)."""
+    """The evaluation is over: the ranks its rules sent to rollout go back (invariant 13)."""
     fetch = limits.groups_ideal
     cold = not signals.step_history_s
     restore = signals.pre_evaluation_roles
     if limits.preemptive_rollout and not cold and restore is not None and len(restore) == len(current):
-        new = tuple(old if now is Role.ROLLOUT and old in (Role.REF, Role.IDLE) else now
-                    for now, old in zip(current, restore))
+        back = (Role.REF, Role.IDLE, Role.ACTOR) if limits.elastic_actors else (Role.REF, Role.IDLE)
+        new = tuple(old if now is Role.ROLLOUT and old in back else now for now, old in zip(current, restore))
         if new != current:
             return finish_plan(current, new, fetch, ErsReason.EVALUATION_END)
     return None
 
 
 BEFORE_CHOICE: tuple[Callable[[tuple[Role, ...], ErsSignals, ErsLimits], ErsPlan | None], ...] = (
-    disabled, preemptive_rollout, evaluation_end)
+    disabled, evaluation_split, preemptive_rollout, evaluation_end)
 """The rules tried before the choice, in order: the first that returns a plan replaces the choice."""
 
 

@@ -80,7 +80,7 @@ HISTORY_FACTOR = 10  # steps a mechanism hands over: this many times history_ste
 MIN_WINDOW_STEPS = 2  # settled steps on a split before the rate planner judges it (one step is mostly noise)
 
 __all__ = ["HISTORY_FACTOR", "MIN_WINDOW_STEPS", "ErsSnapshot", "EvaluationMemory", "StepObservation",
-           "build_signals", "gen_latency_by_rollout", "rate_window", "slot_wait_s", "task_times"]
+           "build_signals", "evaluation_steps", "gen_latency_by_rollout", "rate_window", "slot_wait_s", "task_times"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +178,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
         micro_batch_tokens=mb,
         pre_evaluation_roles=None if snapshot.is_eval_open else snapshot.pre_evaluation_roles,
         engine_ranks=snapshot.engine_ranks,
+        evaluation_steps=evaluation_steps(steady),
         inflight_cap=snapshot.inflight_cap,
         walk=_walk(snapshot, steady, history_steps) if len(window) < MIN_WINDOW_STEPS else None,
     )
@@ -194,6 +195,16 @@ def _walk(snapshot: ErsSnapshot, steady: tuple[StepObservation, ...], history_st
             return build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
         i = j
     return None
+
+
+def evaluation_steps(steps: tuple[StepObservation, ...]) -> tuple[StepObservation, ...]:
+    """The newest evaluation step of each rollout-rank count in `steps`, newest last."""
+    newest: dict[int, StepObservation] = {}
+    for s in steps:
+        if s.evaluation:
+            newest.pop(s.rollout_ranks, None)
+            newest[s.rollout_ranks] = s
+    return tuple(newest.values())
 
 
 def task_times(steps: tuple[StepObservation, ...]) -> tuple[float, float] | None:
