@@ -124,9 +124,8 @@ def evaluation_split(current: tuple[Role, ...], signals: ErsSignals, limits: Ers
     evaluation steps predict to pay, moved to rollout (invariant 15); None where no actor is worth moving
     (the preemptive rule then applies)."""
     seen = signals.evaluation_steps
-    if (not (limits.preemptive_rollout and limits.elastic_actors and limits.evaluation_actors and signals.is_eval_next)
-            or not seen
-            or not signals.step_history_s or limits.host is not None):
+    allowed = limits.preemptive_rollout and limits.elastic_actors and limits.evaluation_actors and limits.host is None
+    if not (allowed and signals.is_eval_next and seen and signals.step_history_s):
         return None
     base = max_rollout(current, limits.host)
     actors = sum(1 for r in base if r is Role.ACTOR)
