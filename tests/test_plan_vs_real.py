@@ -14,8 +14,14 @@ import plan_vs_real  # noqa: E402
 
 
 def _plan(rows: list[tuple[int, int, float]], recommended: tuple[int, int]) -> dict:
-    return {"rows": [{"setting": {"gpus": 4, "groups": g, "staleness": s}, "goodput_tok_s": tok} for g, s, tok in rows],
-            "recommendation": {"setting": {"gpus": 4, "groups": recommended[0], "staleness": recommended[1]}}}
+    """`tiderl plan --json`'s object, its rows and recommendation made by tiderl.sim.advisor's own to_json."""
+    from tiderl.sim.advisor import PlanRecommendation, PlanRow, PlanSetting
+
+    made = {(g, s): PlanRow(PlanSetting(4, g, s), tok, (tok,), (2, 1, 0), "compute", 2 * tok, 2 * tok, 3 * tok, 1.0,
+                            0.0, 5.0) for g, s, tok in rows}
+    best = PlanRecommendation(made[recommended], 0.9, max(made.values(), key=lambda r: r.goodput_tok_s).goodput_tok_s,
+                              len(made), None)
+    return {"rows": [r.to_json() for r in made.values()], "recommendation": best.to_json()}
 
 
 def test_the_recommendation_is_scored_against_the_best_measured_setting() -> None:

@@ -66,13 +66,12 @@ def compare(plan: dict[str, Any], measured: dict[str, float | None]) -> dict[str
     object and {key: tok/s or None}), the recommendation's measured share of the best measured."""
     rows = []
     for row in plan["rows"]:
-        s = row["setting"]
-        k = key(s["groups"], s["staleness"])
+        k = key(row["groups"], row["staleness"])
         got = measured.get(k)
         rows.append({"setting": k, "predicted_tok_s": row["goodput_tok_s"], "measured_tok_s": got})
     done = [r for r in rows if r["measured_tok_s"]]
     rec = plan.get("recommendation")
-    rec_key = key(rec["setting"]["groups"], rec["setting"]["staleness"]) if rec else None
+    rec_key = key(rec["groups"], rec["staleness"]) if rec else None
     best = max(done, key=lambda r: r["measured_tok_s"]) if done else None
     share = None
     if best is not None and rec_key is not None and measured.get(rec_key):
