@@ -123,6 +123,10 @@ def test_leftovers_with_an_environment_of_their_own_are_reaped_by_their_dead_ran
             assert time.time() < deadline, "the test processes did not start"
             time.sleep(0.05)
         core = {name: int(p.read_text()) for name, p in pids.items()}
+        # `$!` is the forked shell until it execs `env -i sleep`: it still holds the tagged environment until then.
+        while not all(Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0") for pid in core.values()):
+            assert time.time() < deadline, "the test processes did not exec their own environment"
+            time.sleep(0.05)
         assert procs.RUN_DIR_ENV.encode() not in Path(f"/proc/{core['dead']}/environ").read_bytes()
         ranks["dead"].proc.send_signal(signal.SIGKILL)
         ranks["dead"].proc.wait()
