@@ -10,7 +10,9 @@ server gone, a dead connection, a damaged bucket) leaves the engine's weights as
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -141,15 +143,43 @@ def _check_layout(header: dict[str, Any], layouts: list[BucketLayout], expected:
 
 
 def _mapped(header: dict[str, Any], layouts: list[BucketLayout]) -> list[tuple[str, torch.Tensor]] | None:
-    """The version's tensors mapped from its shared-memory files, every bucket checked (in parallel: zlib
-    releases the GIL), or None where a file cannot be opened here. Raises TransferError for a damaged bucket."""
+    """The version's tensors mapped from its shared-memory files, every bucket checked (in parallel, on the
+    cores of this process's pinned threads: zlib releases the GIL), or None where a file cannot be opened
+    here. Raises TransferError for a damaged bucket."""
     try:
         data = [map_bucket(path, layout.nbytes) for path, layout in zip(header["shm"], layouts, strict=True)]
     except (OSError, RuntimeError, ValueError):
         return None
-    with ThreadPoolExecutor(max_workers=workers()) as pool:
+    cpus = _pinned_cpus()
+
+    def spread() -> None:  # a checking thread may run on any of them, not only on its creator's core
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers(), len(cpus))), initializer=spread) as pool:
         list(pool.map(check, data, layouts))
     return [kv for d, layout in zip(data, layouts) for kv in unpack(d, layout, checked=True)]
+
+
+def _pinned_cpus() -> set[int]:
+    """The cores this thread may run on, with every core one of this process's threads is pinned to (a thread
+    allowed a single core). vLLM's CPU worker pins each of its OpenMP threads to a core of its own, its main
+    thread to the first, and a new thread inherits its creator's cores: the checking threads this worker
+    starts would all share its main thread's one core. While a version is received and loaded the engine
+    steps no batch, and its OpenMP threads' cores are idle."""
+    cpus = set(os.sched_getaffinity(0))
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return cpus
+    for tid in tids:
+        try:
+            allowed = os.sched_getaffinity(int(tid))
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+        if len(allowed) == 1:
+            cpus |= allowed
+    return cpus
 
 
 def _connect(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
