@@ -89,7 +89,10 @@ def test_a_model_that_changes_its_logits_is_run_whole() -> None:
     model = _model()
     forward = model.forward
 
+    calls = []
+
     def scaled(*args, **kwargs):  # a logit scale after the output layer (as Cohere's, or soft-capping)
+        calls.append(1)
         out = forward(*args, **kwargs)
         out.logits = out.logits * 2.0
         return out
@@ -99,6 +102,9 @@ def test_a_model_that_changes_its_logits_is_run_whole() -> None:
     logits = scaled(input_ids=ids, attention_mask=attention, use_cache=False).logits
     torch.testing.assert_close(lp, token_logprobs(logits, ids))
     torch.testing.assert_close(ent, token_entropy(logits, mask))
+    assert len(calls) == 3  # found out on its first call (two forwards), the reference's one
+    again, _ = _chunked(model, ids, attention, mask, 1.0, ())
+    assert len(calls) == 4 and torch.equal(again, lp)  # from then on one forward a call, whole
 
 
 def test_no_gradient_and_no_mask_for_the_reference() -> None:

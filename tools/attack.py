@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import pwd
@@ -231,7 +230,7 @@ CASES: list[Callable[[Target], dict[str, Any]]] = [
 ]
 
 
-def _reach_script(uid: int, argv: list[str], home: str) -> str:
+def _reach_script(uid: int, argv: list[str], home: str, stage_root: str) -> str:
     """A shell script for `unshare --mount` that makes the interpreter, the venv and the checkout reachable
     for `uid` (each directory on their way that others cannot enter is covered by a 0755 tmpfs holding
     only the needed entries, bound from their originals), then runs `argv` as `uid` with `home`."""
@@ -248,7 +247,7 @@ def _reach_script(uid: int, argv: list[str], home: str) -> str:
                 break
     lines = ["set -e", "mount --make-rprivate /"]
     for n, (d, names) in enumerate(sorted(cover.items())):
-        stage = tempfile.mkdtemp(prefix="tiderl-attack-reach-")
+        stage = tempfile.mkdtemp(dir=stage_root)
         for name in sorted(names):
             q = shlex.quote
             lines += [f"mkdir -p {q(stage)}/{q(name)}", f"mount --bind {q(str(d / name))} {q(stage)}/{q(name)}"]
@@ -269,14 +268,13 @@ def _as_ordinary_user(argv: list[str]) -> int:
     assert uid is not None
     home = tempfile.mkdtemp(prefix="tiderl-attack-home-")
     os.chown(home, uid, uid)
-    script = _reach_script(uid, [sys.executable, str(Path(__file__).resolve()), *argv], home)
+    stages = tempfile.mkdtemp(prefix="tiderl-attack-reach-")  # where the namespace parks its binds
+    script = _reach_script(uid, [sys.executable, str(Path(__file__).resolve()), *argv], home, stages)
     try:
         proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], cwd="/", stdout=subprocess.PIPE, text=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
-        for stage in Path(tempfile.gettempdir()).glob("tiderl-attack-reach-*"):
-            with contextlib.suppress(OSError):
-                stage.rmdir()  # empty again once the namespace is gone
+        shutil.rmtree(stages, ignore_errors=True)  # empty directories once the namespace is gone
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     for line in lines:
         print(line, flush=True)

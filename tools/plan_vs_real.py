@@ -36,6 +36,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+from tiderl.sim.plan_cli import int_list  # noqa: E402
+
 TARGET = 0.9
 
 
@@ -83,21 +85,11 @@ def compare(plan: dict[str, Any], measured: dict[str, float | None]) -> dict[str
             "same_order": order == [r["setting"] for r in sorted(done, key=lambda r: -r["measured_tok_s"])]}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers, comma-separated") from e
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: one or more numbers >= 1")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", type=Path, default=ROOT / "jobs" / "bench-latency.yaml")
-    parser.add_argument("--groups", type=_ints, default=[2, 4])
-    parser.add_argument("--staleness", type=_ints, default=[1, 2])
+    parser.add_argument("--groups", type=int_list(1), default=[2, 4])
+    parser.add_argument("--staleness", type=int_list(1), default=[1, 2])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--reuse", action="store_true", help="Read runs already in --out instead of running them.")

@@ -25,7 +25,7 @@ _KEPT = ("goodput_tok_s", "upper_bound_tok_s", "latency_bound_tok_s", "bound_ter
          "step_time_s", "wall_s")
 
 
-def _int_list(minimum: int) -> Any:
+def int_list(minimum: int) -> Any:
     def parse(text: str) -> list[int]:
         items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
@@ -72,11 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", help="Workload file, first (e.g. jobs/sim/text-agentic.workload.yaml).")
     parser.add_argument("cluster", help="Cluster file, second; its node type is scaled to each --gpus "
                         "(e.g. jobs/sim/h100x8.cluster.yaml).")
-    parser.add_argument("--gpus", type=_int_list(1), required=True,
+    parser.add_argument("--gpus", type=int_list(1), required=True,
                         help="GPU counts, comma-separated (e.g. 8,16,32): whole nodes of the cluster's type.")
-    parser.add_argument("--groups", type=_int_list(1),
+    parser.add_argument("--groups", type=int_list(1),
                         help="Groups per training step (B_ideal), comma-separated (default: the workload's).")
-    parser.add_argument("--staleness", type=_int_list(0),
+    parser.add_argument("--staleness", type=int_list(0),
                         help="Staleness bounds in versions, comma-separated; 0 is on-policy (default: the "
                         "cluster's training.max_staleness).")
     parser.add_argument("--gpu-hour-price", type=_positive_float, default=DEFAULT_PRICE_USD,

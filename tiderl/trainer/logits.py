@@ -17,14 +17,15 @@ gathered after the forward for its backward, and the hidden states are the forwa
 backward hooks run as they do for logits.
 
 A model whose forward changes its logits after the output layer (soft-capping, a logit scale) would not
-give its hidden states back: that is checked on every forward, and such a model (or one whose output
-layer is not a plain ``nn.Linear``) runs whole, its full logits reduced by the same functions
+give its hidden states back: that is checked on every forward of the chunked path, and a model found to
+(or one whose output layer is not a plain ``nn.Linear``) runs whole from then on, its full logits reduced by the same functions
 (:func:`whole`). The results are the same either way (tests/test_trainer_logits.py).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,7 @@ from tiderl.trainer.grpo import next_token_logprobs, row_entropy, token_entropy,
 
 log = logging.getLogger("tiderl.trainer")
 CHUNK_ELEMENTS = 1 << 25  # logits a chunk holds (128 MiB in fp32; 220 positions at a 152k vocabulary)
-_WHOLE_SEEN: set[type] = set()  # model classes already logged as run whole
+_RUN_WHOLE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models found to change their logits
 
 
 def chunk_tokens(vocab: int) -> int:
@@ -52,7 +53,7 @@ def output_logprobs(model: torch.nn.Module, run: Callable[[], Any], input_ids: t
     if not temperature > 0:
         raise ValueError(f"output logprobs: temperature must be > 0, got {temperature}")
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    if not isinstance(head, torch.nn.Linear) or model in _RUN_WHOLE:
         return whole(run().logits, input_ids, temperature, banned, loss_mask)
     captured: list[torch.Tensor] = []
 
@@ -70,10 +71,10 @@ def output_logprobs(model: torch.nn.Module, run: Callable[[], Any], input_ids: t
         del head.forward
     hidden = out.logits
     if len(captured) != 1 or not _same(hidden, captured[0]):
-        if type(model) not in _WHOLE_SEEN:
-            _WHOLE_SEEN.add(type(model))
-            log.info("%s changes its logits after the output layer: its logits are computed whole",
-                     type(model).__name__)
+        # Found once per model, so each later forward runs once: whole.
+        _RUN_WHOLE.add(model)
+        log.info("%s changes its logits after the output layer: its logits are computed whole",
+                 type(model).__name__)
         return whole(run().logits, input_ids, temperature, banned, loss_mask)
     return chunked(hidden, head, input_ids, temperature, banned, loss_mask)
 
