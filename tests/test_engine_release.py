@@ -50,3 +50,41 @@ def test_a_rank_without_an_engine_or_with_one_that_cannot_release_records_nothin
     engine = Kept(lambda prompt: [7], kv_capacity_tokens=256)
     asyncio.run(release_engine(SimpleNamespace(engine=engine, rank=1, store=store)))
     assert store.kinds == [] and not engine.memory_released
+
+
+@pytest.mark.parametrize("state", ["running", "finished"])
+def test_a_failed_transfer_loads_the_files_while_the_run_goes_on_and_nothing_once_it_ended(
+        tmp_path, monkeypatch, state: str) -> None:
+    """The trainer leader stops its weight server when the run ends: a rank that asks after that stops too,
+    without a `weights_transfer_failed` event or a reload from files (the test run's fall-back seen in CI)."""
+    from tiderl.run import rollout_role
+    from tiderl.run.context import RunStopped
+    from tiderl.store.types import RankReport, Role, RunState
+
+    engine = FakeEngine(lambda prompt: [7], kv_capacity_tokens=256)
+    loaded: list[int] = []
+
+    class Files:
+        async def aload(self, version, load):
+            loaded.append(version)
+            return SimpleNamespace(version=version, asked=version)
+
+    monkeypatch.setattr(rollout_role, "_weights", lambda ctx: Files())
+
+    class Position:
+        def position(self):
+            if RunState(state).is_terminal:
+                raise RunStopped(state)
+            return 2
+
+    ctx = SimpleNamespace(rank=1, config=SimpleNamespace(trainer=SimpleNamespace(weight_sync="transfer")),
+                          paths=SimpleNamespace(weight_server=tmp_path / "weight-server.json"))  # no server named
+    ctx.position = Position().position
+    report = RankReport(rank=1, role=Role.ROLLOUT, version=1)
+    if state == "finished":
+        with pytest.raises(RunStopped):
+            asyncio.run(rollout_role._reload(ctx, engine, 2, report))
+        assert not loaded and not report.events
+    else:
+        assert asyncio.run(rollout_role._reload(ctx, engine, 2, report)) == 2
+        assert loaded == [2] and [e.kind for e in report.events] == ["weights_transfer_failed"]

@@ -209,11 +209,14 @@ async def _reload(ctx: RankContext, engine: Engine, version: int, report: RankRe
     """Reload the engine with the weights of `version` (or newer, where it was pruned); returns the
     version it holds then, or None where `version` was rejected (the engine keeps its weights). With
     `trainer.weight_sync: transfer` the engine first asks the trainer leader's server, and reads the
-    files only where that fails."""
+    files only where that fails while the run goes on (raises RunStopped where it has ended: the leader
+    stopped its server)."""
     if ctx.config.trainer.weight_sync == "transfer" and version > 0 and engine.receives_weights:
         got = await receive(ctx, engine, version)
         if isinstance(got, int):
             return got
+        # The leader stops its server when the run ends: a rank that asks after that has nothing to load.
+        ctx.position()  # raises RunStopped once the run is over
         report.events.append(EventRecord("weights_transfer_failed", f"rank {ctx.rank}: weights v{version} not "
                                           f"received ({got[:300]}); loading the files", {"version": version}))
         log.warning("rank %d: weights v%d not received (%s); loading the files", ctx.rank, version, got)
