@@ -5,7 +5,7 @@
 
 The simulator's files for the job (`jobs/sim/JOBSTEM.workload.yaml` and `jobs/sim/cpu.cluster.yaml`, the
 calibrated costs of this kind of host) take the job's own settings (ranks, slots, micro-batch, staleness,
-batch, group size, `ers:`; `tools/sim_vs_real.job_settings`, as the simulator's comparison with a run takes
+batch, group size, `ers:`; `tiderl.sim.from_job.job_settings`, as the simulator's comparison with a run takes
 them), and `tiderl plan` sweeps `--groups` x `--staleness` at the job's rank count (a shared host runs no
 other count) for the job's `trainer.num_steps`, over `--seeds`. Then the real job runs once per setting
 (`tools/bench_systems.py --systems tiderl` with `trainer.groups_ideal`, `trainer.groups_min` (half, at least 1)
@@ -36,6 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+from tiderl.sim.from_job import job_settings  # noqa: E402
 from tiderl.sim.plan_cli import int_list  # noqa: E402
 
 TARGET = 0.9
@@ -43,8 +44,6 @@ TARGET = 0.9
 
 def sim_files(job: Path, out: Path) -> tuple[Path, Path, int, int]:
     """The workload and cluster files for `job` with its settings, written under `out`; its ranks and steps."""
-    from sim_vs_real import job_settings
-
     from tiderl.config import load_job
     from tiderl.config.schema import to_dict
 

@@ -15,7 +15,7 @@ settings both files take from the job ([J] in them) are replaced by each run's r
 (RUN_DIR/config.yaml, so --set overrides count): ranks, rollout split, tasks per rollout rank,
 micro-batch tokens, staleness, B_min/B_ideal, actor ranks, report interval and the `ers:` section
 for the cluster; group size, groups a step, evaluations and the context limit for the workload.
-The measured costs stay the calibration file's. Every value replaced is listed in `job_settings`;
+The measured costs stay the calibration file's. Every value replaced is listed in `job_settings` (tiderl.sim.from_job);
 a task type whose turn limit exceeds the run's `env.max_turns` is reported in `job_mismatch` (not
 replaced: the turn statistics belong to that limit; a lower limit is the environment's own end of
 its episodes, hilo's 6 turns under an agent loop's 8).
@@ -40,7 +40,6 @@ of a group's life the simulator gets wrong where a figure is off.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -48,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tiderl.sim.from_job import job_settings  # noqa: E402
+
 THRESHOLD = 0.25
 FIGURES = ("steady_goodput_tok_s", "step_s", "rwt_s_per_step", "twt_s_per_step")
 
@@ -151,65 +152,6 @@ def real_stale_drops(run_dir: Path) -> int:
         return len(store.measure.dropped_groups())
     finally:
         store.close()
-
-
-def job_settings(cluster: dict, workload: dict, config: dict) -> tuple[dict, dict, dict, list[str]]:
-    """The cluster and workload documents (as loaded from YAML) with the values they take from the
-    job ([J]) replaced by a run's resolved `config`. Returns (cluster, workload, the replaced values
-    as {"cluster.KEY" or "workload.KEY": [file value, run value]}, mismatches not replaced)."""
-    cluster, workload = copy.deepcopy(cluster), copy.deepcopy(workload)
-    r, t, launch = config["rollout"], config["trainer"], config["launch"]
-    changed: dict = {}
-
-    missing = object()
-
-    def put(doc: dict, label: str, path: str, value, default=missing) -> None:
-        """Set doc[path] to value; record it unless it was so already (or absent and `default`)."""
-        *parents, key = path.split(".")
-        node = doc
-        for p in parents:
-            node = node.setdefault(p, {})
-        before = node.get(key, default)
-        node[key] = value
-        if before != value:
-            changed[f"{label}.{path}"] = [None if before is missing else before, value]
-
-    put(cluster, "cluster", "num_gpus", launch["num_ranks"])
-    put(cluster, "cluster", "rollout.max_num_seqs", r["max_concurrency"])
-    put(cluster, "cluster", "training.micro_batch_tokens", t["micro_batch_tokens"])
-    put(cluster, "cluster", "training.max_staleness", r["max_staleness"])
-    put(cluster, "cluster", "training.min_batch_fraction", round(t["groups_min"] / t["groups_ideal"], 6))
-    put(cluster, "cluster", "training.actor_ranks", t["actor_ranks"])
-    put(cluster, "cluster", "training.default_rollout_fraction", launch["rollout_fraction"])
-    put(cluster, "cluster", "training.rollout_fraction_sweep", [launch["rollout_fraction"]])
-    if "control" in cluster:
-        put(cluster, "cluster", "control.report_interval_s", r["report_interval_s"])
-    # The `ers:` keys the simulator's cluster section knows (its field names, whatever version of
-    # the section this checkout has); a key it does not know stays out.
-    import typing
-    from dataclasses import fields
-
-    from tiderl.sim.spec import ClusterSpec
-
-    ers_type = typing.get_type_hints(ClusterSpec)["ers"]
-    defaults = ers_type()
-    known = {f.name for f in fields(ers_type)}
-    for key, value in config.get("ers", {}).items():
-        if key in known:
-            put(cluster, "cluster", f"ers.{key}", value, getattr(defaults, key))
-
-    put(workload, "workload", "group_size", r["group_size"])
-    put(workload, "workload", "groups_per_step", t["groups_ideal"])
-    put(workload, "workload", "eval_every_steps", r["eval_every_steps"])
-    if r["eval_every_steps"]:
-        put(workload, "workload", "eval_groups", r["eval_groups"])
-        # Greedy evaluation plays one task per prompt (the control plane's feed_eval).
-        put(workload, "workload", "eval_group_size", 1 if r["eval_temperature"] == 0 else r["group_size"])
-    put(workload, "workload", "max_context_tokens", config["model"]["max_context_tokens"])
-    mismatch = [f"workload.task_types[{task['name']}].turns_max {task.get('turns_max')} > env.max_turns "
-                f"{config['env']['max_turns']}"
-                for task in workload.get("task_types", []) if task.get("turns_max", 0) > config["env"]["max_turns"]]
-    return cluster, workload, changed, mismatch
 
 
 def simulate(system: str, scheduler: str, workload, cluster, steps: int, seed: int, from_version: int = 1) -> dict:

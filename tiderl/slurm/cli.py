@@ -1,11 +1,13 @@
-"""`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run | --parsable | --json] [--wait]`.
+"""`tiderl submit JOB.yaml [--set k=v ...] [--run-dir DIR] [--dry-run [--advise W C] | --parsable | --json] [--wait]`.
 
 A run as one Slurm job. The config is validated as `tiderl run` and `tiderl config`
 validate it (`tiderl.rundir.validate_job`: env options, engine, model, trainer backend),
 and it is laid out on the `slurm:` resources before anything is written (exit 2 on a bad one); resources that
 look CPU-sized for a GPU job are warned about on stderr
 (`sbatch.resource_warnings`). `--dry-run` prints the sbatch script and the
-ranks' srun step, and stops there. Otherwise the request is checked against
+ranks' srun step, and stops there; with `--advise WORKLOAD CLUSTER` it also prints what the
+simulator predicts for the job's operating point and its neighbours (`tiderl plan`'s advice, with the
+`--set` overrides of the recommendation). Otherwise the request is checked against
 what its partition can ever give (`tiderl.slurm.fit`; exit 2 naming the field
 to change, nothing created), then the run directory and store are
 created here (so the job only ever resumes what exists), submitit submits
@@ -55,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "follow and status (commands); other lines go to stderr.")
     parser.add_argument("--wait", action="store_true",
                         help="Follow the run until its job ends; exit 0 only if the run finished.")
+    parser.add_argument("--advise", nargs=2, metavar=("WORKLOAD", "CLUSTER"), default=None,
+                        help="With --dry-run: simulate the job's operating point and its neighbours (half and "
+                             "twice the GPUs and groups, one version of staleness less and more) on these "
+                             "simulator files with the job's settings in them (tiderl plan), and print the "
+                             "advice after the script, with the --set overrides of the recommendation.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     from tiderl.slurm.submit import dry_run_text, parsable_line, run_parameters, submission_record
     from tiderl.store.types import RunState
 
+    if args.advise is not None and not args.dry_run:
+        print("tiderl submit: --advise goes with --dry-run (nothing submitted)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     config = load_job(args.job, args.overrides)  # ConfigError: exit 2 (tiderl.cli), nothing created
     # The check `tiderl run` and `tiderl config` make (env options, engine, model, trainer backend, memory),
     # likewise: before a dry run, before any queue.
@@ -80,9 +90,18 @@ def run(args: argparse.Namespace) -> int:
     for warning in resource_warnings(config.slurm):
         print(f"tiderl submit: warning: {warning}", file=sys.stderr)
     if args.dry_run:
+        advice = None
+        if args.advise is not None:  # files checked before anything prints: exit 2 names the one at fault
+            advice = _advise(config, args)
+            if isinstance(advice, int):
+                return advice
         print(dry_run_text(config, run_dir, slurm_dir(run_dir)), end="")
         if plan:
             print(plan, end="")
+        if advice is not None:
+            from tiderl.sim.plan_cli import advice_lines
+
+            print(advice_lines(advice, str(args.job), args.overrides), end="")
         return 0
     cluster = SlurmCluster()
     try:
@@ -132,6 +151,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ntiderl submit: stopped following; job {job_id} goes on (tiderl cancel {run_dir} ends it)",
               file=sys.stderr)
         return 130
+
+
+def _advise(config: JobConfig, args: argparse.Namespace) -> dict | int:
+    """`--advise WORKLOAD CLUSTER`: the plan around the job (tiderl.sim.plan_cli.advise_job), or EXIT_BAD_INPUT
+    after naming a missing, broken or swapped file."""
+    import os
+
+    from tiderl.config import ConfigError
+    from tiderl.sim.plan_cli import advise_job
+
+    workload, cluster = args.advise
+    for label, path in (("WORKLOAD", workload), ("CLUSTER", cluster)):
+        if not os.path.isfile(path):
+            print(f"tiderl submit: --advise {label}: {path}: no such file", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    try:
+        return advise_job(config, workload, cluster, jobs=os.cpu_count() or 1)
+    except ConfigError as e:
+        print(f"tiderl submit: --advise: config error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def fit_findings(cluster: "SlurmCluster", config: "JobConfig") -> list[str]:
