@@ -216,3 +216,37 @@ def test_a_server_that_accepts_and_never_answers_costs_only_the_connect_timeout(
         assert time.monotonic() - t0 < 30
     finally:
         hole.close()
+
+
+def test_a_mapped_version_checked_ahead_gives_each_bucket_once_checked_and_stops_at_a_damaged_one() -> None:
+    """`receive(check_ahead=True)`: the engine loads bucket by bucket while the later buckets are checked; what
+    it gets is the version as a checked receive gives it, and a damaged bucket raises when its turn comes,
+    after the buckets before it (the caller's engine then holds a mix: tiderl.rollout.vllm_transfer)."""
+    server = WeightServer(bucket_bytes=3000)
+    try:
+        client = WeightClient(server.address, timeout_s=30)
+        staged = server.stage(1, state(1).items())
+        server.commit(1)
+        assert len(staged.paths) == 2  # fp32: the embedding (4 KiB) alone, the rest in the second
+        whole = client.receive(1)
+        ahead = client.receive(1, check_ahead=True)
+        assert ahead.via == "shared_memory" and not isinstance(ahead.tensors, list)
+        got = list(ahead.tensors)
+        assert [n for n, _ in got] == [n for n, _ in whole.tensors]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, whole.tensors))
+        with open(staged.paths[1], "r+b") as f:  # the second bucket's file, written to after its CRC
+            f.seek(3)
+            byte = f.read(1)
+            f.seek(3)
+            f.write(bytes([byte[0] ^ 1]))
+        damaged = client.receive(1, check_ahead=True)
+        first = len(staged.buckets[0].layout.slots)
+        taken = []
+        with pytest.raises(TransferError, match="does not match its CRC32"):
+            for kv in damaged.tensors:
+                taken.append(kv)
+        assert len(taken) == first  # the first bucket's tensors, then the damaged one stopped it
+        with pytest.raises(TransferError, match="does not match its CRC32"):
+            client.receive(1)  # checked before anything is given
+    finally:
+        server.close()

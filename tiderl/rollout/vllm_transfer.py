@@ -5,10 +5,14 @@ vLLM builds one :class:`TideWeightTransferEngine` per worker when the engine is 
 through vLLM's own calls (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
 ``finish_weight_update``, by ``collective_rpc``). Unlike vLLM's push backends, the engine pulls: its
 ``update_weights`` asks the trainer's :class:`~tiderl.weightsync.server.WeightServer` for the newest
-committed version (at least the one asked for), takes it whole with every bucket checked (mapped from the
-server's shared-memory files on its host, else received over the connection), and only then loads it in
-place (vLLM's layerwise reload, the tied output layer prepared again as after a file reload). A transfer that fails before the load leaves the weights untouched and is reported in the
-result, not raised: the rank then loads the version's files.
+committed version (at least the one asked for) and loads it in place (vLLM's layerwise reload, the tied
+output layer prepared again as after a file reload), every bucket checked: received over the connection,
+the whole version is here and checked before the load; mapped from the server's shared-memory files on its
+host (the owner's alone, under names no other server uses), each bucket is loaded once its check has
+passed, the later ones checked meanwhile on the worker's other cores. A transfer that fails before the
+load leaves the weights untouched and is reported in the result, not raised: the rank then loads the
+version's files. A mapped bucket found damaged during the load (``mixed``) leaves a mix: the engine is
+then unusable and its rank restarts, as a rank that dies does.
 
 This module runs inside vLLM's worker processes.
 """
@@ -76,13 +80,19 @@ class TideWeightTransferEngine(WeightTransferEngine[TideTransferInit, TideTransf
             self.result = {"error": self.connect_error or "no weight server connected"}
             return
         try:
-            received = self.client.receive(update_info.min_version, update_info.expected)
+            received = self.client.receive(update_info.min_version, update_info.expected, check_ahead=True)
         except TransferError as e:  # nothing loaded: the engine keeps its weights
             self.shutdown()  # a connection that failed is not reused
             self.connect_error = str(e)
             self.result = {"error": str(e)}
             return
-        done = load_in_place(self.model, self.model_config, received.tensors)
+        try:
+            done = load_in_place(self.model, self.model_config, received.tensors)
+        except TransferError as e:  # a mapped bucket found damaged while the ones before it were loading
+            self.shutdown()
+            self.connect_error = str(e)
+            self.result = {"error": f"{e}, found while loading: the weights are a mix", "mixed": True}
+            return
         self.result = {"version": received.version, "digest": received.digest, "nbytes": received.nbytes,
                        "receive_s": received.seconds, "via": received.via, **done}
 

@@ -101,6 +101,8 @@ class EngineWeights:
             errors = [r["error"] for r in results if "error" in r]
             if errors:
                 self._transfer_address = None  # connect afresh next time
+                if any(r.get("mixed") for r in results):  # a damaged bucket found while loading
+                    raise EngineError(f"weights transfer: {errors[0]}")
                 if len(errors) < len(results):  # some workers loaded, some did not: a mix of versions
                     raise EngineError(f"weights transfer: {len(errors)} of {len(results)} workers did not "
                                       f"receive the version ({errors[0]}): the engine would serve a mix")

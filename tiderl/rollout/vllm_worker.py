@@ -71,7 +71,8 @@ class TideWorkerExtension:
 
     def tiderl_transfer_result(self) -> dict[str, Any]:
         """What the last weight transfer did (:mod:`tiderl.rollout.vllm_transfer`): ``error`` where nothing
-        was loaded, else the version, its digest, bytes and seconds, ``missing`` and ``reprepared``."""
+        was loaded (and ``mixed`` where a damaged bucket was found during the load), else the version, its
+        digest, bytes and seconds, ``missing`` and ``reprepared``."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "result", None) or {"error": "no weight transfer engine in this worker"})
 

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +35,7 @@ MAP_RETRY_S = 30.0  # after files that could not be opened, have versions sent t
 @dataclass(frozen=True, slots=True)
 class Received:
     version: int
-    tensors: list[tuple[str, torch.Tensor]]
+    tensors: Iterable[tuple[str, torch.Tensor]]  # a list, or CheckedBuckets (`receive(check_ahead=True)`)
     digest: str
     nbytes: int
     seconds: float
@@ -72,9 +72,13 @@ class WeightClient:
         self.shared_memory = shared_memory
         self._map_after = 0.0  # monotonic time before which versions are sent (the files could not be opened)
 
-    def receive(self, min_version: int, expected: Collection[str] = ()) -> Received:
+    def receive(self, min_version: int, expected: Collection[str] = (), *, check_ahead: bool = False) -> Received:
         """The server's newest committed version (at least `min_version`), every bucket checked. Raises
-        TransferError where none can be had or a tensor of `expected` is not in it."""
+        TransferError where none can be had or a tensor of `expected` is not in it. `check_ahead`: a version
+        mapped from the server's files comes back before its buckets are checked, as :class:`CheckedBuckets`
+        (`tensors`), which gives each bucket's tensors once its check has passed, the later buckets checked
+        meanwhile on the other cores, so that the engine loads while they are checked; a damaged bucket then
+        raises TransferError while the earlier ones may be loaded already (the caller's engine holds a mix)."""
         t0 = time.monotonic()
         header: dict[str, Any] | None = None
         if self.shared_memory and time.monotonic() >= self._map_after:
@@ -83,7 +87,7 @@ class WeightClient:
                 if "shm" not in header:
                     break  # the server holds this version in its own memory: the buckets are on their way
                 _check_layout(header, layouts, expected)  # nothing was sent: refused before any data
-                mapped = _mapped(header, layouts)
+                mapped = _mapped(header, layouts, check_ahead)
                 if mapped is not None:
                     return Received(int(header["version"]), mapped, str(header["digest"]),
                                     sum(b.nbytes for b in layouts), time.monotonic() - t0, "shared_memory")
@@ -142,23 +146,60 @@ def _check_layout(header: dict[str, Any], layouts: list[BucketLayout], expected:
                             f"({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})")
 
 
-def _mapped(header: dict[str, Any], layouts: list[BucketLayout]) -> list[tuple[str, torch.Tensor]] | None:
+def _mapped(header: dict[str, Any], layouts: list[BucketLayout], check_ahead: bool = False
+            ) -> list[tuple[str, torch.Tensor]] | CheckedBuckets | None:
     """The version's tensors mapped from its shared-memory files, every bucket checked (in parallel, on the
     cores of this process's pinned threads: zlib releases the GIL), or None where a file cannot be opened
-    here. Raises TransferError for a damaged bucket."""
+    here. Raises TransferError for a damaged bucket. `check_ahead`: the buckets as they pass their checks
+    (:class:`CheckedBuckets`)."""
     try:
         data = [map_bucket(path, layout.nbytes) for path, layout in zip(header["shm"], layouts, strict=True)]
     except (OSError, RuntimeError, ValueError):
         return None
+    if check_ahead:
+        return CheckedBuckets(data, layouts)
     cpus = _pinned_cpus()
+    with ThreadPoolExecutor(max_workers=max(1, min(workers(), len(cpus))), initializer=_on(cpus)) as pool:
+        list(pool.map(check, data, layouts))
+    return [kv for d, layout in zip(data, layouts) for kv in unpack(d, layout, checked=True)]
 
-    def spread() -> None:  # a checking thread may run on any of them, not only on its creator's core
+
+class CheckedBuckets:
+    """A mapped version's tensors, bucket by bucket, each given once its CRC32 check has passed. Every check
+    is queued at once on threads of their own, on the cores of this process's pinned threads other than the
+    caller's (where there are others: the caller loads the tensors meanwhile); iterating raises
+    TransferError at the first damaged bucket. :meth:`close` (or the iteration's end) stops the checks."""
+
+    def __init__(self, data: list[torch.Tensor], layouts: list[BucketLayout]) -> None:
+        cpus = _pinned_cpus()
+        own = os.sched_getaffinity(0)
+        others = cpus - own if len(own) == 1 and cpus - own else cpus
+        self._data, self._layouts = data, layouts
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(workers(), len(others))), initializer=_on(others))
+        self._checks = [self._pool.submit(check, d, layout) for d, layout in zip(data, layouts)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            for d, layout, checked in zip(self._data, self._layouts, self._checks):
+                checked.result()  # raises TransferError for a damaged bucket
+                yield from unpack(d, layout, checked=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for c in self._checks:
+            c.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def _on(cpus: set[int]) -> Callable[[], None]:
+    """A thread initializer: run on any of `cpus` (a new thread inherits its creator's one pinned core)."""
+
+    def spread() -> None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers(), len(cpus))), initializer=spread) as pool:
-        list(pool.map(check, data, layouts))
-    return [kv for d, layout in zip(data, layouts) for kv in unpack(d, layout, checked=True)]
+    return spread
 
 
 def _pinned_cpus() -> set[int]:
