@@ -4,8 +4,10 @@ for a version and take it whole, every bucket checked against its CRC32.
 An engine on the server's host maps the version's shared-memory files (nothing is sent); any other engine,
 or one that cannot open them, receives the buckets over the connection, each checked as it arrives. The
 layout (and so whether the version holds every tensor the model needs) is checked before any data, and
-nothing is handed to the model before the whole version is here and checked, so a transfer that fails (the
-server gone, a dead connection, a damaged bucket) leaves the engine's weights as they were.
+a received version is handed to the model only once it is all here and checked, so a transfer that fails
+(the server gone, a dead connection, a damaged bucket) leaves the engine's weights as they were. A mapped
+version can be handed over bucket by bucket as each passes its check (`check_ahead`: the engine loads
+while the later buckets are checked).
 """
 
 from __future__ import annotations
