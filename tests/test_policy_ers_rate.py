@@ -549,3 +549,40 @@ def test_the_evaluation_steps_are_the_newest_of_each_rollout_count_after_the_fil
                            oldest_ready_age_s=None, steps=steps, fill_steps=2)
     assert [s.version for s in build_signals(snapshot, 5).evaluation_steps] == [20, 30]
     assert [s.version for s in build_signals(replace(snapshot, steps=steps[:3]), 5).evaluation_steps] == [10]
+
+
+def test_each_ablation_switches_off_its_rule_and_an_unknown_one_is_refused():
+    """`ErsLimits.ablate` (tiderl sim's `tiderl~RULE`): each rule's own scenario above plans differently
+    without it."""
+    from tiderl.policy.ers.inputs import ABLATIONS
+
+    def off(limits: ErsLimits, rule: str) -> ErsLimits:
+        return replace(limits, ablate=frozenset({rule}))
+
+    with pytest.raises(ValueError, match="unknown rule 'nope'"):
+        replace(LIMITS, ablate=frozenset({"nope"}))
+    # walk: an unmeasured split waits for its measurement
+    first = plan((R, R, A, A, A, A), MEASURED_2_4, ELASTIC)
+    assert plan(first.roles, walking(MEASURED_2_4, +1), ELASTIC).moves
+    assert plan(first.roles, walking(MEASURED_2_4, +1), off(ELASTIC, "walk")).moves == ()
+    # valley: the plan may land on a split predicted slower (one ref rank feeding eight actors)
+    times = StageTimes(t_ref_s=0.235, t_act_f_s=0.34, t_act_b_s=0.69, t_swap_s=0.06)
+    unseen = signals(obs(1, 8, 2, latency_s=7.8, env_s=2.1), obs(1, 8, 2, latency_s=7.8, env_s=2.1), times=times)
+    sig = replace(unseen, gen_latency_by_rollout=((3, 4.0),))
+    roles = (R, F, F) + (A,) * 8
+    assert split_of(plan(roles, sig, ELASTIC).roles) == Split(3, 8, 0)
+    assert split_of(plan(roles, sig, off(ELASTIC, "valley")).roles) == Split(2, 8, 1)
+    # slot_bound: the slots no longer cap one rank's supply
+    window = (slotted(1), slotted(1))
+    slots = replace(signals(*window), slot_wait_s=1.5, gen_latency_by_rollout=((1, 0.5),))
+    assert slot_tok_s(1, estimate(slots, off(SLOTTED, "slot_bound"))) == float("inf")
+    assert plan((R, F, A, A), slots, SLOTTED).moves and plan((R, F, A, A), slots, off(SLOTTED, "slot_bound")).moves == ()
+    # latency_memory: only the current split's latency is known
+    assert estimate(sig, off(ELASTIC, "latency_memory")).gen_curve == ((1, pytest.approx(7.8 - 2.1)),)
+    assert plan(roles, sig, off(ELASTIC, "latency_memory")).moves == ()
+    # regime: the window's measured starvation no longer overrules the model
+    starving = signals(obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9), obs(3, 3, wait_s=5.0, latency_s=10.0, env_s=9.9))
+    kept = plan((R, R, R, A, A, A), starving, ELASTIC)
+    freed = plan((R, R, R, A, A, A), starving, off(ELASTIC, "regime"))
+    assert count(kept.roles, R) >= 3 > count(freed.roles, R)
+    assert set(ABLATIONS) == {"regime", "valley", "walk", "repartition", "slot_bound", "latency_memory"}

@@ -122,6 +122,7 @@ def test_the_split_planner_and_the_re_partition_divide_the_trainer_alike():
     assert p.reason is ErsReason.RATE_REPARTITION
     assert p.roles == (R, R, A, A, A, F) and [(m.from_role, m.to_role) for m in p.moves] == [(A, F)]
     assert plan(roles, sig, replace(ELASTIC, elastic_actors=False)).reason is not ErsReason.RATE_REPARTITION
+    assert plan(roles, sig, replace(ELASTIC, ablate=frozenset({"repartition"}))).moves == ()  # the ablation
     assert plan(roles, sig, ELASTIC) == plan(list(roles), sig, ELASTIC)  # pure (invariant 6)
 
 

@@ -193,6 +193,19 @@ def test_a_fixed_decoupled_split_runs_decoupled_with_its_refs():
         Simulation(w, c, parse_system("tiderl-noers@0.75+ref2"), steps=1, seed=0)
 
 
+def test_an_ablation_switches_rules_off_in_the_simulated_planner():
+    """`tiderl~RULE`: the simulator's ERS limits lose that rule (named, or through its own switch)."""
+    w, c = small_specs(8)
+    system = parse_system("tiderl~walk~evaluation_actors~walk")
+    assert system.ablate == ("walk", "evaluation_actors") and system.label == "tiderl~walk~evaluation_actors"
+    sim = Simulation(w, c, system, steps=1, seed=0)
+    assert sim.ers_limits.ablate == frozenset({"walk"}) and not sim.ers_limits.evaluation_actors
+    assert Simulation(w, c, parse_system("tiderl"), steps=1, seed=0).ers_limits.ablate == frozenset()
+    for bad, message in (("tiderl~nope", "no such ERS rule"), ("tiderl-noers~walk", "only an ERS system")):
+        with pytest.raises(SimSystemError, match=message):
+            parse_system(bad)
+
+
 def test_best_fixed_picks_the_best_goodput_and_reports_its_split():
     def result(label, goodput, rollout, actor, ref):
         return {"system": label, "goodput_tok_s": goodput, "rollout_fraction": rollout / 8, "rwt_s": 1.0,

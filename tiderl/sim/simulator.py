@@ -126,6 +126,11 @@ class Simulation(ErsBoundary, StepRecords, SyncSteps):
                                                         group_size=workload.group_size,
                                                         decoupled_step_s=self.costs.decoupled_step_s),
                                   enabled=system.ers and e.enabled)
+        if system.ablate:  # an ablation: rules with a switch of their own through it, the others by name
+            from tiderl.sim.systems import ABLATION_SWITCHES
+
+            self.ers_limits = replace(self.ers_limits, **{r: False for r in system.ablate if r in ABLATION_SWITCHES},
+                                      ablate=frozenset(r for r in system.ablate if r not in ABLATION_SWITCHES))
         self.history_steps = e.history_steps
         # When each rank's engine is up (absent: it has none). The rollout ranks' start before t = 0; a rank
         # parked idle starts its own at once unless engines start on demand (then at the plan that warms

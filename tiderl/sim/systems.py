@@ -13,7 +13,9 @@ mechanics (engine, trainer, staleness bound, weight sync).
 | `tiderl` | CTB | RA2P | ERS (the cluster's `ers.policy`, default the rate planner) |
 | `tiderl-noers` | CTB | RA2P | fixed split |
 
-`NAME@F` runs a fixed-partition system with rollout fraction F (TideRL
+`NAME~RULE` runs an ERS system with one of ERS's rules switched off (an
+ablation: tiderl.policy.ers.inputs.ABLATIONS, or a rule with a switch of its
+own); `NAME@F` runs a fixed-partition system with rollout fraction F (TideRL
 starts from F); a fixed-partition system without `@F` sweeps the cluster's
 `rollout_fraction_sweep` and keeps the best goodput.
 
@@ -56,12 +58,17 @@ class System:
     ranks, colocated). The actors are the ranks left after rollout and refs."""
     ers_policy: str | None = None
     """`paper` or `rate`: override the cluster's `ers.policy` (None: the cluster's, by default `rate`)."""
+    ablate: tuple[str, ...] = ()
+    """ERS rules switched off (`NAME~RULE[~RULE...]`): names of tiderl.policy.ers.inputs.ABLATIONS or of the
+    rules with a switch of their own, `ABLATION_SWITCHES`."""
 
     @property
     def label(self) -> str:
+        rules = "".join(f"~{r}" for r in self.ablate)
         if self.rollout_fraction is None or self.synchronous:
-            return self.name + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
-        return f"{self.name}@{self.rollout_fraction:g}" + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
+            return self.name + rules + (f"+ref{self.fixed_refs}" if self.fixed_refs else "")
+        return (f"{self.name}{rules}@{self.rollout_fraction:g}"
+                + (f"+ref{self.fixed_refs}" if self.fixed_refs else ""))
 
 
 def _run_system(name: str, trainer: TrainerKind, **kw: object) -> System:
@@ -101,8 +108,25 @@ class SimSystemError(ValueError):
     """`--system` names no system, or gives it a rollout fraction it cannot take."""
 
 
+ABLATION_SWITCHES = ("evaluation_actors", "adaptive_retention", "preemptive_rollout")
+"""ERS rules with an `ers:` switch of their own, ablated through it (`NAME~RULE`)."""
+
+
 def parse_system(text: str) -> System:
-    """`NAME`, `NAME@FRACTION` or `NAME@FRACTION+refR` (a fixed split with R ref ranks, decoupled)."""
+    """`NAME`, `NAME@FRACTION` or `NAME@FRACTION+refR` (a fixed split with R ref ranks, decoupled); an ERS
+    system as `NAME~RULE[~RULE...]` with those rules switched off (an ablation)."""
+    from tiderl.policy.ers.inputs import ABLATIONS
+
+    text, *rules = text.split("~")
+    if rules:
+        system = parse_system(text)
+        known = [*ABLATIONS, *ABLATION_SWITCHES]
+        if not system.ers:
+            raise SimSystemError(f"{text}~{'~'.join(rules)}: only an ERS system has rules to switch off")
+        for rule in rules:
+            if rule not in known:
+                raise SimSystemError(f"~{rule}: no such ERS rule (known: {', '.join(known)})")
+        return replace(system, ablate=tuple(dict.fromkeys(rules)))
     name, sep, frac = text.partition("@")
     frac, plus, refs = frac.partition("+ref")
     if name not in SYSTEMS:

@@ -115,7 +115,8 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     now = split_of(current)
     model = estimate(signals, limits)
     basis = signals  # the measurement the plan is judged on
-    walking = model is None and signals.walk is not None and signals.last_rollout_change != 0
+    walking = (model is None and signals.walk is not None and signals.last_rollout_change != 0
+               and "walk" not in limits.ablate)
     if walking:  # the current split is not measured yet: go on toward what the last measurement predicted
         basis = signals.walk  # type: ignore[assignment]
         model = estimate(basis, limits)
@@ -123,7 +124,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     options = candidates(now, limits, model.stage_times)
     # What the window measured overrides the model's extrapolation in the clear cases.
-    seen = regime(basis)
+    seen = regime(basis) if "regime" not in limits.ablate else "mixed"
     if seen == "supply":
         options = [s for s in options if s.rollout >= now.rollout]
     elif seen == "idle":
@@ -141,7 +142,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     elif walking and best_g <= now_g * (1 + limits.rate_margin):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     elif best == now or best_g <= now_g * (1 + limits.rate_margin):
-        refs = repartition(now, signals, limits)
+        refs = repartition(now, signals, limits) if "repartition" not in limits.ablate else None
         if refs is None:
             return finish_plan(current, current, fetch, ErsReason.STEADY)
         if refs > now.refs:
@@ -157,7 +158,8 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         # 0.05% below 21/8/3: docs/RESULTS.md).
         ranked = sorted(scored, key=lambda x: (x[0], x[1]), reverse=True)
         targets = [best] + [s for g, _, s in ranked if s not in (now, best) and g > now_g * (1 + limits.rate_margin)
-                            and _measured_way(now, s, seen) and (not walking or _walk_goes_on(now, s, signals))]
+                            and _measured_way(now, s, seen) and (not walking or _walk_goes_on(now, s, signals))
+                            and "valley" not in limits.ablate]
     for target in targets:
         moved = _toward(current, now, target, limits, model, now_g, exempt=trial is not None)
         if moved is None:
@@ -205,11 +207,11 @@ def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLim
         # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
         # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
         if moves[grows] >= limit[grows] and (predict_tok_s(split, model)[2] >= now_g
-                                             or target.rollout not in measured):
+                                             or target.rollout not in measured or "valley" in limits.ablate):
             break
         new, split = step
         moves[grows] += 1
-    if split == now or (not exempt and predict_tok_s(split, model)[2] < now_g):
+    if split == now or (not exempt and "valley" not in limits.ablate and predict_tok_s(split, model)[2] < now_g):
         return None
     return new, split
 

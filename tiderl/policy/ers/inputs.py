@@ -27,6 +27,23 @@ class ErsPolicy(enum.Enum):
     generation meets consumption."""
 
 
+ABLATIONS: dict[str, str] = {
+    "regime": "what the window measured overrides the model (tiderl.policy.ers.choose, invariant 4)",
+    "valley": "no plan lands on a split predicted slower; a valley is crossed past the move limit or a "
+              "measured stand-in target taken (choose, invariant 9)",
+    "walk": "an unmeasured split goes on the way the last plan moved (choose, invariant 10)",
+    "repartition": "the trainer's ranks divided anew between actor and ref where no split move pays "
+                   "(choose, invariant 8)",
+    "slot_bound": "a split's supply is at most what its task slots play, the wait for a slot taken out of "
+                  "the generation latency (tiderl.policy.ers.model, choose invariant 11)",
+    "latency_memory": "the generation latency of the splits tried in the last steps, beside the current one's "
+                      "(tiderl.policy.ers.signals)",
+}
+"""The rate planner's rules an ablation can switch off (`ErsLimits.ablate`; `tiderl sim --system tiderl~RULE`),
+each with what it does. The rules with their own switch (`evaluation_actors`, `adaptive_retention`,
+`preemptive_rollout`) are ablated through it."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErsLimits:
     """The `ers:` config section plus the elastic batch bounds (in groups)."""
@@ -64,8 +81,14 @@ class ErsLimits:
     engines_on_demand: bool = False
     """With a shared host: an idle rank starts its engine only when a plan wants it in rollout, and joins
     rollout once it is up (invariant 14). False: every idle rank keeps an engine up while parked."""
+    ablate: frozenset[str] = frozenset()
+    """Rules of the rate planner switched off, for an ablation (names of :data:`ABLATIONS`; empty: every
+    rule on)."""
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.ablate) - set(ABLATIONS))
+        if unknown:
+            raise ValueError(f"ablate: unknown rule {unknown[0]!r} (known: {', '.join(ABLATIONS)})")
         if not 1 <= self.groups_min <= self.groups_ideal:
             raise ValueError(f"groups_min: need 1 <= groups_min <= groups_ideal, got {self.groups_min}")
         if self.max_staleness < 0:

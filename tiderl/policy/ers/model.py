@@ -228,8 +228,10 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     env = min(signals.group_env_s or 0.0, latency or 0.0)
     # The current split's generation latency, without the wait for task slots (tiderl.policy.ers.signals): that wait is
     # the slots' (the slot bound of _supply_tok_s), not the engines'.
-    curve = gen_latency_curve(signals.gen_latency_by_rollout, last.rollout_ranks,
-                              max(0.0, (latency or 0.0) - env - signals.slot_wait_s))
+    slots = "slot_bound" not in limits.ablate
+    memory = signals.gen_latency_by_rollout if "latency_memory" not in limits.ablate else ()
+    curve = gen_latency_curve(memory, last.rollout_ranks,
+                              max(0.0, (latency or 0.0) - env - (signals.slot_wait_s if slots else 0.0)))
     slot = task_times(window)
     # The groups in flight: the staleness bound's, or the admission cap the feed keeps where smaller.
     inflight = inflight_bound(limits.groups_ideal, limits.max_staleness, signals.inflight_cap)
@@ -246,7 +248,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         group_env_s=env,
         gen_curve=curve,
         inflight_groups=inflight,
-        rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks else math.inf,
+        rank_groups=limits.rank_tasks / limits.group_size if limits.rank_tasks and slots else math.inf,
         host=limits.host,
         busy_rollout=min(last.rollout_ranks, held_rank_s / total_s) if total_s > 0 else float(last.rollout_ranks),
         trainer_busy_share=min(1.0, sum(trainer_busy) / total_s) if total_s > 0 else 1.0,

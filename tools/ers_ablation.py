@@ -1,0 +1,117 @@
+"""Which of ERS's rules earn their keep: each rule switched off in turn (`tiderl sim --system tiderl~RULE`), over
+several seeds, on every shipped workload x cluster pair.
+
+    python tools/ers_ablation.py [--pairs W:C,...] [--rules regime,valley,...] [--seeds 0-5] [--steps 100]
+        [--jobs N]
+
+For each pair, `tiderl` and `tiderl~RULE` for every rule run under the same seeds (`tools/sim_seeds.py`'s runs,
+`tiderl.sim.report.run_seeds`). Per rule and pair: the per-seed ratio tiderl / tiderl~RULE (above 1: the rule
+pays), their mean and its standard error across seeds, and a verdict: `pays` where the mean ratio exceeds 1 by
+more than twice its standard error, `costs` where it falls short of 1 by as much, `within spread` otherwise.
+Per rule overall: `earns_keep` where it pays on some pair and costs on none. A line on stderr per finished pair.
+Prints one JSON object. A benchmark of the simulator (minutes per pair), not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from sim_seeds import parse_seeds  # noqa: E402
+
+PAIRS = ("text-agentic:h100x8", "text-agentic:h100x32", "phase-change:h100x8", "mix-shift:h100x8",
+         "length-growth:h100x8", "osworld:h100x32-vl4b", "hilo-bench:cpu", "bench-latency:cpu")
+
+
+def verdict(base: list[float], ablated: list[float]) -> dict:
+    """The per-seed ratios base / ablated (the same seeds, in order), their mean, its standard error and the
+    verdict (pure)."""
+    ratios = [b / a for b, a in zip(base, ablated, strict=True) if a > 0]
+    if not ratios:
+        return {"ratios": [], "mean_ratio": None, "se": None, "verdict": "no goodput"}
+    mean = statistics.fmean(ratios)
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else math.inf
+    if mean - 1 > 2 * se:
+        call = "pays"
+    elif 1 - mean > 2 * se:
+        call = "costs"
+    else:
+        call = "within spread"
+    return {"ratios": [round(r, 4) for r in ratios], "mean_ratio": round(mean, 4),
+            "se": round(se, 4) if math.isfinite(se) else None, "verdict": call}
+
+
+def overall(per_pair: dict[str, dict[str, dict]], rules: list[str]) -> dict[str, dict]:
+    """Per rule: the pairs where it pays and where it costs, and whether it earns its keep (pure)."""
+    out = {}
+    for rule in rules:
+        pays = [p for p, r in per_pair.items() if r[rule]["verdict"] == "pays"]
+        costs = [p for p, r in per_pair.items() if r[rule]["verdict"] == "costs"]
+        out[rule] = {"pays_on": pays, "costs_on": costs, "earns_keep": bool(pays) and not costs}
+    return out
+
+
+def pair_files(pair: str) -> tuple[Path, Path]:
+    workload, sep, cluster = pair.partition(":")
+    if not sep:
+        raise SystemExit(f"ers_ablation: --pairs: {pair!r} is not WORKLOAD:CLUSTER")
+    w = ROOT / "jobs" / "sim" / f"{workload}.workload.yaml"
+    c = ROOT / "jobs" / "sim" / f"{cluster}.cluster.yaml"
+    for f in (w, c):
+        if not f.is_file():
+            raise SystemExit(f"ers_ablation: --pairs {pair}: no file {f.relative_to(ROOT)}")
+    return w, c
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tiderl.policy.ers.inputs import ABLATIONS
+    from tiderl.sim import report
+    from tiderl.sim.spec import load_cluster
+    from tiderl.sim.systems import ABLATION_SWITCHES, parse_system
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="WORKLOAD:CLUSTER names of jobs/sim/, comma-separated")
+    ap.add_argument("--rules", default=",".join([*ABLATIONS, "evaluation_actors", "adaptive_retention"]),
+                    help=f"rules to switch off one at a time (known: {', '.join([*ABLATIONS, *ABLATION_SWITCHES])})")
+    ap.add_argument("--seeds", default="0-5")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    files = [pair_files(p) for p in pairs]
+    names = ["tiderl"] + [f"tiderl~{r}" for r in rules]
+    try:
+        parsed = [parse_system(n) for n in names]
+    except ValueError as e:
+        raise SystemExit(f"ers_ablation: --rules: {e}") from None
+    per_pair: dict[str, dict[str, dict]] = {}
+    means: dict[str, dict[str, float]] = {}
+    t0 = time.monotonic()
+    for pair, (w, c) in zip(pairs, files):
+        cluster = load_cluster(c)
+        systems = [report.at_default_fraction(s, cluster.training.default_rollout_fraction) for s in parsed]
+        runs = report.run_seeds(str(w), str(c), systems, args.steps, seeds, args.jobs)
+        goodputs = [[r["goodput_tok_s"] for r in per_system] for per_system in runs]
+        per_pair[pair] = {rule: verdict(goodputs[0], g) for rule, g in zip(rules, goodputs[1:])}
+        means[pair] = {n: round(statistics.fmean(g), 1) for n, g in zip(names, goodputs)}
+        print(f"ers_ablation: {pair} done ({time.monotonic() - t0:.0f} s): "
+              + ", ".join(f"{r} {v['mean_ratio']} ({v['verdict']})" for r, v in per_pair[pair].items()),
+              file=sys.stderr, flush=True)
+    print(json.dumps({"seeds": seeds, "steps": args.steps, "rules": rules, "mean_tok_s": means,
+                      "per_pair": per_pair, "overall": overall(per_pair, rules)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
