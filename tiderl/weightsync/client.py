@@ -174,8 +174,7 @@ class CheckedBuckets:
 
     def __init__(self, data: list[torch.Tensor], layouts: list[BucketLayout]) -> None:
         cpus = _pinned_cpus()
-        own = os.sched_getaffinity(0)
-        others = cpus - own if len(own) == 1 and cpus - own else cpus
+        others = cpus - os.sched_getaffinity(0) or cpus
         self._data, self._layouts = data, layouts
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(workers(), len(others))), initializer=_on(others))
         self._checks = [self._pool.submit(check, d, layout) for d, layout in zip(data, layouts)]
@@ -206,11 +205,14 @@ def _on(cpus: set[int]) -> Callable[[], None]:
 
 def _pinned_cpus() -> set[int]:
     """The cores this thread may run on, with every core one of this process's threads is pinned to (a thread
-    allowed a single core). vLLM's CPU worker pins each of its OpenMP threads to a core of its own, its main
-    thread to the first, and a new thread inherits its creator's cores: the checking threads this worker
-    starts would all share its main thread's one core. While a version is received and loaded the engine
-    steps no batch, and its OpenMP threads' cores are idle."""
+    allowed a single core) and the cores of its parent process. vLLM's CPU worker pins each of its OpenMP
+    threads to a core of its own, its main thread to the first, and a new thread inherits its creator's
+    cores: the checking threads this worker starts would all share its main thread's one core. While a
+    version is received and loaded the engine steps no batch: its OpenMP threads' cores are idle, and so
+    are those its engine core process (the worker's parent) keeps for itself (vLLM's reserved cores)."""
     cpus = set(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError):
+        cpus |= os.sched_getaffinity(os.getppid())
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
