@@ -46,3 +46,14 @@ def test_the_tool_ablates_on_a_real_pair() -> None:
     bad = subprocess.run([sys.executable, "tools/ers_ablation.py", "--rules", "nope"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "no such ERS rule" in bad.stderr
+    bad = subprocess.run([sys.executable, "tools/ers_ablation.py", "--starts", "1.5"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--starts" in bad.stderr
+
+
+def test_the_tool_ablates_from_other_starts() -> None:
+    out = subprocess.run([sys.executable, "tools/ers_ablation.py", "--pairs", "hilo-bench:cpu", "--rules", "walk",
+                          "--starts", "0.34,0.67", "--seeds", "0", "--steps", "3", "--jobs", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(json.loads(out.stdout)["per_pair"]) == {"hilo-bench:cpu@0.34", "hilo-bench:cpu@0.67"}

@@ -1,10 +1,11 @@
 """Which of ERS's rules earn their keep: each rule switched off in turn (`tiderl sim --system tiderl~RULE`), over
 several seeds, on every shipped workload x cluster pair.
 
-    python tools/ers_ablation.py [--pairs W:C,...] [--rules regime,valley,...] [--seeds 0-5] [--steps 100]
-        [--jobs N]
+    python tools/ers_ablation.py [--pairs W:C,...] [--rules regime,valley,...] [--starts F,...] [--seeds 0-5]
+        [--steps 100] [--jobs N]
 
-For each pair, `tiderl` and `tiderl~RULE` for every rule run under the same seeds (`tools/sim_seeds.py`'s runs,
+For each pair (and each `--starts` rollout fraction, by default the cluster's own start), `tiderl` and
+`tiderl~RULE` for every rule run under the same seeds (`tools/sim_seeds.py`'s runs,
 `tiderl.sim.report.run_seeds`). Per rule and pair: the per-seed ratio tiderl / tiderl~RULE (above 1: the rule
 pays), their mean and its standard error across seeds, and a verdict: `pays` where the mean ratio exceeds 1 by
 more than twice its standard error, `costs` where it falls short of 1 by as much, `within spread` otherwise.
@@ -21,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", default=",".join(PAIRS), help="WORKLOAD:CLUSTER names of jobs/sim/, comma-separated")
     ap.add_argument("--rules", default=",".join([*ABLATIONS, "evaluation_actors", "adaptive_retention"]),
                     help=f"rules to switch off one at a time (known: {', '.join([*ABLATIONS, *ABLATION_SWITCHES])})")
+    ap.add_argument("--starts", default="",
+                    help="rollout fractions to start from, comma-separated (default: each cluster's own start)")
     ap.add_argument("--seeds", default="0-5")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -98,16 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     per_pair: dict[str, dict[str, dict]] = {}
     means: dict[str, dict[str, float]] = {}
     t0 = time.monotonic()
+    try:
+        starts = [float(x) for x in args.starts.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"ers_ablation: --starts: numbers in (0, 1), got {args.starts!r}") from None
+    if any(not 0 < f < 1 for f in starts):
+        raise SystemExit(f"ers_ablation: --starts: numbers in (0, 1), got {args.starts!r}")
     for pair, (w, c) in zip(pairs, files):
         cluster = load_cluster(c)
-        systems = [report.at_default_fraction(s, cluster.training.default_rollout_fraction) for s in parsed]
-        runs = report.run_seeds(str(w), str(c), systems, args.steps, seeds, args.jobs)
-        goodputs = [[r["goodput_tok_s"] for r in per_system] for per_system in runs]
-        per_pair[pair] = {rule: verdict(goodputs[0], g) for rule, g in zip(rules, goodputs[1:])}
-        means[pair] = {n: round(statistics.fmean(g), 1) for n, g in zip(names, goodputs)}
-        print(f"ers_ablation: {pair} done ({time.monotonic() - t0:.0f} s): "
-              + ", ".join(f"{r} {v['mean_ratio']} ({v['verdict']})" for r, v in per_pair[pair].items()),
-              file=sys.stderr, flush=True)
+        for start in starts or [cluster.training.default_rollout_fraction]:
+            key = pair if not starts else f"{pair}@{start:g}"
+            systems = [replace(s, rollout_fraction=start) for s in parsed]
+            runs = report.run_seeds(str(w), str(c), systems, args.steps, seeds, args.jobs)
+            goodputs = [[r["goodput_tok_s"] for r in per_system] for per_system in runs]
+            per_pair[key] = {rule: verdict(goodputs[0], g) for rule, g in zip(rules, goodputs[1:])}
+            means[key] = {n: round(statistics.fmean(g), 1) for n, g in zip(names, goodputs)}
+            print(f"ers_ablation: {key} done ({time.monotonic() - t0:.0f} s): "
+                  + ", ".join(f"{r} {v['mean_ratio']} ({v['verdict']})" for r, v in per_pair[key].items()),
+                  file=sys.stderr, flush=True)
     print(json.dumps({"seeds": seeds, "steps": args.steps, "rules": rules, "mean_tok_s": means,
                       "per_pair": per_pair, "overall": overall(per_pair, rules)}))
     return 0
