@@ -83,8 +83,8 @@ class TrainerConfig:
         help="How the rollout engines get each version: `files` (each engine checks weights/vN against its SHA256SUMS "
         "and reads it) or `transfer` (pulled from the trainer leader through vLLM's weight-transfer API: mapped from "
         "its shared memory on its host, sent over TCP elsewhere, every bucket checked; an engine that cannot reach it "
-        "reads the files). The trainer writes weights/vN either way. Measured on one CPU host, the transfer is 1.25x "
-        "files on the leader's host and slower over TCP (docs/trainer.md).",
+        "reads the files). The trainer writes weights/vN either way. Measured on one CPU host, the transfer is 1.6-3.5x "
+        "page-cached files on the leader's host and slower over TCP (docs/trainer.md).",
     )
     backend: str = option(
         "torch",
