@@ -1,7 +1,7 @@
 """Which of ERS's rules earn their keep: each rule switched off in turn (`tiderl sim --system tiderl~RULE`), over
 several seeds, on every shipped workload x cluster pair.
 
-    python tools/ers_ablation.py [--pairs W:C,...] [--rules regime,valley,...] [--starts F,...] [--seeds 0-5]
+    python tools/ers_ablation.py [--pairs W:C,...] [--rules regime,walk,...] [--starts F,...] [--seeds 0-5]
         [--steps 100] [--jobs N]
 
 For each pair (and each `--starts` rollout fraction, by default the cluster's own start), `tiderl` and

@@ -60,13 +60,12 @@ Roles and moves
 2. Moves are only ROLLOUT <-> REF, ROLLOUT <-> ACTOR (``elastic_actors``),
    IDLE -> ROLLOUT, ROLLOUT -> IDLE in a rate plan with a shared host
    (``host``, tiderl.policy.ers.choose), and ACTOR <-> REF in a rate plan's
-   trainer re-partition or valley escape (``elastic_actors``); ``moves`` lists exactly the
+   trainer re-partition, or where its moves pass a rank through rollout (``elastic_actors``); ``moves`` lists exactly the
    ranks whose role changed.
 3. At most ``max_moves_per_step`` moves (with ``max_rollout_moves_per_step`` set, at most that many
    moves to rollout and ``max_moves_per_step`` others), except a preemptive plan, its
-   return at the evaluation's end, a trainer re-partition (it leaves the rollout side as it is and costs one
-   regroup of the actors however many ranks it moves) and a rate plan leaving a valley (a split on the
-   way predicted slower than the current one: tiderl.policy.ers.choose, invariant 9).
+   return at the evaluation's end and a trainer re-partition (it leaves the rollout side as it is and costs one
+   regroup of the actors however many ranks it moves).
 4. Rollout ranks never drop below ``min_rollout_ranks`` through a move, and
    REF ranks never exceed ``max_ref_ranks``.
 5. The mode is DECOUPLED iff the plan has at least one REF rank.

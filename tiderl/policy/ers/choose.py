@@ -15,9 +15,7 @@ Decision: the best split over every split the limits allow (rollout ranks
 >= min_rollout_ranks, actors fixed unless ``elastic_actors``, ref ranks only
 up to the count that keeps up with the actors, and within max_ref_ranks,
 idle ranks only with a shared host);
-ties go to the current split, then to fewer moves. The plan moves toward it (or, where its way ends in
-a valley, toward the next best split above the margin whose way does not and was measured: invariants 3
-and 9),
+ties go to the current split, then to fewer moves. The plan moves toward it,
 at most ``max_moves_per_step`` ranks (with ``max_rollout_moves_per_step`` set: at most that many
 moves to rollout, and ``max_moves_per_step`` others: the paper bounds only the trainer's scale-up),
 and only if the predicted gain of the best split over the current one exceeds ``rate_margin``
@@ -28,13 +26,9 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
 2. No move without a predicted gain above ``rate_margin``; no move at all
    while the window has fewer than MIN_WINDOW_STEPS steps or no measured
    supply or demand, except a walk's (invariant 10).
-3. Every move goes toward the target: the best split, or where the way to it
-   ends in a valley (invariant 9), the best of the splits predicted above the
-   margin whose way does not and whose way the window measured (fewer rollout
-   ranks only where they idled, more only where the trainer waited for data:
-   :func:`regime`). Rollout ranks move the same way as the target's
-   rollout count (or, at an equal count, a rank passes through rollout on its
-   way between ref and actor).
+3. Every move goes toward the best split, within the move limits. Rollout ranks move the same way as
+   its rollout count (or, at an equal count, a rank passes through rollout on its way between ref and
+   actor: the plan shows ACTOR <-> REF).
 4. Supply-bound (the trainer waited at least 10% of the window, the rollout
    ranks idled less than half a rank): rollout ranks never decrease. Rollout
    ranks idle (one rank or more on average, for lack of admissible work):
@@ -47,19 +41,13 @@ Invariants (each has a test in tests/test_policy_ers_rate.py)
    to rollout. Host speed factors are 1 without a shared host.
 8. The trainer re-partition's invariants hold (tiderl.policy.ers.trainer), and it is tried only where
    no split move is planned.
-9. No valley: a plan never lands on a split predicted slower than the current one. Where the first
-   ``max_moves_per_step`` moves toward the best split would (a path through a valley, such as a first
-   ref rank feeding many actors in the decoupled mode), it moves on toward the best split until the
-   prediction is back at the current one's or better (at most all the way), if the best split's
-   rollout count was measured (an extrapolated target is not worth a plan past the limit: on
-   mix-shift one such plan went to a rollout count never measured and ran at 0.6x); otherwise it
-   stays. (The shared host's trial split is exempt: it is a measurement.) A rank may then
-   pass through rollout on its way between ref and actor: its plan shows ACTOR <-> REF.
+9. (Removed: a rule that kept plans out of splits predicted slower on the way to the best one, crossing
+   them past the move limit or taking a stand-in target, bought nothing beyond the seeds' spread on any
+   shipped pair and start: docs/RESULTS.md, "Which of the planner's rules pay".)
 10. A walk: while the current split is not measured (its window is shorter than MIN_WINDOW_STEPS) and the
    previous plan moved rollout ranks, the plan is judged on the newest measured split's signals
    (``signals.walk``, tiderl.policy.ers.signals). It moves only the way the previous plan moved the
-   rollout ranks, only for a predicted gain above ``rate_margin``, within the move limit (or out of a
-   valley, invariant 9), never toward more rollout ranks once the last step idled a rollout rank's worth
+   rollout ranks, only for a predicted gain above ``rate_margin``, within the move limit, never toward more rollout ranks once the last step idled a rollout rank's worth
    (``rollout_idle_ranks`` >= IDLE_RANKS); no shared-host trial, no trainer re-partition; otherwise it
    waits for the measurement (STEADY). So the planner moves a rank every step toward the split it
    predicted, as the paper's bound allows (one rank per step), instead of one every MIN_WINDOW_STEPS + 1
@@ -138,7 +126,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     trial = None if walking else _host_trial(now, options, model, seen, limits)
     if trial is not None:
-        targets = [trial]
+        target = trial
     elif walking and best_g <= now_g * (1 + limits.rate_margin):
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     elif best == now or best_g <= now_g * (1 + limits.rate_margin):
@@ -151,69 +139,39 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
             new = move_roles(current, Role.REF, Role.ACTOR, now.refs - refs)
         return finish_plan(current, new, fetch, ErsReason.RATE_REPARTITION)
     else:
-        # The best split first; where the way to it ends in a valley (invariant 9), the next best split
-        # predicted above the margin whose way does not, if the window measured the way it goes (on
-        # text-agentic x h100x32 from 24/8/0, 21/8/3's way passed through one ref rank feeding 8 actors,
-        # and the planner stayed 22 steps at 0.8x with idle rollout ranks, where 21/11/0 was predicted
-        # 0.05% below 21/8/3: docs/RESULTS.md).
-        ranked = sorted(scored, key=lambda x: (x[0], x[1]), reverse=True)
-        targets = [best] + [s for g, _, s in ranked if s not in (now, best) and g > now_g * (1 + limits.rate_margin)
-                            and _measured_way(now, s, seen) and (not walking or _walk_goes_on(now, s, signals))
-                            and "valley" not in limits.ablate]
-    for target in targets:
-        moved = _toward(current, now, target, limits, model, now_g, exempt=trial is not None)
-        if moved is None:
-            continue
-        new, split = moved
-        if split.idle > now.idle:
-            reason = ErsReason.RATE_TO_IDLE
-        elif split.rollout > now.rollout:
-            reason = ErsReason.RATE_TO_ROLLOUT
-        elif split.rollout < now.rollout:
-            reason = ErsReason.RATE_TO_TRAINER
-        else:
-            reason = ErsReason.RATE_REBALANCE
-        return finish_plan(current, new, fetch, reason)
-    return finish_plan(current, current, fetch, ErsReason.STEADY)  # no way out of the valley: stay
+        target = best
+    moved = _toward(current, now, target, limits, model.stage_times)
+    if moved is None:
+        return finish_plan(current, current, fetch, ErsReason.STEADY)
+    new, split = moved
+    if split.idle > now.idle:
+        reason = ErsReason.RATE_TO_IDLE
+    elif split.rollout > now.rollout:
+        reason = ErsReason.RATE_TO_ROLLOUT
+    elif split.rollout < now.rollout:
+        reason = ErsReason.RATE_TO_TRAINER
+    else:
+        reason = ErsReason.RATE_REBALANCE
+    return finish_plan(current, new, fetch, reason)
 
 
-def _measured_way(now: Split, target: Split, seen: str) -> bool:
-    """Whether the window measured that the rollout side can go `target`'s way: fewer rollout ranks where
-    they idled (regime "idle"), more where the trainer waited for data ("supply"). Only such a target stands
-    in for a best split that no plan can reach: below a measured rollout count the model extrapolates, and
-    on mix-shift x h100x8 a stand-in at one rollout rank (never measured) ran at 0.6x of its prediction."""
-    if target.rollout < now.rollout:
-        return seen == "idle"
-    if target.rollout > now.rollout:
-        return seen == "supply"
-    return True
-
-
-def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits, model: RateModel,
-            now_g: float, exempt: bool = False) -> tuple[tuple[Role, ...], Split] | None:
-    """The role map and split after the moves toward `target` within the limits (beyond them only to leave a
-    valley, toward a measured rollout count: invariant 9), or None where no move is made or the plan would
-    land on a split predicted slower than the current one (`exempt`: the shared host's trial, a measurement)."""
+def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits,
+            times: StageTimes | None) -> tuple[tuple[Role, ...], Split] | None:
+    """The role map and split after the moves toward `target` within the limits, or None where no move is made."""
     new = current
     split = now
     moves = {True: 0, False: 0}  # moves to rollout, other moves: each kind within its limit
     limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
-    measured = dict(model.gen_curve)  # rollout counts measured: a valley is crossed only toward one
     while split != target:
-        step = _one_move(new, split, target, limits, model.stage_times)
+        step = _one_move(new, split, target, limits, times)
         if step is None:
             break
         grows = step[1].rollout > split.rollout
-        # Within the move limit; beyond it only to leave a valley: a split on the way predicted slower than
-        # the current one (e.g. a first ref rank that cannot feed the actors in the decoupled mode).
-        if moves[grows] >= limit[grows] and (predict_tok_s(split, model)[2] >= now_g
-                                             or target.rollout not in measured or "valley" in limits.ablate):
+        if moves[grows] >= limit[grows]:
             break
         new, split = step
         moves[grows] += 1
-    if split == now or (not exempt and "valley" not in limits.ablate and predict_tok_s(split, model)[2] < now_g):
-        return None
-    return new, split
+    return None if split == now else (new, split)
 
 
 def _walk_goes_on(now: Split, best: Split, signals: ErsSignals) -> bool:

@@ -29,8 +29,6 @@ class ErsPolicy(enum.Enum):
 
 ABLATIONS: dict[str, str] = {
     "regime": "what the window measured overrides the model (tiderl.policy.ers.choose, invariant 4)",
-    "valley": "no plan lands on a split predicted slower; a valley is crossed past the move limit or a "
-              "measured stand-in target taken (choose, invariant 9)",
     "walk": "an unmeasured split goes on the way the last plan moved (choose, invariant 10)",
     "repartition": "the trainer's ranks divided anew between actor and ref where no split move pays "
                    "(choose, invariant 8)",
