@@ -70,6 +70,18 @@ def run_seed(job: Path, seed: int, overrides: list[str], out: Path, cache: Path)
     }
 
 
+def job_and_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Path, list[int]]:
+    """`--job` resolved (the runs start in ROOT) and `--seeds` parsed; a parser error names the one at fault."""
+    job = args.job.resolve()
+    if not job.is_file():
+        parser.error(f"no job file {args.job}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    return job, seeds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", type=Path, default=ROOT / "jobs" / "quickstart.yaml",
@@ -81,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-cache", type=Path, default=None,
                         help="Model cache of the runs (default: OUT/model-cache, which must not exist yet).")
     args = parser.parse_args(argv)
-    job = args.job.resolve()  # the runs start in ROOT
-    if not job.is_file():
-        parser.error(f"no job file {args.job}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    job, seeds = job_and_seeds(parser, args)
     out = (args.out or Path(tempfile.mkdtemp(prefix="tiderl-learning-"))).resolve()
     cache = (args.model_cache or out / "model-cache").resolve()
     if args.model_cache is None and cache.exists():

@@ -307,13 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="$TIDERL_CACHE of the runs (models in DIR/models/; default OUT/model-cache).")
     parser.add_argument("--reuse", action="store_true", help="Read the runs already in --out instead of running them.")
     args = parser.parse_args(argv)
-    job = args.job.resolve()
-    if not job.is_file():
-        parser.error(f"no job file {args.job}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    from bench_learning import job_and_seeds
+
+    job, seeds = job_and_seeds(parser, args)
     if any(o.split("=", 1)[0] == "system" for o in args.overrides + args.tiderl_overrides):
         parser.error("the systems are this tool's to set: no system= override")
     if args.reuse and args.out is None:
