@@ -128,6 +128,8 @@ def test_vllm_runs_the_tiny_vl_model_with_images(tmp_path: Path) -> None:
     # TideRL's own path: the rollout worker and agent loop hand every generation its images.
     assert evidence["loop_tasks"] >= 4 and evidence["loop_images_match"] and evidence["loop_lengths_match"]
     assert evidence["loop_cached_tokens_with_images"] > 0
+    # A weight update resumes a request whose image the prefix cache covered: it finishes on both versions.
+    assert evidence["reload_mid_request_spanned"] and evidence["reload_mid_request_cached_tokens"] > 0
 
 
 def test_the_chat_format_places_images_as_the_chat_template_does(model_dir: Path) -> None:

@@ -264,3 +264,49 @@ def test_a_rank_builds_its_engine_once_on_the_base_model_whatever_version_it_joi
     engine = rank_engine(ctx)
     assert built == [(tmp_path / "base", 0)] and engine.weights_version == 0 and events == ["engine_up"]
     assert rank_engine(ctx) is engine and len(built) == 1  # kept across role changes
+
+
+def test_a_dead_engine_gives_every_task_back_uncounted_and_ends_the_rank(fmt: ChatFormat) -> None:
+    """vLLM failing on one request kills the engine for all (a resumed image request did, in CI): the tasks
+    that failed on it and those still in flight go back to the pool with no attempt counted, in the tick's
+    report, and the rank ends (EngineFailed) for the launcher to start it afresh, instead of claiming tasks
+    only to fail them."""
+    from types import SimpleNamespace
+
+    from tiderl.run.rollout_role import EngineFailed, _engine_failed
+
+    class Dying(FakeEngine):
+        dead: BaseException | None = None
+
+        @property
+        def failure(self) -> BaseException | None:
+            return self.dead
+
+        async def generate(self, prompt_ids, sampling, images=()):
+            if self.dead is None and len(self.prompts) == 2:  # the third generation kills it
+                self.dead = RuntimeError("engine core died")
+            if self.dead is not None:
+                raise EngineError(f"the engine is unusable: {self.dead}")
+            return await super().generate(prompt_ids, sampling, images)
+
+    sent: list[RankReport] = []
+    store = SimpleNamespace(report=lambda report, **kw: sent.append(report) or {"accepted": True, "claims": []})
+    ctx = SimpleNamespace(rank=2, store=store, config=job("vanilla"), bell=lambda name: SimpleNamespace(ring=lambda: None))
+
+    async def scenario() -> RolloutRole:
+        engine = Dying(lambda prompt: fmt.encode("1"), delay_s=0.3)  # "1" is never right: tasks last
+        role = RolloutRole(job("vanilla", max_concurrency=4), 0, engine, LocalEnvLink(), fmt)
+        role.add(claims(10, 1, 4))
+        while engine.failure is None or not role.given_back:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineFailed, match="engine failed"):
+            await _engine_failed(ctx, role, RankReport(rank=2), 0, engine.failure)
+        await role.close()
+        return role
+
+    from tiderl.rollout.engine import EngineError
+
+    role = asyncio.run(scenario())
+    assert len(sent) == 1 and sorted(sent[0].released) == [10, 11, 12, 13]  # each once: failed or in flight
+    assert not sent[0].failed and [e.kind for e in sent[0].events] == ["engine_failed"]
+    assert sent[0].claim is None and not role.claims

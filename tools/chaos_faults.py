@@ -112,6 +112,15 @@ def _kill_rank(role: str) -> Inject:
     return inject
 
 
+def _kill_engine(trial: Trial) -> str:
+    """SIGKILL the vLLM engine-core process of a rollout rank whose engine is up: the rank's engine dies under
+    it (as it does when vLLM fails on a request), the rank process lives on."""
+    rank, pid = rank_pid(trial.db, "rollout")
+    core = child_of(pid, "EngineCore")
+    os.kill(core, signal.SIGKILL)
+    return f"SIGKILL the engine core (pid {core}) of rank {rank} (rollout, pid {pid})"
+
+
 def _kill_child(needle: str, what: str) -> Inject:
     def inject(trial: Trial) -> str:
         assert trial.launcher is not None
@@ -311,6 +320,7 @@ def _remove_shared_weights(trial: Trial) -> str:
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("rollout_kill", _kill_rank("rollout"), what="SIGKILL of a rollout rank"),
+    Fault("engine_kill", _kill_engine, what="SIGKILL of a rollout rank's vLLM engine core (the rank lives on)"),
     Fault("actor_kill", _kill_rank("actor"), what="SIGKILL of the actor rank"),
     Fault("ref_kill", _kill_rank("ref"), what="SIGKILL of the ref rank"),
     Fault("control_kill", _kill_child("tiderl.run.control", "the control plane"), what="SIGKILL of the control plane"),

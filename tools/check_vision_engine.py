@@ -27,6 +27,10 @@ context length the agent loop and CTB count (`Trajectory.engine_tokens`: each im
 and later turns must find their earlier turns, images included, in the prefix cache. The checks
 above then run on the same engine (its vLLM `LLM`, between the engine thread's steps).
 
+Then, on the same engine, a weight update while a request generates whose image the prefix cache
+covered when it started: the request must finish on both versions (the update resumes it, and its
+image goes through the vision tower again).
+
 Prints one JSON line of evidence: tokens per image, the prompt lengths vLLM saw, times,
 prefix-cache hits, the largest log-probability difference. Exit status 1 if a check fails.
 
@@ -145,6 +149,36 @@ async def _play(engine: Any, model_dir: Path, max_images: int, keep_images: int 
         "loop_cached_tokens_with_images": sum(c[4] for c in calls if c[1] >= 2),
         "loop_images_in_trajectories": sum(len(t.images) for t in got),
     }
+
+
+async def _reload_mid_request(engine: Any, model_dir: Path, tokenizer: Any, png: bytes) -> dict[str, Any]:
+    """A weight update while a request generates whose image the prefix cache covered when it started: the
+    update resumes it with its KV dropped, so its image goes through the vision tower again (the engine
+    died here once, vision_compat.keep_image_data_for_resumed_requests). It must finish, its tokens
+    sampled on both versions."""
+    from tiderl.envs.images import check_png
+    from tiderl.rollout.chat import IMAGE_PLACEHOLDER
+    from tiderl.rollout.engine import SamplingSpec
+
+    image = check_png(png)
+    text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}{'you are red, the goal is green. ' * 4}<|im_end|>\n<|im_start|>assistant\n"
+    head = tokenizer.encode(text, add_special_tokens=False)
+    await engine.generate(head, SamplingSpec(max_new_tokens=1, seed=1), [image])  # its blocks into the prefix cache
+    longer = head + tokenizer.encode("up<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+    # No special token ends it early: the update must come while it generates.
+    spec = SamplingSpec(max_new_tokens=256, seed=2, banned_token_ids=tuple(tokenizer.all_special_ids))
+    task = asyncio.create_task(engine.generate(longer, spec, [image]))
+    while not task.done() and not any(w.token_ids for w in engine._waiters.values()):
+        await asyncio.sleep(0.005)
+    before = engine.weights_version
+    await engine.reload_weights(model_dir, before + 1)
+    generation = await task
+    return {"reload_mid_request_cached_tokens": generation.num_cached_tokens,
+            "reload_mid_request_in_flight": engine.last_update.in_flight,
+            "reload_mid_request_versions": sorted(set(generation.versions)),
+            "reload_mid_request_tokens": len(generation.token_ids),
+            "reload_mid_request_spanned": sorted(set(generation.versions)) == [before, before + 1]}
 
 
 def _trainer_logprobs(model_dir: Path, played: list[Any]) -> dict[str, Any]:
@@ -292,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             played_text: list[Any] = []
             evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.keep_images, args.tasks, played,
                                               played_text)))
+            evidence.update(asyncio.run(_reload_mid_request(engine, model_dir, tokenizer, pngs[0])))
             # On the engine's own thread, between its steps: vLLM's LLM is never driven from two threads.
             raw = asyncio.run(engine._call(lambda: _raw_checks(engine._llm, tokenizer, pngs, image_pad_id,
                                                                    args.max_new_tokens)))
@@ -316,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_image": evidence["tokens_per_image"] == evidence["tokens_per_image_expected"],
         "ids_prompt": evidence["ids_same_as_text"],
         "prefix_cache": evidence["prefix_cache_hit_tokens_repeat"] > 0,
+        "reload_mid_request": evidence["reload_mid_request_spanned"] and evidence["reload_mid_request_in_flight"] == 1
+        and evidence["reload_mid_request_cached_tokens"] > 0,
         "logprobs": evidence["max_abs_logprob_diff"] is not None and evidence["max_abs_logprob_diff"] < 1e-2
         and all(math.isfinite(x) for x in hf_lp),
     }

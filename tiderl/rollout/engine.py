@@ -156,6 +156,13 @@ class Engine(ABC):
         return []
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can generate nothing more (its process died, or an update left it with a mix of
+        weights); None while it works. A rollout rank whose engine failed gives its tasks back and ends, and
+        the launcher starts it afresh."""
+        return None
+
+    @property
     def memory_released(self) -> bool:
         """Whether :meth:`release_memory` freed the engine's memory (not yet restored)."""
         return False

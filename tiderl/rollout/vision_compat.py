@@ -24,6 +24,10 @@ that built the engine, so TideRL registers `vllm_plugin` as a vLLM general plugi
 process it starts, and for an engine built for images (`VllmEngine(max_images=N)` sets
 `TIDERL_VLLM_VISION=1`, which those processes inherit) it applies the patch and
 `register_vl_models_with_vllm()`. vLLM also needs `limit_mm_per_prompt={"image": N, "video": 0}`.
+
+The same plugin keeps every image's pixels with a request that the engine core schedules
+(`keep_image_data_for_resumed_requests`): a weight update resumes requests whose images the prefix
+cache covered when they started, and they need the vision tower again.
 """
 
 from __future__ import annotations
@@ -110,8 +114,36 @@ def register_vl_models_with_vllm() -> None:
     ModelRegistry.register_model("Qwen2VLForConditionalGeneration", Qwen2VLForConditionalGeneration)
 
 
+def keep_image_data_for_resumed_requests() -> bool:
+    """Send every image's data to the workers with a request, also where the prefix cache covers it.
+
+    vLLM (0.32) strips the pixels of an image whose tokens the prefix cache holds when a request is first
+    scheduled (`strip_covered_mm_data`): no encoder run is needed then. The worker keeps the request's
+    features as they arrived, and a request that is preempted and resumed reuses them. A weight update
+    preempts every running request and drops the prefix cache (`reset_prefix_cache(reset_running_requests=
+    True)`), so a resumed request whose image was covered needs the vision tower again and finds no pixels:
+    the worker's assertion "Expected number of multimodal embeddings ... got 0" kills the engine. (A request
+    preempted for room and resumed after its cached blocks were evicted meets the same.) Keeping the data
+    costs sending each image to the workers with every new request, which vLLM did before it stripped them.
+    Returns whether vLLM had the function to replace (a later vLLM without it needs nothing)."""
+    try:
+        from vllm.v1.core.sched import output
+    except ImportError:
+        return False
+    if not hasattr(output, "strip_covered_mm_data"):
+        return False
+
+    def keep(mm_features: Any, num_computed_tokens: int, uses_mrope: bool = False) -> Any:
+        return mm_features
+
+    output.strip_covered_mm_data = keep
+    return True
+
+
 def vllm_plugin() -> None:
     """vLLM general plugin: in every process vLLM starts for an engine built for images (VISION_ENV),
-    the processor patch and Qwen2-VL's registration; nothing for a text engine."""
+    the processor patch, Qwen2-VL's registration and the images kept for resumed requests (the engine core
+    schedules them); nothing for a text engine."""
     if os.environ.get(VISION_ENV) == "1":
         register_vl_models_with_vllm()
+        keep_image_data_for_resumed_requests()

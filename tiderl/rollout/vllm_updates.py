@@ -44,6 +44,10 @@ class EngineWeights:
     _clock: Any  # the engine's IterationClock
 
     @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    @property
     def memory_released(self) -> bool:
         return self._asleep
 

@@ -72,6 +72,7 @@ class RolloutRole:
         self.claims: dict[str, TaskClaim] = {}
         self.finished: list[FinishedTrajectory] = []
         self.failed: list[TaskFailure] = []
+        self.given_back: list[int] = []  # tasks that failed on a dead engine
         self.worker = RankWorker(
             engine, pool, fmt, make_scheduler(cfg.rollout.scheduler, priority_weights(cfg)), loop_limits(cfg),
             sink=self._sink, budget_tokens=cfg.rollout.kv_budget_tokens,
@@ -93,7 +94,10 @@ class RolloutRole:
     def _failed(self, spec: TaskSpec, error: BaseException) -> None:
         claim = self.claims.pop(spec.task_id)
         self.worker.first_version.pop(spec.task_id, None)
-        self.failed.append(TaskFailure(claim.task_id, f"{type(error).__name__}: {error}"))
+        if self.worker.engine.failure is not None:  # not the task's fault: it goes back, no attempt counted
+            self.given_back.append(claim.task_id)
+        else:
+            self.failed.append(TaskFailure(claim.task_id, f"{type(error).__name__}: {error}"))
 
     def add(self, claims: list[TaskClaim]) -> None:
         """Claims -> worker groups. Tasks of one store group claimed together form one worker
@@ -139,7 +143,10 @@ class RolloutRole:
         their progress, so the next rank carries them on (a fresh prefill, no replay)."""
         for spec, progress in await self.worker.abandon(task_ids, handoff=handoff):
             self.worker.first_version.pop(spec.task_id, None)
-            task_id = self.claims.pop(spec.task_id).task_id
+            claim = self.claims.pop(spec.task_id, None)
+            if claim is None:  # it failed as it stopped (on a dead engine): `_failed` gave it back already
+                continue
+            task_id = claim.task_id
             report.released.append(task_id)
             if progress is not None:
                 report.handed_over[task_id] = progress.to_json()
@@ -148,7 +155,8 @@ class RolloutRole:
         self._check_runner()
         report.finished += self.finished
         report.failed += self.failed
-        self.finished, self.failed = [], []
+        report.released += self.given_back
+        self.finished, self.failed, self.given_back = [], [], []
 
     async def close(self) -> None:
         if self.runner is not None and not self.runner.done():
@@ -276,6 +284,8 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
             if metric is not None:
                 report.metrics.append(MetricPoint(metric.value, tick_s, v.held, "rollout"))
             role.drain(report)
+            if engine.failure is not None:
+                await _engine_failed(ctx, role, report, v.held, engine.failure)
             stats.observe(role)
             nxt = ctx.boundary(v.planned)
             if nxt is not None:
@@ -334,6 +344,26 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
         return None
     finally:
         await role.close()
+
+
+class EngineFailed(RuntimeError):
+    """The rank's engine died: the rank ends (its tasks given back) and the launcher starts it afresh."""
+
+
+async def _engine_failed(ctx: RankContext, role: RolloutRole, report: RankReport, version: int,
+                         failure: BaseException) -> None:
+    """The engine can generate nothing more (vLLM failed on a request, its process died, an update left a mix
+    of weights): every task of the rank goes back to the pool in this tick's report, with no attempt counted,
+    and the rank ends (raises EngineFailed), so that a fresh start takes its place. A rank that stayed up
+    would claim tasks only to fail them."""
+    await role.release(report)
+    role.drain(report)
+    message = f"rank {ctx.rank}: its engine failed ({type(failure).__name__}: {str(failure)[:300]}); " \
+              f"{len(report.released)} tasks given back, the rank ends"
+    report.events.append(EventRecord("engine_failed", message, {"tasks": len(report.released)}))
+    log.error("%s", message)
+    _send(ctx, report, version, Role.ROLLOUT)
+    raise EngineFailed(message) from failure
 
 
 class RolloutStats:
