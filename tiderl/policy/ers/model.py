@@ -275,11 +275,12 @@ def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,
     return tuple(sorted(curve.items()))
 
 
-def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
+def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...],
+                   fixed_share: float = FIXED_SHARE_PRIOR) -> float:
     """L_gen with `rollout` ranks: measured where measured; between two measured counts, linear in
     1 / n (iteration cost = fixed part + part per sequence); below the fewest measured, scaling fully
     with 1 / n (saturated engines: a pessimistic view of taking rollout ranks away); above the most
-    measured, with FIXED_SHARE_PRIOR of it fixed (a modest view of adding them)."""
+    measured, with `fixed_share` of it fixed (FIXED_SHARE_PRIOR: a modest view of adding them)."""
     known = dict(curve)
     if rollout in known:
         return known[rollout]
@@ -297,7 +298,7 @@ def gen_latency_at(rollout: int, curve: tuple[tuple[int, float], ...]) -> float:
         n_a, g_a = lower[-2]
         slope = max(0.0, (g_a - g0) / (1 / n_a - 1 / n0))
         return max(0.0, g0 - slope * (1 / n0 - 1 / rollout))
-    return g0 * (FIXED_SHARE_PRIOR + (1 - FIXED_SHARE_PRIOR) * n0 / rollout)
+    return g0 * (fixed_share + (1 - fixed_share) * n0 / rollout)
 
 
 def _compute_s(tokens: float, actors: int, refs: int, times: StageTimes, per_actor_mb: float) -> float:

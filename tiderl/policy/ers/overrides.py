@@ -56,8 +56,9 @@ Signals (:class:`ErsSignals`)
   actor ranks to take ``W(n) + (D - W) x M_e / M``: W(n) the trainer's wait for data, read off the
   newest evaluation step of each rollout count as the rate model reads generation latency
   (:func:`tiderl.policy.ers.model.gen_latency_at`: measured where measured, linear in 1 / n
-  between, fully 1 / n below the fewest, half of it fixed above the most: the round's tasks, all
-  released at once ahead of the batch's, keep every rollout rank busy), and the trainer's work
+  between, fully 1 / n below the fewest and above the most: the round's tasks, all released at
+  once ahead of the batch's, keep every rollout rank busy, so the wait divides among them, where a
+  normal step's generation latency keeps half of itself fixed beyond the counts measured), and the trainer's work
   D - W of the newest evaluation step (duration D, M_e actor ranks) following the actor ranks (in
   an evaluation step the trainer waits first, then trains). The count with the shortest prediction
   moves, if it beats the preemptive rule's split by more than ``rate_margin``; each evaluation
@@ -152,7 +153,7 @@ def evaluation_step_s(roles: tuple[Role, ...], seen: tuple[StepObservation, ...]
         return None
     newest = seen[-1]
     work = newest.duration_s - min(newest.trainer_wait_s, newest.duration_s)
-    return gen_latency_at(rollout, waits) + work * max(1, newest.actor_ranks) / actors
+    return gen_latency_at(rollout, waits, fixed_share=0.0) + work * max(1, newest.actor_ranks) / actors
 
 
 def evaluation_end(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> ErsPlan | None:
