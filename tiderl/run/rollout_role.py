@@ -27,6 +27,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from typing import NoReturn
 
 from tiderl.config import JobConfig
 from tiderl.rollout.agent_loop import Phase, TaskRun
@@ -307,7 +308,12 @@ async def run_rollout(ctx: RankContext, plan: PlanRecord) -> PlanRecord | None:
                                                  f"past v{v.planned} for its evaluation tasks"))
             elif step is WeightsStep.RELOAD:
                 t0 = time.monotonic()
-                loaded = await _reload(ctx, engine, v.planned, report)
+                try:
+                    loaded = await _reload(ctx, engine, v.planned, report)
+                except Exception:
+                    if engine.failure is None:
+                        raise
+                    await _engine_failed(ctx, role, report, v.held, engine.failure)  # a load that left a mix
                 v = v.reloaded(loaded)
                 if loaded is not None:
                     report.metrics.append(MetricPoint("reload_s", time.monotonic() - t0, loaded, "rollout"))
@@ -351,7 +357,7 @@ class EngineFailed(RuntimeError):
 
 
 async def _engine_failed(ctx: RankContext, role: RolloutRole, report: RankReport, version: int,
-                         failure: BaseException) -> None:
+                         failure: BaseException) -> NoReturn:
     """The engine can generate nothing more (vLLM failed on a request, its process died, an update left a mix
     of weights): every task of the rank goes back to the pool in this tick's report, with no attempt counted,
     and the rank ends (raises EngineFailed), so that a fresh start takes its place. A rank that stayed up
