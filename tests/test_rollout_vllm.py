@@ -341,3 +341,38 @@ def test_requests_in_flight_go_on_through_an_update_on_the_new_weights(engine, f
     assert list(g.logprobs[switch:]) == pytest.approx(new, abs=1e-4)
     run(engine.reload_weights(model_dir, version=base + 2))
 
+
+
+def test_an_engine_whose_core_dies_mid_generation_fails_its_requests(fmt: ChatFormat, model_dir: Path) -> None:
+    """The engine core killed while a request generates (the chaos campaign's `engine_kill`): vLLM's client shuts
+    down without waking a step that waits for the core's outputs, so the request waited for ever and its rank
+    with it. The engine's watch wakes it: the request fails with EngineError, `failure` says why, and close()
+    leaves none of vLLM's processes behind."""
+    import os
+    import signal
+
+    from tiderl.rollout.vllm_engine import VllmEngine
+
+    eng = VllmEngine(model_dir, num_kv_blocks=32, block_size=32, max_model_len=992, max_num_seqs=8)
+    processes = list(eng._processes)
+    try:
+        core = next(p for p in processes if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM::Engine"))
+        spec = SamplingSpec(max_new_tokens=900, temperature=1.0, seed=3, banned_token_ids=(fmt.end_of_turn_id,))
+
+        async def scenario() -> None:
+            task = asyncio.ensure_future(eng.generate(long_prompt(fmt), spec))
+            while not any(w.token_ids for w in eng._waiters.values()):  # it generates: the thread waits on the core
+                await asyncio.sleep(0.005)
+            os.kill(core.pid, signal.SIGKILL)
+            with pytest.raises(EngineError):
+                await asyncio.wait_for(task, 60)
+
+        run(scenario())
+        assert eng.failure is not None
+        with pytest.raises(EngineError, match="unusable"):
+            run(eng.generate(long_prompt(fmt), spec))
+    finally:
+        eng.close()
+    import psutil
+
+    assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
