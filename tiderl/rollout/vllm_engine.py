@@ -19,7 +19,6 @@ import itertools
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from tiderl.envs.images import PngImage
 from tiderl.rollout.chat import ImageTokens
 from tiderl.rollout.engine import (Engine, EngineError, EngineStats, Generation, Iteration, SamplingSpec, WeightsUpdate,
                                    engine_dtype)
+from tiderl.rollout.vllm_liveness import engine_processes, kill_processes, watch_core
 from tiderl.rollout.vllm_updates import EngineWeights
 from tiderl.rollout.vllm_worker import checkpoint_tensors
 
@@ -44,22 +44,6 @@ _COUNTERS = {
     "vllm:num_preemptions": "num_preemptions",
 }
 CPU_BATCHED_TOKENS = 4096  # vLLM's default step token budget on CPU
-CORE_WATCH_S = 0.5  # how often the engine checks that vLLM's engine core is alive
-
-
-def _engine_processes() -> list[Any]:
-    """This process's vLLM processes (engine core, workers: their titles start with ``VLLM::``), with their
-    descendants."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.name().startswith("VLLM") or any(a.startswith("VLLM::") for a in proc.cmdline()[:1]):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 class VllmEngine(EngineWeights, Engine):
@@ -120,6 +104,7 @@ class VllmEngine(EngineWeights, Engine):
         # Sleep mode (release_memory) where vLLM has it: its allocator then owns the weights and the KV cache.
         self._sleep_mode = current_platform.is_sleep_mode_available()
         self._asleep = False
+        before = {proc.pid for proc in engine_processes()}  # another engine's in this process
         try:
             self._llm = LLM(
                 model=str(model_dir),
@@ -169,10 +154,11 @@ class VllmEngine(EngineWeights, Engine):
         self.last_update: WeightsUpdate | None = None
         self._clock = IterationClock()
         self._clock.attach(self._engine.engine_core)
-        self._processes = _engine_processes()  # vLLM's engine core and workers, for close() after a failure
+        # This engine's core and workers, for close() after a failure.
+        self._processes = [proc for proc in engine_processes() if proc.pid not in before]
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch_core, name="vllm-engine-watch", daemon=True).start()
+        watch_core(self._engine.engine_core, lambda: self._stopped or self._failure is not None)
 
     # ---- Engine interface -------------------------------------------------------------
 
@@ -250,31 +236,8 @@ class VllmEngine(EngineWeights, Engine):
         shutdown = getattr(self._engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
-        if self._failure is not None:
-            # A core that died leaves its workers behind (they are its children, not this process's).
-            for proc in self._processes:
-                try:
-                    proc.kill()
-                except Exception:  # gone already (psutil.NoSuchProcess) or not ours to kill
-                    pass
-
-    def _watch_core(self) -> None:
-        """Wake the engine thread when vLLM's engine core dies. vLLM's client (0.32, in-process `LLM`) marks
-        itself dead and shuts down when its monitor sees the core process gone, but a `step()` already waiting
-        for the core's outputs is never woken (the output thread leaves without a word): the engine thread, and
-        with it every request of the rank, would wait for ever. An error put in the outputs' queue ends that
-        wait, and the engine fails as on any other error."""
-        core = self._engine.engine_core
-        resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
-        if resources is None or outputs is None:
-            return
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        while not self._stopped and self._failure is None:
-            if getattr(resources, "engine_dead", False):
-                outputs.put_nowait(EngineDeadError())
-                return
-            time.sleep(CORE_WATCH_S)
+        if self._failure is not None:  # a core that died leaves its workers behind (its children, not ours)
+            kill_processes(self._processes)
 
     # ---- engine thread ------------------------------------------------------------------
 
