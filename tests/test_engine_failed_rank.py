@@ -4,22 +4,18 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
 
 from fake_engine import FakeEngine
-from test_run_eval_pinning import _publish, _run
+from test_run_eval_pinning import _publish, rollout_rank
 from tiderl.models.demos import corpus_texts
 from tiderl.models.tiny_model import train_tokenizer
 from tiderl.rollout.chat import ChatFormat
 from tiderl.rollout.engine import EngineError
-from tiderl.rollout.local_env import LocalEnvLink
-from tiderl.run.context import RankContext
 from tiderl.run.rollout_role import EngineFailed, run_rollout
 from tiderl.store.types import NewGroup, Role, TaskKind
-from tiderl.systems import behaviour
 
 
 class BreaksOnReload(FakeEngine):
@@ -41,16 +37,8 @@ class BreaksOnReload(FakeEngine):
 
 def test_an_engine_that_dies_loading_a_version_gives_the_tasks_back_and_ends_the_rank(tmp_path: Path) -> None:
     fmt = ChatFormat(train_tokenizer(corpus_texts("hilo", range(200), noise=0.5), vocab_size=200))
-    config, paths, store = _run(tmp_path, "rollout.max_staleness=1", "rollout.max_concurrency=4")
-    store.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ACTOR}, ra2p_mode="colocated", fetch_groups=1)
-    store.register_rank(1, Role.ACTOR)
-    store.add_groups([NewGroup(TaskKind.TRAIN, 7, 4)])
-    rng = random.Random(0)
-    engine = BreaksOnReload(lambda prompt: fmt.encode(str(rng.randint(1, 16))), delay_s=0.5)
-    ctx = RankContext(rank=0, config=config, paths=paths, store=store,
-                      system=behaviour(config.system, max_staleness=1, ra2p_mode="auto"), model_dir=tmp_path,
-                      env_urls=[], poll_s=0.05)
-    ctx.engine, ctx.pool, ctx.chat = engine, LocalEnvLink(), fmt
+    ctx = rollout_rank(tmp_path, fmt, [NewGroup(TaskKind.TRAIN, 7, 4)], BreaksOnReload, delay_s=0.5)
+    paths, store = ctx.paths, ctx.store
 
     async def scenario() -> None:
         rank = asyncio.create_task(run_rollout(ctx, store.plan_at(0)))

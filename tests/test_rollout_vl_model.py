@@ -130,6 +130,7 @@ def test_vllm_runs_the_tiny_vl_model_with_images(tmp_path: Path) -> None:
     assert evidence["loop_cached_tokens_with_images"] > 0
     # A weight update resumes a request whose image the prefix cache covered: it finishes on both versions.
     assert evidence["reload_mid_request_spanned"] and evidence["reload_mid_request_cached_tokens"] > 0
+    assert evidence["reload_mid_request_max_abs_logprob_diff"] < 1e-3  # against transformers, the picture seen again
 
 
 def test_the_chat_format_places_images_as_the_chat_template_does(model_dir: Path) -> None:

@@ -97,6 +97,23 @@ def test_control_plane_expires_evaluations_only_once_no_rollout_rank_can_run_the
     assert not plane.signals(2, {0: Role.ROLLOUT, 1: Role.ACTOR}).is_eval_next
 
 
+def rollout_rank(tmp_path: Path, fmt: ChatFormat, groups: list[NewGroup], engine_class: type[FakeEngine] = FakeEngine,
+                 delay_s: float = 0.05) -> RankContext:
+    """Rank 0 of a run on a real store, rolling out from version 0 beside an actor rank (rank 1), `groups` in the
+    pool, with a scripted engine of `engine_class` guessing at random and the environment in-process."""
+    config, paths, store = _run(tmp_path, "rollout.max_staleness=1", "rollout.max_concurrency=4")
+    store.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ACTOR}, ra2p_mode="colocated", fetch_groups=1)
+    store.register_rank(1, Role.ACTOR)
+    store.add_groups(groups)
+    rng = random.Random(0)
+    ctx = RankContext(rank=0, config=config, paths=paths, store=store,
+                      system=behaviour(config.system, max_staleness=1, ra2p_mode="auto"), model_dir=tmp_path,
+                      env_urls=[], poll_s=0.05)
+    ctx.engine = engine_class(lambda prompt: fmt.encode(str(rng.randint(1, 16))), delay_s=delay_s)
+    ctx.pool, ctx.chat = LocalEnvLink(), fmt
+    return ctx
+
+
 @pytest.fixture(scope="module")
 def fmt() -> ChatFormat:
     return ChatFormat(train_tokenizer(corpus_texts("hilo", range(200), noise=0.5), vocab_size=200))
@@ -104,16 +121,8 @@ def fmt() -> ChatFormat:
 
 def test_rollout_rank_keeps_the_evaluated_weights_until_its_evaluation_finishes(tmp_path: Path,
                                                                                    fmt: ChatFormat) -> None:
-    config, paths, store = _run(tmp_path, "rollout.max_staleness=1", "rollout.max_concurrency=4")
-    store.plan_roles(0, {0: Role.ROLLOUT, 1: Role.ACTOR}, ra2p_mode="colocated", fetch_groups=1)
-    store.register_rank(1, Role.ACTOR)
-    store.add_groups([NewGroup(TaskKind.EVAL, 100 + i, 1, eval_version=0) for i in range(2)])
-    rng = random.Random(0)
-    engine = FakeEngine(lambda prompt: fmt.encode(str(rng.randint(1, 16))), delay_s=0.05)
-    ctx = RankContext(rank=0, config=config, paths=paths, store=store,
-                      system=behaviour(config.system, max_staleness=1, ra2p_mode="auto"), model_dir=tmp_path,
-                      env_urls=[], poll_s=0.05)
-    ctx.engine, ctx.pool, ctx.chat = engine, LocalEnvLink(), fmt
+    ctx = rollout_rank(tmp_path, fmt, [NewGroup(TaskKind.EVAL, 100 + i, 1, eval_version=0) for i in range(2)])
+    paths, store, engine = ctx.paths, ctx.store, ctx.engine
 
     def trajectories() -> list[dict]:
         return store.tx.read(lambda c: [dict(r) for r in c.exec_driver_sql(

@@ -76,8 +76,9 @@ def _vllm_counter(llm: Any, name: str) -> float:
 
 
 def _hf_logprobs(model_dir: Path, prompt_ids: list[int], images: list[Any], sampled: list[int],
-                 image_pad_id: int) -> list[float]:
-    """Log-probabilities transformers gives the sampled tokens after the expanded prompt."""
+                 image_pad_id: int, banned: tuple[int, ...] = ()) -> list[float]:
+    """Log-probabilities transformers gives the sampled tokens after the expanded prompt (`banned` ids at the
+    -100 bias the engine gives them)."""
     import torch
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
@@ -90,6 +91,8 @@ def _hf_logprobs(model_dir: Path, prompt_ids: list[int], images: list[Any], samp
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
                        image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=mm_token_type_ids).logits[0].float()
+    if banned:
+        logits[:, list(banned)] -= 100.0
     logprobs = torch.log_softmax(logits, dim=-1)
     start = len(prompt_ids)
     return [float(logprobs[start - 1 + i, token]) for i, token in enumerate(sampled)]
@@ -151,13 +154,15 @@ async def _play(engine: Any, model_dir: Path, max_images: int, keep_images: int 
     }
 
 
-async def _reload_mid_request(engine: Any, model_dir: Path, tokenizer: Any, png: bytes) -> dict[str, Any]:
+async def _reload_mid_request(engine: Any, model_dir: Path, tokenizer: Any, png: bytes,
+                              tokens_per_image: int) -> dict[str, Any]:
     """A weight update while a request generates whose image the prefix cache covered when it started: the
     update resumes it with its KV dropped, so its image goes through the vision tower again (the engine
     died here once, vision_compat.keep_image_data_for_resumed_requests). It must finish, its tokens
-    sampled on both versions."""
+    sampled on both versions, each at the log-probability transformers gives it on the same weights (the
+    update reloads the model's own files): the resumed context saw its picture again."""
     from tiderl.envs.images import check_png
-    from tiderl.rollout.chat import IMAGE_PLACEHOLDER
+    from tiderl.rollout.chat import IMAGE_PAD, IMAGE_PLACEHOLDER
     from tiderl.rollout.engine import SamplingSpec
 
     image = check_png(png)
@@ -174,7 +179,11 @@ async def _reload_mid_request(engine: Any, model_dir: Path, tokenizer: Any, png:
     before = engine.weights_version
     await engine.reload_weights(model_dir, before + 1)
     generation = await task
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    expanded = [t for i in longer for t in ([pad] * tokens_per_image if i == pad else [i])]
+    reference = _hf_logprobs(model_dir, expanded, [image.to_pil()], list(generation.token_ids), pad, spec.banned_token_ids)
     return {"reload_mid_request_cached_tokens": generation.num_cached_tokens,
+            "reload_mid_request_max_abs_logprob_diff": max(abs(a - b) for a, b in zip(generation.logprobs, reference)),
             "reload_mid_request_in_flight": engine.last_update.in_flight,
             "reload_mid_request_versions": sorted(set(generation.versions)),
             "reload_mid_request_tokens": len(generation.token_ids),
@@ -326,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             played_text: list[Any] = []
             evidence.update(asyncio.run(_play(engine, model_dir, args.max_images, args.keep_images, args.tasks, played,
                                               played_text)))
-            evidence.update(asyncio.run(_reload_mid_request(engine, model_dir, tokenizer, pngs[0])))
+            evidence.update(asyncio.run(_reload_mid_request(engine, model_dir, tokenizer, pngs[0],
+                                                            evidence["tokens_per_image_expected"])))
             # On the engine's own thread, between its steps: vLLM's LLM is never driven from two threads.
             raw = asyncio.run(engine._call(lambda: _raw_checks(engine._llm, tokenizer, pngs, image_pad_id,
                                                                    args.max_new_tokens)))
@@ -352,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "ids_prompt": evidence["ids_same_as_text"],
         "prefix_cache": evidence["prefix_cache_hit_tokens_repeat"] > 0,
         "reload_mid_request": evidence["reload_mid_request_spanned"] and evidence["reload_mid_request_in_flight"] == 1
-        and evidence["reload_mid_request_cached_tokens"] > 0,
+        and evidence["reload_mid_request_cached_tokens"] > 0 and evidence["reload_mid_request_max_abs_logprob_diff"] < 1e-3,
         "logprobs": evidence["max_abs_logprob_diff"] is not None and evidence["max_abs_logprob_diff"] < 1e-2
         and all(math.isfinite(x) for x in hf_lp),
     }

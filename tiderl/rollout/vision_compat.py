@@ -27,7 +27,9 @@ process it starts, and for an engine built for images (`VllmEngine(max_images=N)
 
 The same plugin keeps every image's pixels with a request that the engine core schedules
 (`keep_image_data_for_resumed_requests`): a weight update resumes requests whose images the prefix
-cache covered when they started, and they need the vision tower again.
+cache covered when they started, and they need the vision tower again. The scheduler runs in the
+engine core, which loads the plugin itself (in its own process or in this one), so nothing else
+calls it.
 """
 
 from __future__ import annotations

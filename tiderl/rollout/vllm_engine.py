@@ -88,13 +88,11 @@ class VllmEngine(EngineWeights, Engine):
         if num_kv_blocks is not None:
             kwargs["num_gpu_blocks_override"] = num_kv_blocks
         if max_images > 0:
-            from tiderl.rollout.vision_compat import (VISION_ENV, keep_image_data_for_resumed_requests,
-                                                      register_vl_models_with_vllm)
+            from tiderl.rollout.vision_compat import VISION_ENV, register_vl_models_with_vllm
 
             # Here and, through the `tiderl_vision` vLLM plugin, in every process vLLM spawns for this engine.
             os.environ[VISION_ENV] = "1"
             register_vl_models_with_vllm()  # and the processors without torchvision, where it is missing
-            keep_image_data_for_resumed_requests()  # a weight update resumes requests that need their images
             kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
         self._max_images = max_images
         from vllm.platforms import current_platform
