@@ -24,7 +24,7 @@ import pytest
 
 from tiderl.policy.admission import inflight_bound, inflight_cap
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsSignals, StepObservation
-from tiderl.policy.ers import trainer as ers_trainer
+from tiderl.policy.ers import choose as ers_choose
 from tiderl.policy.ers.choose import _one_move, candidates
 from tiderl.policy.ers.model import Split, estimate
 from tiderl.policy.ers.overrides import plan_paper
@@ -103,7 +103,7 @@ def test_the_rate_planner_s_candidates_hold_refs_up_to_the_count_that_keeps_up()
 def test_the_trainer_repartition_holds_refs_up_to_the_count_that_keeps_up(monkeypatch):
     # Priced so that every further ref rank looks cheaper: the re-partition then picks the most ref
     # ranks it allows, r <= refs_needed(total - r).
-    monkeypatch.setattr(ers_trainer, "ready_compute_s",
+    monkeypatch.setattr(ers_choose, "ready_compute_s",
                         lambda step, actors, refs, times, mb, slower=1.0: 100.0 / (1 + refs))
     window = (StepObservation(version=5, duration_s=10.0, consumed_tokens=4000, rollout_ranks=2, actor_ranks=4,
                               ref_ranks=0),)
@@ -113,7 +113,7 @@ def test_the_trainer_repartition_holds_refs_up_to_the_count_that_keeps_up(monkey
             signals = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None,
                                  stage_times=times, window=window, micro_batch_tokens=250)
             allowed = max(r for r in range(0, total) if r <= refs_needed(total - r, times))
-            got = ers_trainer.repartition(Split(rollout=2, actors=total, refs=0), signals, limits)
+            got = ers_choose.repartition(Split(rollout=2, actors=total, refs=0), signals, limits)
             assert (got or 0) == allowed, (times, total)
 
 

@@ -89,7 +89,7 @@ def test_a_few_steps_of_the_sweep_print_every_seed_pair_and_the_summary(capsys, 
     workload = tmp_path / "hilo-eval.workload.yaml"
     workload.write_text(text)
     phase_oracle.main([str(workload), PAIR[1], "--cuts", "", "--cut-at-evals", "--seeds", "0-1",
-                       "--steps", "6", "--jobs", "1"])
+                       "--steps", "6", "--jobs", "1", "--system", "tiderl"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(o["pick_seed"], o["score_seed"]) for o in lines[:-1]] == [(0, 0), (0, 1), (1, 1), (1, 0)]
     hind = lines[0]
@@ -102,6 +102,27 @@ def test_a_few_steps_of_the_sweep_print_every_seed_pair_and_the_summary(capsys, 
         (lines[0]["oracle_over_best_fixed"] + lines[2]["oracle_over_best_fixed"]) / 2, abs=1e-4)
     assert last["cross_seed_oracle_over_best_fixed_mean"] == pytest.approx(
         (lines[1]["oracle_over_best_fixed"] + lines[3]["oracle_over_best_fixed"]) / 2, abs=1e-4)
+    mine = last["against"]
+    assert mine["system"].startswith("tiderl@") and [r["seed"] for r in mine["per_seed"]] == [0, 1]
+    assert all(r["over_cross_seed_oracle"] > 0 and r["eval_over_best_fixed"] > 0 for r in mine["per_seed"])
+
+
+def test_a_system_is_scored_against_the_cross_seed_oracle_and_the_best_evaluation_partition() -> None:
+    def evaluating(system: str, seed: int, *segments: tuple[int, float, bool]) -> dict:
+        return {"system": system, "seed": seed, "segments": [
+            {"steps": [i, i + 1], "eval": e, "tokens": t, "seconds": sec} for i, (t, sec, e) in enumerate(segments)]}
+
+    # Seed 1: partition a evaluates at 50 tok/s, b at 80; the system at 60 (0.75 of b), 240 tokens in 2.5 s.
+    runs = [evaluating("a", 1, (100, 2.0, True), (100, 1.0, False)),
+            evaluating("b", 1, (80, 1.0, True), (90, 1.0, False))]
+    objects = [{"hindsight": False, "score_seed": 1, "oracle_tok_s": 100},
+               {"hindsight": False, "score_seed": 1, "oracle_tok_s": 80},
+               {"hindsight": True, "score_seed": 1, "oracle_tok_s": 1000}]  # hindsight: not counted
+    out = phase_oracle.against([evaluating("sys", 1, (60, 1.0, True), (180, 1.5, False))], runs, objects)
+    row = out["per_seed"][0]
+    assert row["tok_s"] == 96 and row["over_cross_seed_oracle"] == pytest.approx(96 / 90, abs=1e-4)
+    assert row["eval_best_fixed"] == "b" and row["eval_over_best_fixed"] == pytest.approx(0.75)
+    assert out["eval_over_best_fixed_min"] == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize("cuts", ["0", "6", "x"])

@@ -1,4 +1,4 @@
-"""One test per invariant of tiderl.policy.ers (numbered as in its docstring)."""
+"""One test per invariant of the ERS plan (docs/ers.md, "Invariants", numbered as there)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The rate-matching ERS planner (tiderl.policy.ers.model and tiderl.policy.ers.choose): one test per invariant of its docstring."""
+"""The rate-matching ERS planner (tiderl.policy.ers.model and tiderl.policy.ers.choose): one test per invariant of
+the choice in docs/ers.md."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from tiderl.config.ers import ErsConfig
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
 from tiderl.policy.ers.choose import candidates, regime
 from tiderl.policy.ers.model import (Split, estimate, gen_latency_at, gen_latency_curve, host_factor, latency_s,
-                                     predict_tok_s, slot_tok_s, split_of)
-from tiderl.policy.ers.trainer import step_compute_s
+                                     predict_tok_s, slot_tok_s, split_of, step_compute_s)
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
 from tiderl.roles import Role
@@ -303,7 +303,7 @@ def test_a_step_bound_by_arrivals_keeps_its_duration_and_the_others_take_the_spl
     assert model is not None and len(model.window) == 4
     two, three = predict_tok_s(Split(2, 2, 0), model), predict_tok_s(Split(2, 3, 0), model)
     assert two[0] == three[0] or abs(two[0] - three[0]) < 0.05 * two[0]  # about the same supply
-    step_two = model.step_tokens / two[1]
+    step_two = model.limits.groups_ideal * model.tokens_per_group / two[1]
     # The waited steps keep their 16 s (the same supply); the others take the 2-actor compute and overhead.
     assert step_two > (16.0 + 0.0) / 2
     assert three[1] > two[1]  # more actors: the compute-bound steps shorten

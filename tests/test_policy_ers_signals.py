@@ -1,4 +1,4 @@
-"""The one signal path: tiderl.policy.ers.signals (one test per invariant), and the control plane
+"""The one signal path: tiderl.policy.ers.signals (one test per invariant of docs/ers.md's signals), and the control plane
 and the simulator building the same signals from the same measurements."""
 
 from __future__ import annotations

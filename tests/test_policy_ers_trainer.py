@@ -1,5 +1,5 @@
-"""The trainer's side of ERS (tiderl.policy.ers.trainer): one test per invariant of its docstring,
-with hand-worked timelines."""
+"""The trainer's side of ERS (tiderl.policy.ers.choose.repartition, tiderl.policy.ers.model's step model): one test
+per invariant in docs/ers.md, with hand-worked timelines."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from tiderl.policy.ers import ErsLimits, ErsPolicy, ErsReason, ErsSignals, StepObservation, plan
-from tiderl.policy.ers.model import Split, split_of
-from tiderl.policy.ers.trainer import readiness, repartition, step_compute_s
+from tiderl.policy.ers.choose import repartition
+from tiderl.policy.ers.model import Split, readiness, split_of, step_compute_s
 from tiderl.policy.ra2p import StageTimes, colocated_cost_s, refs_needed
 from tiderl.roles import Role
 

@@ -224,7 +224,7 @@ def test_each_plan_rings_the_planned_bell_and_only_a_plan(tmp_path: Path) -> Non
 
 
 def test_the_control_plane_asks_an_idle_rank_once_to_start_its_engine(tmp_path: Path, monkeypatch) -> None:
-    """A plan's `warm` ranks (engines on demand, tiderl.policy.ers invariant 14) get one `engine_wanted` event
+    """A plan's `warm` ranks (engines on demand, docs/ers.md, the plan's invariant 14) get one `engine_wanted` event
     each, read by the rank at its boundary; the signals carry the ranks whose engine is up since their start."""
     import dataclasses
 

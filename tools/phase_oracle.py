@@ -27,6 +27,12 @@ fixed partition's time over the oracle's (goodput: the best fixed partition's to
   no cost, within the sweep). Each object also names the score seed's own best fixed partition and the
   oracle's goodput over that partition's (a harder comparison: that one is chosen with hindsight).
 
+With `--system NAME` (a `tiderl sim` system, e.g. `tiderl`), that system runs under each seed too, cut
+alike, and the summary says per score seed how its rate (its tokens over its time) compares with the
+cross-seed oracle's there (the mean over the pick seeds), and, with `--cut-at-evals`, how its rate in the
+evaluation steps compares with the best fixed partition's rate in them (the partition fastest over that
+seed's evaluation steps, in hindsight).
+
 Prints one JSON object per (pick seed, score seed), the hindsight one first for each pick seed (with its
 segments' picks), then a summary: the mean hindsight ratio and the mean, lowest and highest cross-seed
 ratio.
@@ -154,6 +160,39 @@ def summary(objects: list[dict]) -> dict:
             "cross_seed_pairs": len(cross)}
 
 
+def _total_rate(segs: list[dict], evals_only: bool = False) -> float | None:
+    chosen = [g for g in segs if g["eval"] or not evals_only]
+    seconds = sum(g["seconds"] for g in chosen)
+    return sum(g["tokens"] for g in chosen) / seconds if seconds > 0 else None
+
+
+def against(system_runs: list[dict], runs: list[dict], objects: list[dict]) -> dict:
+    """A system's runs (one per seed) against the cross-seed oracle of `objects` (:func:`pairs`) and, in the
+    evaluation steps, against the best fixed partition's rate there, per score seed (pure)."""
+    per_seed = []
+    for mine in system_runs:
+        t = mine["seed"]
+        cross = [o["oracle_tok_s"] for o in objects if not o["hindsight"] and o["score_seed"] == t]
+        row = {"seed": t, "tok_s": round(_total_rate(mine["segments"]) or 0.0)}
+        if cross:
+            row["over_cross_seed_oracle"] = round(row["tok_s"] / statistics.mean(cross), 4)
+        own = _total_rate(mine["segments"], evals_only=True)
+        fixed = {r["system"]: _total_rate(r["segments"], evals_only=True) for r in runs if r["seed"] == t}
+        fixed = {k: v for k, v in fixed.items() if v is not None}
+        if own is not None and fixed:
+            best = max(fixed, key=lambda k: fixed[k])
+            row.update(eval_tok_s=round(own), eval_best_fixed=best, eval_best_fixed_tok_s=round(fixed[best]),
+                       eval_over_best_fixed=round(own / fixed[best], 4))
+        per_seed.append(row)
+    out: dict = {"system": system_runs[0]["system"] if system_runs else None, "per_seed": per_seed}
+    for key in ("over_cross_seed_oracle", "eval_over_best_fixed"):
+        values = [r[key] for r in per_seed if key in r]
+        if values:
+            out[f"{key}_mean"] = round(statistics.mean(values), 4)
+            out[f"{key}_min"] = min(values)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from tiderl.sim.report import fixed_partitions
     from tiderl.sim.spec import load_cluster, load_workload
@@ -168,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0-2")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--system", default=None, help="a `tiderl sim` system to score against the oracle (e.g. tiderl)")
     args = ap.parse_args(argv)
     try:
         cuts = sorted({int(c) for c in args.cuts.split(",") if c.strip()})
@@ -185,16 +225,28 @@ def main(argv: list[str] | None = None) -> None:
     points = cut_points(args.steps, cuts, evals if args.cut_at_evals else [])
     seeds = parse_seeds(args.seeds)
     partitions = fixed_partitions(load_cluster(args.cluster))
+    system = None
+    if args.system:
+        from tiderl.sim.report import at_default_fraction
+        from tiderl.sim.systems import parse_system
+        try:
+            system = at_default_fraction(parse_system(args.system),
+                                         load_cluster(args.cluster).training.default_rollout_fraction)
+        except ValueError as e:
+            raise SystemExit(f"phase_oracle: --system: {e}") from None
     work = [(args.workload, args.cluster, p, s, args.steps, points, evals) for s in seeds for p in partitions]
+    work += [(args.workload, args.cluster, system, s, args.steps, points, evals) for s in seeds if system]
     with ProcessPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(_run, work))
+        everything = list(pool.map(_run, work))
+    runs, mine = everything[:len(seeds) * len(partitions)], everything[len(seeds) * len(partitions):]
     objects = pairs(runs, seeds)
     for o in objects:
         print(json.dumps(o))
     print(json.dumps({"workload": args.workload, "cluster": args.cluster, "steps": args.steps, "cuts": cuts,
                       "cut_at_evals": args.cut_at_evals, "eval_steps": evals, "segment_bounds": points,
                       "seeds": seeds, "partitions": len(partitions),
-                      "cross_seed": "every ordered pair of distinct seeds", **summary(objects)}))
+                      "cross_seed": "every ordered pair of distinct seeds", **summary(objects),
+                      **({"against": against(mine, runs, objects)} if system else {})}))
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ Invariants (tests/test_policy_admission.py)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from tiderl.policy.ers import StepObservation
+if TYPE_CHECKING:  # the planner's model imports this module
+    from tiderl.policy.ers.inputs import StepObservation
 
 DROP_TOLERANCE = 0.05
 WAIT_TOLERANCE = 0.10

@@ -1,9 +1,4 @@
-"""What the ERS planner hands back: the plan of the next version (:class:`ErsPlan`: role map, RA2P
-mode, fetch size, the moves and their :class:`ErsReason`), and the two helpers every stage builds one
-with (:func:`move_roles`, :func:`finish_plan`).
-
-Pure: no torch, no database, no HTTP, no processes.
-"""
+"""The plan of the next version (:class:`ErsPlan`) and the helpers every stage builds one with."""
 
 from __future__ import annotations
 
@@ -14,27 +9,23 @@ from dataclasses import dataclass
 from tiderl.policy.ra2p import Ra2pMode
 from tiderl.roles import Role
 
-__all__ = ["ErsPlan", "ErsReason", "RoleMove", "finish_plan", "mode_of", "move_roles"]
+__all__ = ["ErsPlan", "ErsReason", "RoleMove", "count", "finish_plan", "mode_of", "move_roles"]
 
 
 class ErsReason(enum.Enum):
     DISABLED = "disabled"
     COLD_START = "cold_start"
     EVALUATION = "evaluation"
-    EVALUATION_END = "evaluation_end"
-    """The evaluation is over: the ref and idle ranks its preemptive rule sent to rollout go back."""
+    EVALUATION_END = "evaluation_end"  # the ranks an evaluation took go back
     CONSUMPTION_DEFICIT = "consumption_deficit"
     GENERATION_DEFICIT = "generation_deficit"
     STEADY = "steady"
     RATE_TO_ROLLOUT = "rate_to_rollout"
     RATE_TO_TRAINER = "rate_to_trainer"
     RATE_REBALANCE = "rate_rebalance"
-    RATE_REPARTITION = "rate_repartition"
-    """The trainer's ranks divided anew between actor and ref (the rollout side as it is)."""
-    RATE_TO_IDLE = "rate_to_idle"
-    """A rollout rank left idle: on a shared host it slowed the others more than it added."""
-    ENGINE_START = "engine_start"
-    """Idle ranks the rules sent to rollout start their engines first (engines on demand); nothing moves."""
+    RATE_REPARTITION = "rate_repartition"  # the trainer's ranks divided anew between actor and ref
+    RATE_TO_IDLE = "rate_to_idle"  # shared host: a rollout rank slowed the others more than it added
+    ENGINE_START = "engine_start"  # idle ranks sent to rollout start their engines first; nothing moves
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +42,24 @@ class ErsPlan:
     fetch_groups: int
     moves: tuple[RoleMove, ...]
     reason: ErsReason
-    warm: tuple[int, ...] = ()
-    """Idle ranks asked to start their engine (engines on demand, invariant 14)."""
+    warm: tuple[int, ...] = ()  # idle ranks asked to start their engine (engines on demand)
+
+
+def count(roles: Sequence[Role], role: Role) -> int:
+    return sum(1 for r in roles if r is role)
 
 
 def mode_of(roles: Sequence[Role]) -> Ra2pMode:
     return Ra2pMode.DECOUPLED if Role.REF in roles else Ra2pMode.COLOCATED
 
 
-def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, count: int, lowest_first: bool = False) -> tuple[Role, ...]:
+def move_roles(roles: tuple[Role, ...], src: Role, dst: Role, n: int, lowest_first: bool = False) -> tuple[Role, ...]:
+    """`n` ranks of role `src` moved to `dst`, the highest-index first (the lowest with `lowest_first`)."""
     new = list(roles)
-    order = range(len(new)) if lowest_first else reversed(range(len(new)))
-    for rank in order:
-        if count <= 0:
-            break
-        if new[rank] is src:
+    for rank in range(len(new)) if lowest_first else reversed(range(len(new))):
+        if n > 0 and new[rank] is src:
             new[rank] = dst
-            count -= 1
+            n -= 1
     return tuple(new)
 
 
