@@ -86,7 +86,7 @@ async def serve(ctx: RankContext) -> None:
 
 def _engine_wanted(ctx: RankContext) -> bool:
     """Does this idle ERS rank start its engine now? Always with an accelerator of its own; on a shared host
-    with `ers.idle_engines: on_demand` only once the control plane asked (tiderl.policy.ers, invariant 14)."""
+    with `ers.idle_engines: on_demand` only once the control plane asked (docs/ers.md, the plan's invariant 14)."""
     ers = ctx.config.ers
     if ctx.engine is not None or ers.host_slots is None or ers.idle_engines == "parked":
         return True
