@@ -100,6 +100,32 @@ def test_3_moves_go_toward_the_best_split():
         assert predict_tok_s(new, model)[2] > predict_tok_s(old, model)[2]
 
 
+# Two ref ranks feed eight actors; the best split (3/8/0) lies one move through 2/8/1, where one ref feeds them all.
+VALLEY = (replace(signals(*[obs(1, 8, 2, latency_s=7.8, env_s=2.1)] * 2,
+                          times=StageTimes(t_ref_s=0.235, t_act_f_s=0.34, t_act_b_s=0.69, t_swap_s=0.06)),
+                  gen_latency_by_rollout=((3, 4.0),)), (R, F, F) + (A,) * 8)
+
+
+@pytest.mark.parametrize("case", [(sig, roles, limits) for sig in ALL for roles in MAPS for limits in (LIMITS, ELASTIC)]
+                         + [(*VALLEY, ELASTIC), (*VALLEY, replace(ELASTIC, max_moves_per_step=2))])
+def test_9_a_split_move_reaches_a_split_predicted_no_slower_than_the_current_one(case):
+    sig, roles, limits = case
+    p = plan(roles, sig, limits)
+    if p.reason in (ErsReason.RATE_TO_ROLLOUT, ErsReason.RATE_TO_TRAINER, ErsReason.RATE_REBALANCE):
+        model = estimate(sig, limits)
+        assert predict_tok_s(split_of(p.roles), model)[2] >= predict_tok_s(split_of(roles), model)[2]
+
+
+def test_9_where_the_best_target_lies_past_a_valley_the_plan_takes_the_next_best_or_repartitions():
+    sig, roles = VALLEY
+    model = estimate(sig, ELASTIC)
+    assert predict_tok_s(Split(2, 8, 1), model)[2] < predict_tok_s(Split(1, 8, 2), model)[2]  # the valley
+    p = plan(roles, sig, ELASTIC)
+    assert p.reason is ErsReason.RATE_REPARTITION and split_of(p.roles) == Split(1, 10, 0)  # all refs at once
+    # Two moves a boundary cross it: 3/8/0 at once.
+    assert split_of(plan(roles, sig, replace(ELASTIC, max_moves_per_step=2)).roles) == Split(3, 8, 0)
+
+
 def test_4_the_measured_regime_overrides_the_model():
     assert regime(SHORT) == "supply" and regime(SLOW_TRAINER) == "idle"
     # A model that would take rollout ranks away while the trainer starves is overruled: a window whose
@@ -487,13 +513,11 @@ def test_each_ablation_switches_off_its_rule_and_an_unknown_one_is_refused():
     first = plan((R, R, A, A, A, A), MEASURED_2_4, ELASTIC)
     assert plan(first.roles, walking(MEASURED_2_4, +1), ELASTIC).moves
     assert plan(first.roles, walking(MEASURED_2_4, +1), off(ELASTIC, "walk")).moves == ()
-    # The planner takes no split predicted slower on its way beyond the move limit (the removed valley rule):
-    # one move from two ref ranks feeding eight actors leaves one feeding them all.
-    times = StageTimes(t_ref_s=0.235, t_act_f_s=0.34, t_act_b_s=0.69, t_swap_s=0.06)
-    unseen = signals(obs(1, 8, 2, latency_s=7.8, env_s=2.1), obs(1, 8, 2, latency_s=7.8, env_s=2.1), times=times)
-    sig = replace(unseen, gen_latency_by_rollout=((3, 4.0),))
-    roles = (R, F, F) + (A,) * 8
-    assert split_of(plan(roles, sig, ELASTIC).roles) == Split(2, 8, 1)
+    # valley: without it, one move toward the best split (3/8/0) from two ref ranks feeding eight actors leaves
+    # one feeding them all, predicted slower than staying
+    sig, roles = VALLEY
+    assert split_of(plan(roles, sig, off(ELASTIC, "valley")).roles) == Split(2, 8, 1)
+    assert split_of(plan(roles, sig, ELASTIC).roles) != Split(2, 8, 1)
     # slot_bound: the slots no longer cap one rank's supply
     window = (slotted(1), slotted(1))
     slots = replace(signals(*window), slot_wait_s=1.5, gen_latency_by_rollout=((1, 0.5),))
@@ -507,4 +531,4 @@ def test_each_ablation_switches_off_its_rule_and_an_unknown_one_is_refused():
     kept = plan((R, R, R, A, A, A), starving, ELASTIC)
     freed = plan((R, R, R, A, A, A), starving, off(ELASTIC, "regime"))
     assert count(kept.roles, R) >= 3 > count(freed.roles, R)
-    assert set(ABLATIONS) == {"regime", "walk", "repartition", "slot_bound", "latency_memory"}
+    assert set(ABLATIONS) == {"regime", "walk", "repartition", "slot_bound", "latency_memory", "valley"}

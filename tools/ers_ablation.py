@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from sim_seeds import parse_seeds  # noqa: E402
 
 PAIRS = ("text-agentic:h100x8", "text-agentic:h100x32", "phase-change:h100x8", "mix-shift:h100x8",
-         "length-growth:h100x8", "osworld:h100x32-vl4b", "hilo-bench:cpu", "bench-latency:cpu")
+         "length-growth:h100x8", "osworld:h100x32-vl4b", "hilo-bench:cpu", "bench-latency:cpu",
+         "text-agentic-b128:h100x32", "osworld-b64:h100x32-vl4b")
 
 
 def verdict(base: list[float], ablated: list[float]) -> dict:

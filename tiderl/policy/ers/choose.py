@@ -41,44 +41,63 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         options = [s for s in options if s.rollout <= now.rollout]
     if not options:
         return finish_plan(current, current, fetch, ErsReason.STEADY)
-    scored = [(predict_tok_s(s, model)[2], -_distance(s, now), s) for s in options]
-    best_g, _, best = max(scored, key=lambda x: (x[0], x[1]))
+    goodput = {s: predict_tok_s(s, model)[2] for s in options}
+    ranked = sorted(options, key=lambda s: (goodput[s], -_distance(s, now)), reverse=True)  # stable: first best
     now_g = predict_tok_s(now, model)[2]
+    best, trial = ranked[0], None
     if walking:  # only the way the last plan moved, never toward more rollout ranks while one's worth idled
         way = best.rollout - now.rollout
-        if way * signals.last_rollout_change <= 0 or (way > 0 and signals.rollout_idle_ranks >= IDLE_RANKS) \
-                or best_g <= now_g * (1 + limits.rate_margin):
+        if way * signals.last_rollout_change <= 0 or (way > 0 and signals.rollout_idle_ranks >= IDLE_RANKS):
             return finish_plan(current, current, fetch, ErsReason.STEADY)
-        target = best
-    elif (trial := _host_trial(now, options, model, seen, limits)) is not None:
-        target = trial
-    elif best == now or best_g <= now_g * (1 + limits.rate_margin):
-        refs = repartition(now, signals, limits) if "repartition" not in limits.ablate else None
+    else:
+        trial = _host_trial(now, options, model, seen, limits)
+    valley = "valley" not in limits.ablate
+    targets = [trial] if trial is not None else ranked if valley and not walking else [best]
+    chosen = None
+    for target in targets:  # the best target whose moves this boundary reach a split predicted no slower (valley)
+        if target != trial and goodput[target] <= now_g * (1 + limits.rate_margin):
+            break
+        new, split = _toward(current, now, target, limits, model.stage_times)
+        if split != now and (target == trial or not valley or _goodput(split, goodput, model) >= now_g):
+            chosen = new, split
+            break
+    if chosen is None:
+        no_gain = best == now or goodput[best] <= now_g * (1 + limits.rate_margin)
+        refs = None
+        if not walking and trial is None and (valley or no_gain) and "repartition" not in limits.ablate:
+            refs = repartition(now, signals, limits)
         if refs is None:
             return finish_plan(current, current, fetch, ErsReason.STEADY)
-        if refs > now.refs:
-            return finish_plan(current, move_roles(current, Role.ACTOR, Role.REF, refs - now.refs), fetch,
-                               ErsReason.RATE_REPARTITION)
-        return finish_plan(current, move_roles(current, Role.REF, Role.ACTOR, now.refs - refs), fetch,
+        role, back = (Role.ACTOR, Role.REF) if refs > now.refs else (Role.REF, Role.ACTOR)
+        return finish_plan(current, move_roles(current, role, back, abs(refs - now.refs)), fetch,
                            ErsReason.RATE_REPARTITION)
-    else:
-        target = best
-    new, split = current, now
-    moves = {True: 0, False: 0}  # moves to rollout and the others, each within its limit
-    limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
-    while split != target and (step := _one_move(new, split, target, limits, model.stage_times)) is not None:
-        grows = step[1].rollout > split.rollout
-        if moves[grows] >= limit[grows]:
-            break
-        new, split = step
-        moves[grows] += 1
+    new, split = chosen
     if split.idle > now.idle:
         reason = ErsReason.RATE_TO_IDLE
     elif split.rollout != now.rollout:
         reason = ErsReason.RATE_TO_ROLLOUT if split.rollout > now.rollout else ErsReason.RATE_TO_TRAINER
     else:
-        reason = ErsReason.RATE_REBALANCE if split != now else ErsReason.STEADY
+        reason = ErsReason.RATE_REBALANCE
     return finish_plan(current, new, fetch, reason)
+
+
+def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits,
+            times: StageTimes | None) -> tuple[tuple[Role, ...], Split]:
+    """The role map and split after the moves toward `target` this boundary allows."""
+    new, split = current, now
+    moves = {True: 0, False: 0}  # moves to rollout and the others, each within its limit
+    limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
+    while split != target and (step := _one_move(new, split, target, limits, times)) is not None:
+        grows = step[1].rollout > split.rollout
+        if moves[grows] >= limit[grows]:
+            break
+        new, split = step
+        moves[grows] += 1
+    return new, split
+
+
+def _goodput(split: Split, known: dict[Split, float], model: RateModel) -> float:
+    return known[split] if split in known else predict_tok_s(split, model)[2]
 
 
 def candidates(current: Split, limits: ErsLimits, times: StageTimes | None) -> list[Split]:

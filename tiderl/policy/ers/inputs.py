@@ -26,6 +26,7 @@ ABLATIONS: dict[str, str] = {
     "repartition": "the trainer's ranks divided anew between actor and ref where no split move pays",
     "slot_bound": "a split's supply is at most what its task slots play, the slot wait out of its latency",
     "latency_memory": "the generation latency of the splits tried in the last steps, beside the current one's",
+    "valley": "a move only where the split it reaches at this boundary is predicted no slower than the current one",
 }
 """Rules of the rate planner an ablation switches off (`ErsLimits.ablate`, `tiderl sim --system tiderl~RULE`).
 Rules with a switch of their own (`evaluation_actors`, `adaptive_retention`, `preemptive_rollout`) go through it."""
