@@ -201,6 +201,9 @@ def test_an_ablation_switches_rules_off_in_the_simulated_planner():
     sim = Simulation(w, c, system, steps=1, seed=0)
     assert sim.ers_limits.ablate == frozenset({"walk"}) and not sim.ers_limits.evaluation_actors
     assert Simulation(w, c, parse_system("tiderl"), steps=1, seed=0).ers_limits.ablate == frozenset()
+    # A fraction before the rules or after them (the label's order) reads the same.
+    at = parse_system("tiderl@0.25~valley")
+    assert at == parse_system("tiderl~valley@0.25") == parse_system(at.label) and at.rollout_fraction == 0.25
     for bad, message in (("tiderl~nope", "no such ERS rule"), ("tiderl-noers~walk", "only an ERS system")):
         with pytest.raises(SimSystemError, match=message):
             parse_system(bad)

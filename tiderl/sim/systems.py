@@ -114,10 +114,14 @@ ABLATION_SWITCHES = ("evaluation_actors", "adaptive_retention", "preemptive_roll
 
 def parse_system(text: str) -> System:
     """`NAME`, `NAME@FRACTION` or `NAME@FRACTION+refR` (a fixed split with R ref ranks, decoupled); an ERS
-    system as `NAME~RULE[~RULE...]` with those rules switched off (an ablation)."""
+    system as `NAME~RULE[~RULE...]` with those rules switched off (an ablation), its fraction before or after
+    the rules (`tiderl@0.25~valley` or `tiderl~valley@0.25`, the label's order)."""
     from tiderl.policy.ers.inputs import ABLATIONS
 
     text, *rules = text.split("~")
+    if rules and "@" in rules[-1]:  # the label's order: the fraction after the last rule
+        rules[-1], at, fraction = rules[-1].partition("@")
+        text = f"{text}{at}{fraction}"
     if rules:
         system = parse_system(text)
         known = [*ABLATIONS, *ABLATION_SWITCHES]
