@@ -43,7 +43,7 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
         return finish_plan(current, current, fetch, ErsReason.STEADY)
     goodput = {s: predict_tok_s(s, model)[2] for s in options}
     ranked = sorted(options, key=lambda s: (goodput[s], -_distance(s, now)), reverse=True)  # stable: first best
-    now_g = predict_tok_s(now, model)[2]
+    now_g = _goodput(now, goodput, model)
     best, trial = ranked[0], None
     if walking:  # only the way the last plan moved, never toward more rollout ranks while one's worth idled
         way = best.rollout - now.rollout

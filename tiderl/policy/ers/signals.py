@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tiderl.policy.ers.inputs import ErsSignals, StepObservation
-from tiderl.policy.ers.outputs import ErsReason
+from tiderl.policy.ers.outputs import ErsReason, count
 from tiderl.policy.ra2p import StageTimes
 from tiderl.roles import Role
 
@@ -62,7 +62,7 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
     mb = snapshot.micro_batch_tokens
     if mb < 1:
         raise ValueError(f"micro_batch_tokens: must be >= 1, got {mb}")
-    actors = sum(1 for r in snapshot.roles if r is Role.ACTOR)
+    actors = count(snapshot.roles, Role.ACTOR)
     recent = snapshot.steps[-history_steps:]
     last = recent[-1] if recent else None
     steady = tuple(s for s in snapshot.steps if s.version > snapshot.fill_steps)
