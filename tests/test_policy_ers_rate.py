@@ -447,44 +447,79 @@ def evaluation_signals(*seen: StepObservation) -> ErsSignals:
 def test_15_an_evaluation_takes_the_actors_its_measured_steps_predict_to_pay():
     from tiderl.policy.ers.overrides import evaluation_step_s
 
-    # The last evaluation step took 100 s at 2 rollout / 4 actor ranks, the actors waiting 70 s of it for data.
+    # The last evaluation step took 100 s at 2 rollout / 4 actor ranks, the rollout ranks busy throughout (a
+    # 100 s span) and the actors waiting 70 s of it: 30 s of work.
     seen = replace(obs(2, 4, duration_s=100.0, wait_s=70.0), evaluation=True)
     sig = evaluation_signals(seen)
     roles = (R, R, A, A, A, A)
 
     def expected(rollout: int, actors: int) -> float:
-        # One count measured: beyond it the round's wait divides among the rollout ranks (its tasks keep
-        # every rank busy); the trainer's 30 s of work follows its actor ranks.
-        return 70.0 * 2 / rollout + 30.0 * 4 / actors
+        # The span divides among the rollout ranks (the round's tasks keep every rank busy), the work among
+        # the actor ranks, and the two overlap.
+        return max(100.0 * 2 / rollout, 30.0 * 4 / actors)
 
-    assert evaluation_step_s(roles, (seen,)) == pytest.approx(100.0)
+    assert evaluation_step_s(roles, sig, ELASTIC) == pytest.approx(100.0)
     for rollout in (3, 4, 5):
-        assert evaluation_step_s((R,) * rollout + (A,) * (6 - rollout), (seen,)) == pytest.approx(
+        assert evaluation_step_s((R,) * rollout + (A,) * (6 - rollout), sig, ELASTIC) == pytest.approx(
             expected(rollout, 6 - rollout))
-    # A normal step's latency model would keep half the wait fixed beyond the count measured: not here.
-    assert evaluation_step_s((R,) * 4 + (A,) * 2, (seen,)) < 70.0 * (0.5 + 0.5 * 2 / 4) + 30.0 * 4 / 2
     best = min((3, 4, 5), key=lambda n: expected(n, 6 - n))
-    assert best == 3 and expected(best, 6 - best) * 1.05 < 100.0
+    assert best == 4 and expected(best, 6 - best) * 1.05 < 100.0
     p = plan(roles, sig, ELASTIC)
     assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == best and p.roles[:best] == (R,) * best
-    # A second count measured: between the two the wait is linear in 1 / n, and the newest step's work counts.
+    # A second count measured: between the two the span is linear in 1 / n; the newest step's work counts.
     at4 = replace(obs(4, 2, duration_s=70.0, wait_s=10.0), evaluation=True)
-    w3 = 10.0 + (70.0 - 10.0) * (1 / 3 - 1 / 4) / (1 / 2 - 1 / 4)
-    assert evaluation_step_s((R, R, R, A, A, A), (seen, at4)) == pytest.approx(w3 + 60.0 * 2 / 3)
+    span3 = 70.0 + (100.0 - 70.0) * (1 / 3 - 1 / 4) / (1 / 2 - 1 / 4)
+    assert evaluation_step_s((R, R, R, A, A, A), evaluation_signals(seen, at4), ELASTIC) == pytest.approx(
+        max(span3, 60.0 * 2 / 3))
     # A busy trainer in the evaluation step (it waited 10 s of 100): no actor pays; the preemptive rule's plan.
     busy = evaluation_signals(replace(seen, trainer_wait_s=10.0))
     assert plan(roles, busy, ELASTIC).roles == roles and plan(roles, busy, ELASTIC).reason is ErsReason.EVALUATION
-    # Without elastic actors, without an evaluation measured, at min_actor_ranks: no actor moves.
+    # Without elastic actors, without the evaluation rule, at min_actor_ranks: no actor moves.
     assert plan(roles, sig, LIMITS).roles == roles
     assert plan(roles, sig, replace(ELASTIC, evaluation_actors=False)).roles == roles
-    assert plan(roles, replace(sig, evaluation_steps=()), ELASTIC).roles == roles
     assert count(plan(roles, sig, replace(ELASTIC, min_actor_ranks=4)).roles, A) == 4
-    # Ref ranks go to rollout first, as the preemptive rule sends them; only then actors, where they pay:
-    # with the ref's rank in rollout (3 ranks: 46.7 + 30 s) a fourth (35 + 40 s) gains 2%, under the margin.
-    assert expected(3, 4) > expected(4, 3) > expected(3, 4) / 1.05
-    assert plan((R, R, F, A, A, A, A), sig, ELASTIC).roles == (R, R, R, A, A, A, A)
+    # Ref ranks go to rollout first, as the preemptive rule sends them; then the actors that pay.
+    assert plan((R, R, F, A, A, A, A), sig, ELASTIC).roles == (R, R, R, R, A, A, A)  # 4/3: 50 s against 66.7
     # Not at cold start: the preemptive rule's.
     assert plan(roles, replace(sig, step_history_s=()), ELASTIC).reason is ErsReason.COLD_START
+
+
+def test_15_a_measured_evaluation_step_whose_trainer_never_waited_still_prices_fewer_rollout_ranks():
+    from tiderl.policy.ers.overrides import evaluation_step_s
+
+    # 5 rollout / 3 actor ranks: the round took 60 s of generation a rank, then the rollout ranks idled while
+    # the trainer worked all 82 s. The trainer's wait (none) says nothing of fewer rollout ranks; the span does.
+    seen = replace(obs(5, 3, duration_s=82.0, idle_rank_s=5 * 22.0), evaluation=True)
+    sig = evaluation_signals(seen)
+    roles = (R, R) + (A,) * 6
+    assert evaluation_step_s(roles, sig, ELASTIC) == pytest.approx(60.0 * 5 / 2)
+    assert evaluation_step_s((R,) * 4 + (A,) * 4, sig, ELASTIC) == pytest.approx(max(75.0, 82.0 * 3 / 4))
+    assert count(plan(roles, sig, ELASTIC).roles, R) == 4
+
+
+def test_15_before_any_evaluation_step_is_measured_the_window_prices_the_round():
+    from tiderl.policy.ers.overrides import evaluation_step_s
+
+    # Normal steps of 10 s on 2 rollout / 4 actor ranks: 4,000 tokens of 32 tasks a step from 20 busy
+    # rank-seconds (200 tokens a rank-second), the trainer waiting 5 s (20 actor-seconds of work).
+    step = replace(obs(2, 4, wait_s=5.0), tasks_completed=32)
+    sig = replace(signals(step, step), is_eval_next=True)
+    limits = replace(ELASTIC, evaluation_tasks=64)  # 64 tasks of 125 tokens beside a step's 4,000: 12,000 tokens
+    roles = (R, R, A, A, A, A)
+    for rollout in (2, 3, 4, 5):
+        assert evaluation_step_s((R,) * rollout + (A,) * (6 - rollout), sig, limits) == pytest.approx(
+            max(12_000 / 200 / rollout, 20.0 / (6 - rollout)))
+    p = plan(roles, sig, limits)
+    assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == 4  # 15 s against 30
+    # No evaluation size known, or no task measured in the window: nothing to price; the preemptive rule's plan.
+    assert evaluation_step_s(roles, sig, ELASTIC) is None and plan(roles, sig, ELASTIC).roles == roles
+    with pytest.raises(ValueError, match="evaluation_tasks"):
+        replace(ELASTIC, evaluation_tasks=-1)
+    bare = replace(signals(obs(2, 4, wait_s=5.0), obs(2, 4, wait_s=5.0)), is_eval_next=True)
+    assert evaluation_step_s(roles, bare, limits) is None and plan(roles, bare, limits).roles == roles
+    # Once an evaluation step is measured, it replaces the prior.
+    seen = replace(obs(2, 4, duration_s=100.0, wait_s=70.0), evaluation=True)
+    assert evaluation_step_s(roles, replace(sig, evaluation_steps=(seen,)), limits) == pytest.approx(100.0)
 
 
 def test_the_evaluation_steps_are_the_newest_of_each_rollout_count_after_the_fill():

@@ -247,3 +247,32 @@ def test_the_control_plane_asks_an_idle_rank_once_to_start_its_engine(tmp_path: 
     assert store.ranks_with_event("engine_wanted", since_start=False) == {2}
     assert len(store.recent_events(10, kinds=["engine_wanted"])) == 1
     assert seen == [frozenset({1}), frozenset({1})]
+
+
+def test_the_planner_knows_an_evaluation_rounds_tasks_as_the_simulator_of_the_same_job_does(tmp_path: Path) -> None:
+    import tempfile
+
+    import yaml
+
+    from tiderl.config.schema import to_dict
+    from tiderl.sim.from_job import job_settings
+    from tiderl.sim.simulator import Simulation
+    from tiderl.sim.spec import load_cluster, load_workload
+    from tiderl.sim.systems import parse_system
+
+    sim_dir = ROOT / "jobs" / "sim"
+    for sets, tasks in ((["rollout.eval_groups=3", "rollout.eval_temperature=0.7"], 3 * 4),  # sampled: a group each
+                        (["rollout.eval_groups=3"], 3),  # greedy: one task a prompt
+                        (["rollout.eval_every_steps=0"], 0)):  # no evaluation
+        store, config = _store(tmp_path / str(len(list(tmp_path.iterdir()))), "rollout.group_size=4", *sets)
+        plane = ControlPlane(config, store)
+        assert plane.limits.evaluation_tasks == tasks
+        cluster, workload, _, _ = job_settings(yaml.safe_load((sim_dir / "cpu.cluster.yaml").read_text()),
+                                               yaml.safe_load((sim_dir / "bench-latency.workload.yaml").read_text()),
+                                               to_dict(config))
+        files = Path(tempfile.mkdtemp(dir=tmp_path))
+        (files / "c.yaml").write_text(yaml.safe_dump(cluster))
+        (files / "w.yaml").write_text(yaml.safe_dump(workload))
+        sim = Simulation(load_workload(files / "w.yaml"), load_cluster(files / "c.yaml"), parse_system("tiderl"),
+                         steps=1, seed=0)
+        assert sim.ers_limits.evaluation_tasks == tasks

@@ -28,6 +28,20 @@ def digest(per_step: object) -> str:
     return hashlib.sha1(json.dumps(per_step, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def pin_tree(tree: Path) -> Path:
+    """Import the tiderl package of `tree` before anything else imports one (tools/ers_ablation.py puts this
+    checkout first on the path): later imports reuse it. Returns its directory; exits where this interpreter
+    already holds another checkout's package."""
+    sys.path.insert(0, str(tree))
+    import tiderl
+
+    where = Path(tiderl.__file__).resolve().parent
+    if where != (tree / "tiderl").resolve():
+        raise SystemExit(f"sim_fingerprint: --tree {tree}: this interpreter already runs the tiderl of {where.parent}; "
+                         "run the tool in a fresh one")
+    return where
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", required=True)
@@ -38,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--tree", default=str(ROOT))
     args = ap.parse_args(argv)
+    pin_tree(Path(args.tree))
     sys.path.insert(0, str(ROOT / "tools"))
-    sys.path.insert(0, args.tree)
     from ers_ablation import PAIRS
     from sim_seeds import parse_seeds
     from tiderl.sim import report

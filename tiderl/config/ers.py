@@ -63,7 +63,8 @@ class ErsConfig:
     )
     evaluation_actors: bool = option(
         True, help="With `elastic_actors` and `preemptive_rollout`: an evaluation step may also take actor ranks "
-        "to rollout, as many as the evaluation steps measured predict to shorten it by more than `rate_margin`; "
+        "to rollout, as many as the evaluation model predicts to shorten it by more than `rate_margin` (from "
+        "the evaluation steps measured; before the first, from the rate window and the round's size); "
         "they return when the evaluation is over (not on a shared host). false: only ref and idle ranks go.",
     )
     adaptive_retention: bool = option(

@@ -112,6 +112,16 @@ class RolloutConfig:
         1.0, ge=0.0, help="CTB priority weight of context length relative to `model.max_context_tokens` (tier 4)."
     )
 
+    @property
+    def eval_group_size(self) -> int:
+        """Tasks of one evaluation prompt: greedy evaluation plays every copy of a prompt the same way, so one."""
+        return 1 if self.eval_temperature == 0 else self.group_size
+
+    @property
+    def eval_round_tasks(self) -> int:
+        """Tasks of one evaluation round (0: no evaluation)."""
+        return self.eval_groups * self.eval_group_size if self.eval_every_steps else 0
+
     def __post_init__(self) -> None:
         if self.engine != "vllm" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.engine):
             raise ValueError(f"engine: expected `vllm` or MODULE:FUNCTION, got {self.engine!r}")

@@ -84,7 +84,7 @@ class TensorBoardLog:
             return None
         r = config.rollout
         return cls(run_dir, store, interval_s=config.monitor.metrics_interval_s,
-                   eval_tasks=r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size),
+                   eval_tasks=r.eval_groups * r.eval_group_size,
                    tensorboard=tensorboard, wandb=wandb, run_name=config.name)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:

@@ -54,7 +54,8 @@ class ControlPlane:
                                                  ra2p_mode=config.trainer.ra2p_mode)
         self.limits = ers.ErsLimits.from_config(config.ers, config.trainer.groups_min, config.trainer.groups_ideal,
                                                 self.system.max_staleness, rank_tasks=config.rollout.max_concurrency,
-                                                group_size=config.rollout.group_size)
+                                                group_size=config.rollout.group_size,
+                                                evaluation_tasks=config.rollout.eval_round_tasks)
         self._watched_at = float("-inf")
         self._observed: dict[int, ers.StepObservation] = {}  # version -> its step, as ERS reads it
         # The roles an evaluation's preemptive plan replaced (in memory: a resumed run plans on from its
@@ -146,8 +147,7 @@ class ControlPlane:
         if not every or version % every or version > self.config.trainer.num_steps:
             return
         if not self.store.has_evaluation(version) and self.config.rollout.eval_groups:
-            # Greedy evaluation plays every copy of a prompt the same way: one task per prompt then.
-            size = 1 if self.config.rollout.eval_temperature == 0 else self.config.rollout.group_size
+            size = self.config.rollout.eval_group_size
             self.store.add_groups([NewGroup(TaskKind.EVAL, EVAL_SEED_BASE + i, size,
                                             eval_version=version) for i in range(self.config.rollout.eval_groups)])
 

@@ -268,7 +268,7 @@ def run_launch(launch: Launch, out: TextIO = sys.stdout, *, start_ranks: RankSta
         print(f"run dir {paths.root} ({cfg.system}, {cfg.launch.num_ranks} ranks, env {', '.join(urls)})",
               file=out, flush=True)
         r = cfg.rollout
-        eval_tasks = r.eval_groups * (1 if r.eval_temperature == 0 else r.group_size)
+        eval_tasks = r.eval_groups * r.eval_group_size
         state, message = _watch(store, children, out, eval_tasks, launched_at,
                                 restart=restarter(launch, tag, start_ranks, urls),
                                 restart_limit=cfg.launch.restarts,

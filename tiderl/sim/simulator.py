@@ -124,7 +124,9 @@ class Simulation(ErsBoundary, StepRecords, SyncSteps):
         self.ers_limits = replace(ErsLimits.from_config(e, self.b_min, self.b_ideal, self.staleness,
                                                         host=self.costs.host, rank_tasks=self.costs.max_num_seqs,
                                                         group_size=workload.group_size,
-                                                        decoupled_step_s=self.costs.decoupled_step_s),
+                                                        decoupled_step_s=self.costs.decoupled_step_s,
+                                                        evaluation_tasks=(workload.eval_groups * workload.eval_group_size
+                                                                          if workload.eval_every_steps else 0)),
                                   enabled=system.ers and e.enabled)
         if system.ablate:  # an ablation: rules with a switch of their own through it, the others by name
             from tiderl.sim.systems import ABLATION_SWITCHES

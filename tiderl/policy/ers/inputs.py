@@ -60,6 +60,7 @@ class ErsLimits:
     group_size: int = 1
     host: HostShare | None = None  # ranks sharing one host's compute (None: an accelerator each)
     decoupled_step_s: float = 0.0  # a decoupled step's coordination with its ref ranks, once a step
+    evaluation_tasks: int = 0  # tasks of one evaluation round (0: no evaluation): the evaluation rule's prior
     engines_on_demand: bool = False  # shared host: an idle rank starts its engine only when a plan wants it
     ablate: frozenset[str] = frozenset()  # rules of ABLATIONS switched off
 
@@ -70,6 +71,7 @@ class ErsLimits:
         if not 1 <= self.groups_min <= self.groups_ideal:
             raise ValueError(f"groups_min: need 1 <= groups_min <= groups_ideal, got {self.groups_min}")
         for name, low in (("max_staleness", 0), ("rate_margin", 0), ("decoupled_step_s", 0), ("group_size", 1),
+                          ("evaluation_tasks", 0),
                           ("rank_tasks", 1), ("max_rollout_moves_per_step", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
@@ -83,7 +85,7 @@ class ErsLimits:
     @classmethod
     def from_config(cls, ers: Any, groups_min: int, groups_ideal: int, max_staleness: int = 1,
                     host: HostShare | None = None, rank_tasks: int | None = None, group_size: int = 1,
-                    decoupled_step_s: float | None = None) -> ErsLimits:
+                    decoupled_step_s: float | None = None, evaluation_tasks: int = 0) -> ErsLimits:
         """From the job's `ers:` section (tiderl.config.ers.ErsConfig). `host` and `decoupled_step_s`: the
         simulator's measured ones; None: the section's (`host_slots`, `rollout_host_weight`)."""
         if host is None and ers.host_slots is not None:
@@ -93,6 +95,7 @@ class ErsLimits:
         return cls(groups_min, groups_ideal, **{name: getattr(ers, name) for name in _FROM_SECTION},
                    policy=ErsPolicy(ers.policy), max_staleness=max_staleness, rank_tasks=rank_tasks,
                    group_size=group_size, host=host, decoupled_step_s=decoupled_step_s,
+                   evaluation_tasks=evaluation_tasks,
                    engines_on_demand=host is not None and ers.idle_engines == "on_demand")
 
 

@@ -26,12 +26,11 @@ def before_choice(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLim
     cold = not signals.step_history_s
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
         base = max_rollout(current, limits.host)
-        seen = signals.evaluation_steps
-        if not cold and seen and limits.elastic_actors and limits.evaluation_actors and limits.host is None:
-            # Actor ranks join rollout for the evaluation where the evaluation steps measured predict a gain.
+        if not cold and limits.elastic_actors and limits.evaluation_actors and limits.host is None:
+            # Actor ranks join rollout for the evaluation where the evaluation model predicts a gain.
             options = [move_roles(base, Role.ACTOR, Role.ROLLOUT, k, lowest_first=True)
                        for k in range(max(0, count(base, Role.ACTOR) - limits.min_actor_ranks) + 1)]
-            predicted = [evaluation_step_s(roles, seen) for roles in options]
+            predicted = [evaluation_step_s(roles, signals, limits) for roles in options]
             best = min(range(len(options)), key=lambda k: (predicted[k] if predicted[k] is not None else math.inf, k))
             now, then = predicted[0], predicted[best]
             if now is not None and then is not None and then * (1 + limits.rate_margin) < now:
@@ -46,17 +45,50 @@ def before_choice(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLim
     return None
 
 
-def evaluation_step_s(roles: tuple[Role, ...], seen: tuple[StepObservation, ...]) -> float | None:
-    """The predicted duration of an evaluation step on `roles` from the evaluation steps `seen` (newest last):
-    the trainer's wait, read off them by rollout count (:func:`gen_latency_at`, fully 1 / n beyond the counts
-    measured), plus the newest one's work following the actor ranks; None without actor or rollout ranks."""
+def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> float | None:
+    """The predicted duration of an evaluation step on `roles`: the rollout ranks' generation span and the
+    trainer's work overlap, max(span, work) + the rest. The evaluation steps measured give the span by rollout
+    count (busy rank-seconds over ranks; :func:`gen_latency_at`, fully 1 / n beyond the counts measured) and the
+    newest one's work and rest; before any is measured, the rate window prices the round's
+    `limits.evaluation_tasks` beside a step's own generation. None: no actor or rollout rank, or nothing
+    measured."""
     rollout, actors = count(roles, Role.ROLLOUT), count(roles, Role.ACTOR)
-    waits = tuple(sorted((s.rollout_ranks, min(s.trainer_wait_s, s.duration_s)) for s in seen if s.rollout_ranks >= 1))
-    if rollout < 1 or actors < 1 or not waits:
+    if rollout < 1 or actors < 1:
         return None
-    newest = seen[-1]
-    work = newest.duration_s - min(newest.trainer_wait_s, newest.duration_s)
-    return gen_latency_at(rollout, waits, fixed_share=0.0) + work * max(1, newest.actor_ranks) / actors
+    seen = signals.evaluation_steps
+    if seen:
+        newest = seen[-1]
+        spans = tuple(sorted((s.rollout_ranks, _span_s(s)) for s in seen if s.rollout_ranks >= 1))
+        span = gen_latency_at(rollout, spans, fixed_share=0.0) if spans else 0.0
+        return max(span, _work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
+    window = signals.window
+    tasks = sum(s.tasks_completed for s in window)
+    produced = sum(s.produced_tokens for s in window)
+    busy_rank_s = sum(_span_s(s) * s.rollout_ranks for s in window)
+    if limits.evaluation_tasks < 1 or tasks < 1 or produced <= 0 or busy_rank_s <= 0:
+        return None
+    n = len(window)
+    generate = limits.evaluation_tasks * produced / tasks + produced / n  # the round's tokens and a step's
+    actor_s = sum(_work_s(s) * max(1, s.actor_ranks) for s in window) / n
+    return max(generate * busy_rank_s / produced / rollout, actor_s / actors) + sum(map(_rest_s, window)) / n
+
+
+def _span_s(step: StepObservation) -> float:
+    """A step's generation span: its rollout ranks' busy seconds each (held, where busy is not measured)."""
+    if step.rollout_ranks < 1:
+        return 0.0
+    busy = step.rollout_busy_rank_s or max(0.0, step.rollout_ranks * step.duration_s - step.rollout_idle_rank_s)
+    return busy / step.rollout_ranks
+
+
+def _work_s(step: StepObservation) -> float:
+    """A step's trainer work: the seconds it did not wait for data."""
+    return step.duration_s - min(step.trainer_wait_s, step.duration_s)
+
+
+def _rest_s(step: StepObservation) -> float:
+    """A step beyond the longer of its generation span and its trainer work."""
+    return max(0.0, step.duration_s - max(_span_s(step), _work_s(step)))
 
 
 def await_engines(current: tuple[Role, ...], planned: ErsPlan, signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
