@@ -125,8 +125,7 @@ class Simulation(ErsBoundary, StepRecords, SyncSteps):
                                                         host=self.costs.host, rank_tasks=self.costs.max_num_seqs,
                                                         group_size=workload.group_size,
                                                         decoupled_step_s=self.costs.decoupled_step_s,
-                                                        evaluation_tasks=(workload.eval_groups * workload.eval_group_size
-                                                                          if workload.eval_every_steps else 0)),
+                                                        evaluation_tasks=workload.eval_round_tasks),
                                   enabled=system.ers and e.enabled)
         if system.ablate:  # an ablation: rules with a switch of their own through it, the others by name
             from tiderl.sim.systems import ABLATION_SWITCHES

@@ -215,6 +215,11 @@ class WorkloadSpec:
         resolved = self.resolved_phases()
         return next(r for r in reversed(resolved) if step >= r.from_step)
 
+    @property
+    def eval_round_tasks(self) -> int:
+        """Tasks of one evaluation round (0: no evaluation), as `RolloutConfig.eval_round_tasks` of a job."""
+        return self.eval_groups * self.eval_group_size if self.eval_every_steps else 0
+
 
 @section
 class GpuSpec:

@@ -18,7 +18,7 @@ from tiderl.roles import Role
 
 __all__ = ["RateModel", "Split", "concurrency_share", "coordination_s", "describe", "estimate", "gen_latency_at",
            "gen_latency_curve", "host_factor", "latency_s", "predict_tok_s", "readiness", "ready_compute_s", "slot_tok_s",
-           "split_of", "step_compute_s"]
+           "split_of", "step_compute_s", "trainer_work_s"]
 
 FIXED_SHARE_PRIOR = 0.5  # share of L_gen taken not to shrink with rollout ranks beyond the most measured
 
@@ -78,7 +78,7 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
     held_rank_s = sum(max(0.0, s.rollout_ranks * s.duration_s - s.rollout_idle_rank_s) for s in window)
     busy_rank_s = sum(s.rollout_busy_rank_s for s in window) or held_rank_s  # engines' busy time not measured
     consumed = sum(s.consumed_tokens for s in window)
-    trainer_busy = [max(0.0, s.duration_s - s.trainer_wait_s) for s in window]
+    trainer_busy = [trainer_work_s(s) for s in window]
     if produced <= 0 or busy_rank_s <= 0 or consumed <= 0 or sum(trainer_busy) <= 0:
         return None
     per_group = signals.tokens_per_group or consumed / max(1, limits.groups_ideal * len(window))
@@ -118,6 +118,11 @@ def estimate(signals: ErsSignals, limits: ErsLimits) -> RateModel | None:
         inflight_groups=inflight)
     own = Split(last.rollout_ranks, last.actor_ranks, last.ref_ranks, 0)
     return replace(model, window_supply_tok_s=_supply_tok_s(own, model, host_factor(own, model)))
+
+
+def trainer_work_s(step: StepObservation) -> float:
+    """The seconds of a step the trainer did not wait for data."""
+    return step.duration_s - min(step.trainer_wait_s, step.duration_s)
 
 
 def gen_latency_curve(points: tuple[tuple[int, float], ...], rollout_now: int,

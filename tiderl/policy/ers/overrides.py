@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from tiderl.policy.ers.inputs import ErsLimits, ErsSignals, StepObservation
-from tiderl.policy.ers.model import gen_latency_at
+from tiderl.policy.ers.model import gen_latency_at, trainer_work_s
 from tiderl.policy.ers.outputs import ErsPlan, ErsReason, count, finish_plan, mode_of, move_roles
 from tiderl.policy.host import HostShare
 from tiderl.policy.ra2p import Ra2pMode, break_even_ras, choose_mode, refs_keep_up
@@ -60,35 +60,32 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
         newest = seen[-1]
         spans = tuple(sorted((s.rollout_ranks, _span_s(s)) for s in seen if s.rollout_ranks >= 1))
         span = gen_latency_at(rollout, spans, fixed_share=0.0) if spans else 0.0
-        return max(span, _work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
+        return max(span, trainer_work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
     window = signals.window
     tasks = sum(s.tasks_completed for s in window)
     produced = sum(s.produced_tokens for s in window)
-    busy_rank_s = sum(_span_s(s) * s.rollout_ranks for s in window)
+    busy_rank_s = sum(map(_busy_rank_s, window))
     if limits.evaluation_tasks < 1 or tasks < 1 or produced <= 0 or busy_rank_s <= 0:
         return None
     n = len(window)
     generate = limits.evaluation_tasks * produced / tasks + produced / n  # the round's tokens and a step's
-    actor_s = sum(_work_s(s) * max(1, s.actor_ranks) for s in window) / n
+    actor_s = sum(trainer_work_s(s) * max(1, s.actor_ranks) for s in window) / n
     return max(generate * busy_rank_s / produced / rollout, actor_s / actors) + sum(map(_rest_s, window)) / n
 
 
+def _busy_rank_s(step: StepObservation) -> float:
+    """A step's rollout rank-seconds with the engine busy (held, where busy is not measured)."""
+    return step.rollout_busy_rank_s or max(0.0, step.rollout_ranks * step.duration_s - step.rollout_idle_rank_s)
+
+
 def _span_s(step: StepObservation) -> float:
-    """A step's generation span: its rollout ranks' busy seconds each (held, where busy is not measured)."""
-    if step.rollout_ranks < 1:
-        return 0.0
-    busy = step.rollout_busy_rank_s or max(0.0, step.rollout_ranks * step.duration_s - step.rollout_idle_rank_s)
-    return busy / step.rollout_ranks
-
-
-def _work_s(step: StepObservation) -> float:
-    """A step's trainer work: the seconds it did not wait for data."""
-    return step.duration_s - min(step.trainer_wait_s, step.duration_s)
+    """A step's generation span: its rollout ranks' busy seconds each."""
+    return _busy_rank_s(step) / step.rollout_ranks if step.rollout_ranks >= 1 else 0.0
 
 
 def _rest_s(step: StepObservation) -> float:
     """A step beyond the longer of its generation span and its trainer work."""
-    return max(0.0, step.duration_s - max(_span_s(step), _work_s(step)))
+    return max(0.0, step.duration_s - max(_span_s(step), trainer_work_s(step)))
 
 
 def await_engines(current: tuple[Role, ...], planned: ErsPlan, signals: ErsSignals, limits: ErsLimits) -> ErsPlan:
