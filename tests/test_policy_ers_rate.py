@@ -480,8 +480,44 @@ def test_15_an_evaluation_takes_the_actors_its_measured_steps_predict_to_pay():
     assert count(plan(roles, sig, replace(ELASTIC, min_actor_ranks=4)).roles, A) == 4
     # Ref ranks go to rollout first, as the preemptive rule sends them; then the actors that pay.
     assert plan((R, R, F, A, A, A, A), sig, ELASTIC).roles == (R, R, R, R, A, A, A)  # 4/3: 50 s against 66.7
-    # Not at cold start: the preemptive rule's.
-    assert plan(roles, replace(sig, step_history_s=()), ELASTIC).reason is ErsReason.COLD_START
+    # A cold start that plays an evaluation round is that round's plan; measured evaluation steps still price it.
+    cold = plan(roles, replace(sig, step_history_s=()), ELASTIC)
+    assert cold.reason is ErsReason.EVALUATION and count(cold.roles, R) == best
+    assert plan(roles, replace(sig, step_history_s=(), is_eval_next=False), ELASTIC).reason is ErsReason.COLD_START
+
+
+def test_15_a_cold_start_with_an_evaluation_round_takes_the_actors_its_first_map_predicts_to_pay():
+    from tiderl.policy.ers.overrides import evaluation_step_s
+    from tiderl.policy.ers.signals import EvaluationMemory
+
+    # Nothing measured. The first map, 2 rollout / 6 actor ranks, taken as balanced: its rollout ranks generate a
+    # step's 8 x 4 tasks as long as its actors train them. The round's 96 tasks beside them are 4 steps of
+    # generation, so n rollout ranks take 2 x 4 / n steps, and 8 - n actors train the step in 6 / (8 - n).
+    cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None, is_eval_next=True)
+    limits = replace(ELASTIC, groups_min=8, groups_ideal=8, group_size=4, evaluation_tasks=96)
+    start = (R, R) + (A,) * 6
+    for n in range(2, 8):
+        roles = (R,) * n + (A,) * (8 - n)
+        assert evaluation_step_s(roles, cold, limits, start) == pytest.approx(max(8 / n, 6 / (8 - n)))
+    p = plan(start, cold, limits)
+    assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == 4  # 2 steps' time against 4
+    assert [m.rank for m in p.moves] == [2, 3]  # the lowest-index actor ranks
+    # The first map is remembered, and the ranks go back once the round is over.
+    memory = EvaluationMemory()
+    memory.note(start, p.reason)
+    assert memory.roles == start
+    after = replace(signals(obs(4, 4), obs(4, 4)), pre_evaluation_roles=memory.roles)
+    back = plan(p.roles, after, limits)
+    assert back.reason is ErsReason.EVALUATION_END and back.roles == start
+    # No round at the cold start, no round size, no actor to spare, or no elastic actors: no actor moves.
+    assert plan(start, replace(cold, is_eval_next=False), limits).roles == start
+    assert plan(start, replace(cold, is_eval_next=False), limits).reason is ErsReason.COLD_START
+    assert plan(start, cold, replace(limits, evaluation_tasks=0)).roles == start
+    assert plan(start, cold, replace(limits, min_actor_ranks=6)).roles == start
+    assert plan(start, cold, replace(limits, elastic_actors=False)).roles == start
+    # A first map heavy on rollout: the round is short beside the step's training; no actor pays.
+    heavy = (R,) * 6 + (A,) * 2
+    assert plan(heavy, cold, replace(limits, evaluation_tasks=8)).roles == heavy
 
 
 def test_15_a_measured_evaluation_step_whose_trainer_never_waited_still_prices_fewer_rollout_ranks():

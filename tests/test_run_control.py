@@ -276,3 +276,6 @@ def test_the_planner_knows_an_evaluation_rounds_tasks_as_the_simulator_of_the_sa
         sim = Simulation(load_workload(files / "w.yaml"), load_cluster(files / "c.yaml"), parse_system("tiderl"),
                          steps=1, seed=0)
         assert sim.ers_limits.evaluation_tasks == tasks
+        # Both see version 0's round at the cold start: the planner's evaluation rule may take actor ranks for it.
+        roles = {0: Role.ACTOR, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
+        assert plane.signals(0, roles).is_eval_next is sim._signals(0.0, None).is_eval_next is (tasks > 0)

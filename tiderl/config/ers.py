@@ -64,7 +64,8 @@ class ErsConfig:
     evaluation_actors: bool = option(
         True, help="With `elastic_actors` and `preemptive_rollout`: an evaluation step may also take actor ranks "
         "to rollout, as many as the evaluation model predicts to shorten it by more than `rate_margin` (from "
-        "the evaluation steps measured; before the first, from the rate window and the round's size); "
+        "the evaluation steps measured; before the first, from the rate window and the round's size; at a cold "
+        "start that plays version 0's round, from the first map taken as balanced and the round's size); "
         "they return when the evaluation is over (not on a shared host). false: only ref and idle ranks go.",
     )
     adaptive_retention: bool = option(

@@ -142,11 +142,16 @@ class ControlPlane:
         return feed_batch_groups(self.system.fetch_policy is FetchPolicy.MIN, self._planned_fetch,
                                  self.config.trainer.groups_ideal)
 
-    def feed_eval(self, version: int) -> None:
+    def eval_due(self, version: int) -> bool:
+        """An evaluation round plays version `version` (version 0 included)."""
         every = self.config.rollout.eval_every_steps
-        if not every or version % every or version > self.config.trainer.num_steps:
+        return (bool(every) and not version % every and version <= self.config.trainer.num_steps
+                and self.config.rollout.eval_groups > 0)
+
+    def feed_eval(self, version: int) -> None:
+        if not self.eval_due(version):
             return
-        if not self.store.has_evaluation(version) and self.config.rollout.eval_groups:
+        if not self.store.has_evaluation(version):
             size = self.config.rollout.eval_group_size
             self.store.add_groups([NewGroup(TaskKind.EVAL, EVAL_SEED_BASE + i, size,
                                             eval_version=version) for i in range(self.config.rollout.eval_groups)])
@@ -224,15 +229,14 @@ class ControlPlane:
         change = 0
         if previous is not None and before is not None:
             change = len(previous.ranks_with(Role.ROLLOUT)) - len(before.ranks_with(Role.ROLLOUT))
-        every = cfg.rollout.eval_every_steps
         snapshot = ErsSnapshot(
             roles=tuple(roles[r] for r in sorted(roles)),
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             ready_tokens=buf.ready_tokens, ready_groups=buf.groups_ready,
             oldest_ready_age_s=max(0.0, time.time() - oldest) if oldest else None,
             steps=self._observations(version),
-            # preemptive rollout for an evaluation that starts now or is still running
-            is_eval_open=(bool(every) and version % every == 0 and version > 0) or self._evals_open() > 0,
+            # preemptive rollout for an evaluation that starts now (version 0's too) or is still running
+            is_eval_open=self.eval_due(version) or self._evals_open() > 0,
             fetch_groups=previous.fetch_groups if previous else None, last_rollout_change=change,
             stage_times=self._stage_times(), fill_steps=self.system.max_staleness + 1,
             pre_evaluation_roles=self._evaluation_memory.roles,

@@ -26,16 +26,18 @@ def before_choice(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLim
     cold = not signals.step_history_s
     if limits.preemptive_rollout and (cold or signals.is_eval_next):
         base = max_rollout(current, limits.host)
-        if not cold and limits.elastic_actors and limits.evaluation_actors and limits.host is None:
+        if signals.is_eval_next and limits.elastic_actors and limits.evaluation_actors and limits.host is None:
             # Actor ranks join rollout for the evaluation where the evaluation model predicts a gain.
             options = [move_roles(base, Role.ACTOR, Role.ROLLOUT, k, lowest_first=True)
                        for k in range(max(0, count(base, Role.ACTOR) - limits.min_actor_ranks) + 1)]
-            predicted = [evaluation_step_s(roles, signals, limits) for roles in options]
+            predicted = [evaluation_step_s(roles, signals, limits, current if cold else None) for roles in options]
             best = min(range(len(options)), key=lambda k: (predicted[k] if predicted[k] is not None else math.inf, k))
             now, then = predicted[0], predicted[best]
             if now is not None and then is not None and then * (1 + limits.rate_margin) < now:
                 base = options[best]
-        return finish_plan(current, base, fetch, ErsReason.COLD_START if cold else ErsReason.EVALUATION)
+        # A cold start that plays an evaluation round is that round's plan (remembered, and undone at its end).
+        reason = ErsReason.COLD_START if cold and not signals.is_eval_next else ErsReason.EVALUATION
+        return finish_plan(current, base, fetch, reason)
     restore = signals.pre_evaluation_roles
     if limits.preemptive_rollout and not cold and restore is not None and len(restore) == len(current):
         back = (Role.REF, Role.IDLE, Role.ACTOR) if limits.elastic_actors else (Role.REF, Role.IDLE)
@@ -45,13 +47,15 @@ def before_choice(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLim
     return None
 
 
-def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits) -> float | None:
+def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits,
+                      start: tuple[Role, ...] | None = None) -> float | None:
     """The predicted duration of an evaluation step on `roles`: the rollout ranks' generation span and the
     trainer's work overlap, max(span, work) + the rest. The evaluation steps measured give the span by rollout
     count (busy rank-seconds over ranks; :func:`gen_latency_at`, fully 1 / n beyond the counts measured) and the
     newest one's work and rest; before any is measured, the rate window prices the round's
-    `limits.evaluation_tasks` beside a step's own generation. None: no actor or rollout rank, or nothing
-    measured."""
+    `limits.evaluation_tasks` beside a step's own generation; at a cold start (`start`: the run's first map),
+    with nothing measured, in units of a step of `start` taken as balanced. None: no actor or rollout rank, or
+    nothing measured."""
     rollout, actors = count(roles, Role.ROLLOUT), count(roles, Role.ACTOR)
     if rollout < 1 or actors < 1:
         return None
@@ -62,6 +66,11 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
         span = gen_latency_at(rollout, spans, fixed_share=0.0) if spans else 0.0
         return max(span, trainer_work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
     window = signals.window
+    if not window and start is not None:  # a step of `start` generated as long as it trains, the round beside it
+        step_tasks = limits.groups_ideal * limits.group_size
+        generate = count(start, Role.ROLLOUT) * (limits.evaluation_tasks + step_tasks) / step_tasks
+        train = count(start, Role.ACTOR) + count(start, Role.REF)
+        return max(generate / rollout, train / actors) if limits.evaluation_tasks >= 1 and generate > 0 else None
     tasks = sum(s.tasks_completed for s in window)
     produced = sum(s.produced_tokens for s in window)
     busy_rank_s = sum(map(_busy_rank_s, window))
