@@ -491,16 +491,17 @@ def test_15_a_cold_start_with_an_evaluation_round_takes_the_actors_its_first_map
     from tiderl.policy.ers.signals import EvaluationMemory
 
     # Nothing measured. The first map, 2 rollout / 6 actor ranks, taken as balanced: its rollout ranks generate a
-    # step's 8 x 4 tasks as long as its actors train them. The round's 96 tasks beside them are 4 steps of
-    # generation, so n rollout ranks take 2 x 4 / n steps, and 8 - n actors train the step in 6 / (8 - n).
+    # step's 8 x 4 tasks as long as its actors train them. The round's 96 tasks, 3 steps of generation, go first
+    # and nothing is ready before them: n rollout ranks take 3 x 2 / n steps for the round, then 2 / n for the
+    # step's own tasks, which 8 - n actors train in 6 / (8 - n) as they arrive.
     cold = ErsSignals(ras_microbatches=0, ready_groups=0, hol_latency_s=0.0, tprm_s=None, is_eval_next=True)
     limits = replace(ELASTIC, groups_min=8, groups_ideal=8, group_size=4, evaluation_tasks=96)
     start = (R, R) + (A,) * 6
     for n in range(2, 8):
         roles = (R,) * n + (A,) * (8 - n)
-        assert evaluation_step_s(roles, cold, limits, start) == pytest.approx(max(8 / n, 6 / (8 - n)))
+        assert evaluation_step_s(roles, cold, limits, start) == pytest.approx(6 / n + max(2 / n, 6 / (8 - n)))
     p = plan(start, cold, limits)
-    assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == 4  # 2 steps' time against 4
+    assert p.reason is ErsReason.EVALUATION and count(p.roles, R) == 4  # 3 steps' time against 4
     assert [m.rank for m in p.moves] == [2, 3]  # the lowest-index actor ranks
     # The first map is remembered, and the ranks go back once the round is over.
     memory = EvaluationMemory()
@@ -515,9 +516,12 @@ def test_15_a_cold_start_with_an_evaluation_round_takes_the_actors_its_first_map
     assert plan(start, cold, replace(limits, evaluation_tasks=0)).roles == start
     assert plan(start, cold, replace(limits, min_actor_ranks=6)).roles == start
     assert plan(start, cold, replace(limits, elastic_actors=False)).roles == start
-    # A first map heavy on rollout: the round is short beside the step's training; no actor pays.
+    # A first map heavy on rollout: an actor less would slow the step's training more than a rollout rank more
+    # shortens the round (3 x 6 / 7 + 2 = 4.6 against 3 + 1). Were the trainer's work to overlap the round too,
+    # it would move (max(4 x 6 / 7, 2) = 3.4 against 4).
     heavy = (R,) * 6 + (A,) * 2
-    assert plan(heavy, cold, replace(limits, evaluation_tasks=8)).roles == heavy
+    assert evaluation_step_s(heavy, cold, limits, heavy) == pytest.approx(4.0)
+    assert plan(heavy, cold, limits).roles == heavy
 
 
 def test_15_a_measured_evaluation_step_whose_trainer_never_waited_still_prices_fewer_rollout_ranks():

@@ -54,8 +54,9 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
     count (busy rank-seconds over ranks; :func:`gen_latency_at`, fully 1 / n beyond the counts measured) and the
     newest one's work and rest; before any is measured, the rate window prices the round's
     `limits.evaluation_tasks` beside a step's own generation; at a cold start (`start`: the run's first map),
-    with nothing measured, in units of a step of `start` taken as balanced. None: no actor or rollout rank, or
-    nothing measured."""
+    with nothing measured, in units of a step of `start` taken as balanced: the round's tasks go first and
+    nothing is ready before them, so the trainer's work overlaps only the step's own generation. None: no actor
+    or rollout rank, or nothing measured."""
     rollout, actors = count(roles, Role.ROLLOUT), count(roles, Role.ACTOR)
     if rollout < 1 or actors < 1:
         return None
@@ -66,11 +67,11 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
         span = gen_latency_at(rollout, spans, fixed_share=0.0) if spans else 0.0
         return max(span, trainer_work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
     window = signals.window
-    if not window and start is not None:  # a step of `start` generated as long as it trains, the round beside it
-        step_tasks = limits.groups_ideal * limits.group_size
-        generate = count(start, Role.ROLLOUT) * (limits.evaluation_tasks + step_tasks) / step_tasks
-        train = count(start, Role.ACTOR) + count(start, Role.REF)
-        return max(generate / rollout, train / actors) if limits.evaluation_tasks >= 1 and generate > 0 else None
+    if not window and start is not None:  # nothing ready yet: the trainer overlaps the step's generation only
+        step = count(start, Role.ROLLOUT) / rollout  # `start`'s step generated as long as its trainer trains it
+        train = (count(start, Role.ACTOR) + count(start, Role.REF)) / actors
+        rounds = limits.evaluation_tasks / (limits.groups_ideal * limits.group_size)
+        return rounds * step + max(step, train) if limits.evaluation_tasks >= 1 and step > 0 else None
     tasks = sum(s.tasks_completed for s in window)
     produced = sum(s.produced_tokens for s in window)
     busy_rank_s = sum(map(_busy_rank_s, window))
