@@ -341,3 +341,25 @@ def test_an_actor_that_dies_in_a_step_restarts_with_its_trainer_group(tmp_path: 
         assert not _restart_trainer_group(store, children, dead, 9, None, {}, 2, paths, out)
     finally:
         procs.stop(children)
+
+
+def test_a_child_and_its_own_children_ignore_slurms_time_limit_warning_the_launcher_alone_acts_on_it(
+        tmp_path: Path) -> None:
+    """A plain sbatch run's `--signal=USR2@N` reaches every process of the step: a rank that died of it made the
+    launcher record the run as failed before its own handler stopped the run for the requeue."""
+    import sys
+
+    ignored = "print(signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)"
+    script = (f"import signal, subprocess, sys; {ignored}; "
+              f"subprocess.run([sys.executable, '-c', 'import signal; {ignored}'])")
+    child = procs.spawn("rank0", [sys.executable, "-c", script], tmp_path / "rank0.log")
+    assert child.proc.wait(timeout=60) == 0
+    assert (tmp_path / "rank0.log").read_text().split() == ["True", "True"]
+    # ... and SIGUSR2 sent to its process group leaves it running; SIGTERM still ends it.
+    sleeper = procs.spawn("env0", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "env0.log")
+    time.sleep(1.0)
+    os.killpg(sleeper.proc.pid, signal.SIGUSR2)
+    time.sleep(0.5)
+    assert sleeper.exit_code is None
+    procs.stop([sleeper], grace_s=5)
+    assert sleeper.exit_code == -signal.SIGTERM

@@ -29,9 +29,14 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """preexec_fn of a child that must not outlive its parent (PR_SET_PDEATHSIG: SIGKILL)."""
+    """preexec_fn of a child that must not outlive its parent (PR_SET_PDEATHSIG: SIGKILL), and that ignores
+    SIGUSR2: Slurm's time-limit warning of a plain sbatch run (`--signal=USR2@N`) reaches every process of the
+    step, and only the launcher acts on it (it stops the children with SIGTERM and requeues the job). A child
+    that died of it first made the launcher record the run as failed. The disposition holds across exec, for
+    the child's own children too (a rank's vLLM engine core)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 @dataclass

@@ -87,7 +87,8 @@ def record_restart(store: RunStore, name: str, rank: int | None, code: int, n: i
 def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, limit: int | None = None,
               poll_s: float = POLL_S) -> int:
     """Run rank `rank` as a child until it ends; restart it where `restartable` allows. Returns the exit
-    code of the rank's last run. SIGTERM, SIGINT and SIGUSR2 go to the rank, and end the supervision."""
+    code of the rank's last run. SIGTERM and SIGINT go to the rank, and end the supervision (SIGUSR2 is the
+    launcher's alone: `procs.die_with_parent`)."""
     from tiderl.config import load_job
     from tiderl.paths import RunPaths
 
@@ -105,7 +106,7 @@ def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, 
             except ProcessLookupError:
                 pass  # the rank and its group are gone: nothing to forward to
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _supervise(Path(run_dir), rank, argv, limit, poll_s, stopping, child)
     finally:
