@@ -8,8 +8,8 @@ import pytest
 
 from tiderl.config.job import System
 from tiderl.policy.ra2p import Ra2pMode
-from tiderl.systems import (SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, feed_allowance, initial_roles,
-                            oldest_trainable_version)
+from tiderl.systems import (SYSTEMS, FetchPolicy, UnknownSystemError, behaviour, evaluation_due, feed_allowance,
+                            initial_roles, oldest_trainable_version)
 from tiderl.store.types import Role
 
 
@@ -94,3 +94,10 @@ def test_5_step_v_trains_nothing_older_than_v_minus_staleness(staleness: int) ->
     for version in range(6):
         bound = oldest_trainable_version(version, staleness)
         assert version - bound == staleness  # the newest `staleness + 1` versions are trainable, no older one
+
+
+def test_6_an_evaluation_round_plays_every_nth_version_from_0_to_the_last() -> None:
+    assert [v for v in range(-2, 14) if evaluation_due(v, 4, 3, 10)] == [0, 4, 8]
+    assert [v for v in range(13) if evaluation_due(v, 4, 3, 12)] == [0, 4, 8, 12]  # the final version's too
+    assert not any(evaluation_due(v, 0, 3, 10) for v in range(11))  # every 0: never
+    assert not any(evaluation_due(v, 4, 0, 10) for v in range(11))  # a round without groups: never

@@ -26,8 +26,8 @@ from tiderl.policy import admission, ers
 from tiderl.policy.ers.model import describe
 from tiderl.policy.ers.signals import HISTORY_FACTOR, ErsSnapshot, EvaluationMemory, build_signals
 from tiderl.policy.ra2p import Ra2pMode, StageTimes
-from tiderl.systems import (FetchPolicy, SystemBehaviour, behaviour, feed_allowance, feed_batch_groups, initial_roles,
-                            oldest_trainable_version)
+from tiderl.systems import (FetchPolicy, SystemBehaviour, behaviour, evaluation_due, feed_allowance, feed_batch_groups,
+                            initial_roles, oldest_trainable_version)
 from tiderl.store import RunStore
 from tiderl.store.types import (GroupState, MetricPoint, NewGroup, PlanRecord, RankReport, RankState, Role, RunState,
                                 TaskKind)
@@ -144,9 +144,8 @@ class ControlPlane:
 
     def eval_due(self, version: int) -> bool:
         """An evaluation round plays version `version` (version 0 included)."""
-        every = self.config.rollout.eval_every_steps
-        return (bool(every) and not version % every and version <= self.config.trainer.num_steps
-                and self.config.rollout.eval_groups > 0)
+        rollout = self.config.rollout
+        return evaluation_due(version, rollout.eval_every_steps, rollout.eval_groups, self.config.trainer.num_steps)
 
     def feed_eval(self, version: int) -> None:
         if not self.eval_due(version):

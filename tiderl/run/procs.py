@@ -28,9 +28,9 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """preexec_fn of a child that must not outlive its parent (PR_SET_PDEATHSIG: SIGKILL), and that ignores
-    SIGUSR2: Slurm's time-limit warning of a plain sbatch run (`--signal=USR2@N`) reaches every process of the
+def launcher_child_setup() -> None:
+    """preexec_fn of every child the launcher (or a rank's supervisor) starts. Two things: the child dies
+    with its parent (PR_SET_PDEATHSIG: SIGKILL), and it ignores SIGUSR2: Slurm's time-limit warning of a plain sbatch run (`--signal=USR2@N`) reaches every process of the
     step, and only the launcher acts on it (it stops the children with SIGTERM and requeues the job). A child
     that died of it first made the launcher record the run as failed. The disposition holds across exec, for
     the child's own children too (a rank's vLLM engine core)."""
@@ -69,7 +69,7 @@ def spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None
             log.write(launch_marker(name, marker).encode())
             log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=die_with_parent,
+                                start_new_session=True, preexec_fn=launcher_child_setup,
                                 env={**os.environ, **(env or {})})
     return Child(name, proc, log_path)
 

@@ -88,7 +88,7 @@ def supervise(run_dir: Path, rank: int, *, child_argv: list[str] | None = None, 
               poll_s: float = POLL_S) -> int:
     """Run rank `rank` as a child until it ends; restart it where `restartable` allows. Returns the exit
     code of the rank's last run. SIGTERM and SIGINT go to the rank, and end the supervision (SIGUSR2 is the
-    launcher's alone: `procs.die_with_parent`)."""
+    launcher's alone: `procs.launcher_child_setup`)."""
     from tiderl.config import load_job
     from tiderl.paths import RunPaths
 
@@ -123,7 +123,7 @@ def _supervise(run_dir: Path, rank: int, argv: list[str], limit: int, poll_s: fl
         first = seen.number  # group restarts are counted from the task's start, as locally from the launch's
         while True:
             proc = subprocess.Popen(argv, env={**os.environ, CHILD_ENV: "1"}, start_new_session=True,
-                                    preexec_fn=procs.die_with_parent)
+                                    preexec_fn=procs.launcher_child_setup)
             child[:] = [proc]
             seen, joined = _wait_child(proc, store, rank, seen, poll_s, stopping)
             code = proc.returncode

@@ -49,7 +49,7 @@ from tiderl.sim.systems import System
 from tiderl.sim.tasks import SimGroup, SimTask, Stage
 from tiderl.sim.trainer import SimStepStats, Trainer
 from tiderl.sim.workload import TaskSampler
-from tiderl.systems import feed_allowance, feed_batch_groups, oldest_trainable_version
+from tiderl.systems import evaluation_due, feed_allowance, feed_batch_groups, oldest_trainable_version
 
 
 class SimulationStalled(RuntimeError):
@@ -237,8 +237,7 @@ class Simulation(ErsBoundary, StepRecords, SyncSteps):
         return groups
 
     def _eval_due(self, version: int) -> bool:
-        w = self.workload
-        return w.eval_every_steps > 0 and w.eval_groups > 0 and version % w.eval_every_steps == 0
+        return evaluation_due(version, self.workload.eval_every_steps, self.workload.eval_groups, self.steps)
 
     def _release(self, t: float) -> None:
         """Release this version's evaluation round and what the staleness bound allows."""
