@@ -126,6 +126,28 @@ def test_9_where_the_best_target_lies_past_a_valley_the_plan_takes_the_next_best
     assert split_of(plan(roles, sig, replace(ELASTIC, max_moves_per_step=2)).roles) == Split(3, 8, 0)
 
 
+def test_3_rollout_ranks_the_window_measured_idle_may_all_leave_at_one_boundary():
+    roles = (R,) * 7 + (A,)  # one actor, seven rollout ranks: the planner's best split is 4/4/0
+
+    def far(idle_ranks: float) -> ErsSignals:
+        return signals(*[obs(7, 1, idle_rank_s=idle_ranks * 10.0, latency_s=4.0, env_s=3.0)] * 2)
+
+    model = estimate(far(6.0), ELASTIC)
+    best = max(candidates(Split(7, 1, 0), ELASTIC, model.stage_times), key=lambda s: predict_tok_s(s, model)[2])
+    assert best == Split(4, 4, 0)
+    # Six ranks idle on average: the three moves to the target at once, all rollout -> actor.
+    p = plan(roles, far(6.0), ELASTIC)
+    assert p.reason is ErsReason.RATE_TO_TRAINER and split_of(p.roles) == best
+    assert {(m.from_role, m.to_role) for m in p.moves} == {(R, A)}
+    # Two whole ranks idle: two moves; half a rank: the bound's one; the rule ablated: one.
+    assert split_of(plan(roles, far(2.5), ELASTIC).roles) == Split(5, 3, 0)
+    assert split_of(plan(roles, far(0.5), ELASTIC).roles) == Split(6, 2, 0)
+    assert split_of(plan(roles, far(6.0), replace(ELASTIC, ablate=frozenset({"idle_moves"}))).roles) == Split(6, 2, 0)
+    # Walking (the current split not yet measured), the bound holds whatever an earlier split idled.
+    walking = replace(far(6.0), window=(), walk=far(6.0), last_rollout_change=-1)
+    assert len(plan(roles, walking, ELASTIC).moves) <= 1
+
+
 def test_4_the_measured_regime_overrides_the_model():
     assert regime(SHORT) == "supply" and regime(SLOW_TRAINER) == "idle"
     # A model that would take rollout ranks away while the trainer starves is overruled: a window whose
@@ -142,8 +164,10 @@ def test_4_the_measured_regime_overrides_the_model():
 def test_5_ref_ranks_only_while_the_refs_cannot_keep_up():
     heavy_ref = StageTimes(t_ref_s=0.5, t_act_f_s=0.2, t_act_b_s=0.4, t_swap_s=0.3)
     sig = replace(SLOW_TRAINER, stage_times=heavy_ref)
-    p = plan((R, R, R, R, A, A), sig, LIMITS)  # fixed actors: a ref rank is the trainer's only way up
-    assert p.moves and count(p.roles, F) == 1 and p.mode is Ra2pMode.DECOUPLED
+    p = plan((R, R, R, R, A, A), sig, replace(LIMITS, ablate=frozenset({"idle_moves"})))
+    assert p.moves and count(p.roles, F) == 1 and p.mode is Ra2pMode.DECOUPLED  # fixed actors: refs the only way up
+    # The window's two idle rollout ranks both go (idle_moves): one ref per actor keeps up with these stage times.
+    assert split_of(plan((R, R, R, R, A, A), sig, LIMITS).roles) == Split(2, 2, 2)
     # One ref keeps up with two actors here (2 x 0.1 <= 0.6): a second one would idle.
     q = plan((R, R, R, F, A, A), SLOW_TRAINER, replace(LIMITS, max_moves_per_step=3))
     assert count(q.roles, F) <= 1
@@ -606,4 +630,8 @@ def test_each_ablation_switches_off_its_rule_and_an_unknown_one_is_refused():
     kept = plan((R, R, R, A, A, A), starving, ELASTIC)
     freed = plan((R, R, R, A, A, A), starving, off(ELASTIC, "regime"))
     assert count(kept.roles, R) >= 3 > count(freed.roles, R)
-    assert set(ABLATIONS) == {"regime", "walk", "repartition", "slot_bound", "latency_memory", "valley"}
+    # idle_moves: the rollout ranks the window measured idle go one a step (test_3 above)
+    far = signals(*[obs(7, 1, idle_rank_s=60.0, latency_s=4.0, env_s=3.0)] * 2)
+    assert len(plan((R,) * 7 + (A,), far, ELASTIC).moves) == 3
+    assert len(plan((R,) * 7 + (A,), far, off(ELASTIC, "idle_moves")).moves) == 1
+    assert set(ABLATIONS) == {"regime", "walk", "repartition", "slot_bound", "latency_memory", "valley", "idle_moves"}

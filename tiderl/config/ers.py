@@ -35,7 +35,8 @@ class ErsConfig:
         ge=0,
         help="Most ranks that change role at one sync boundary (preemptive maximum rollout at cold "
         "start and evaluation is exempt: it only adds rollout capacity; so is the rate planner's trainer "
-        "re-partition between actor and ref: it keeps the rollout side and regroups the actors once).",
+        "re-partition between actor and ref: it keeps the rollout side and regroups the actors once; and, with the "
+        "rate policy, rollout ranks that the window measured idle leave rollout together).",
     )
     max_rollout_moves_per_step: int | None = option(
         None,

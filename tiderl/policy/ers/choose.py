@@ -57,7 +57,8 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
     for target in targets:  # the best target whose moves this boundary reach a split predicted no slower (valley)
         if target != trial and goodput[target] <= now_g * (1 + limits.rate_margin):
             break
-        new, split = _toward(current, now, target, limits, model.stage_times)
+        spare = 0 if walking or "idle_moves" in limits.ablate else _idle_ranks(basis)
+        new, split = _toward(current, now, target, limits, model.stage_times, spare)
         if split != now and (target == trial or not valley or _goodput(split, goodput, model) >= now_g):
             chosen = new, split
             break
@@ -82,11 +83,12 @@ def plan_rate(current: tuple[Role, ...], signals: ErsSignals, limits: ErsLimits)
 
 
 def _toward(current: tuple[Role, ...], now: Split, target: Split, limits: ErsLimits,
-            times: StageTimes | None) -> tuple[tuple[Role, ...], Split]:
-    """The role map and split after the moves toward `target` this boundary allows."""
+            times: StageTimes | None, spare: int = 0) -> tuple[tuple[Role, ...], Split]:
+    """The role map and split after the moves toward `target` this boundary allows (`spare`: rollout ranks
+    the window measured idle, which may all leave rollout at once)."""
     new, split = current, now
     moves = {True: 0, False: 0}  # moves to rollout and the others, each within its limit
-    limit = {True: limits.rollout_moves, False: limits.max_moves_per_step}
+    limit = {True: limits.rollout_moves, False: max(limits.max_moves_per_step, spare)}
     while split != target and (step := _one_move(new, split, target, limits, times)) is not None:
         grows = step[1].rollout > split.rollout
         if moves[grows] >= limit[grows]:
@@ -131,6 +133,12 @@ def _host_trial(now: Split, options: list[Split], model: RateModel, seen: str, l
     if trial not in options or trial.rollout in dict(model.gen_curve) or concurrency_share(trial.rollout, model) < 1:
         return None
     return trial
+
+
+def _idle_ranks(signals: ErsSignals) -> int:
+    """Whole rollout ranks the window shows idle on average (holding no task)."""
+    total = sum(s.duration_s for s in signals.window)
+    return int(sum(s.rollout_idle_rank_s for s in signals.window) / total) if total > 0 else 0
 
 
 def regime(signals: ErsSignals) -> str:

@@ -27,6 +27,7 @@ ABLATIONS: dict[str, str] = {
     "slot_bound": "a split's supply is at most what its task slots play, the slot wait out of its latency",
     "latency_memory": "the generation latency of the splits tried in the last steps, beside the current one's",
     "valley": "a move only where the split it reaches at this boundary is predicted no slower than the current one",
+    "idle_moves": "the rollout ranks the window measured idle may all leave rollout at one boundary",
 }
 """Rules of the rate planner an ablation switches off (`ErsLimits.ablate`, `tiderl sim --system tiderl~RULE`).
 Rules with a switch of their own (`evaluation_actors`, `adaptive_retention`, `preemptive_rollout`) go through it."""
