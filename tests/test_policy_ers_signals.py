@@ -65,6 +65,25 @@ def test_4_the_rate_window_is_the_settled_steps_of_the_last_split():
     assert fill.window == () and fill.gen_latency_by_rollout == () and fill.step_history_s == s.step_history_s
 
 
+def test_4_after_the_fill_the_first_step_counts_when_no_move_or_evaluation_came_before_it():
+    def run(*splits: tuple[int, int], evaluation_at: int = 0) -> tuple[StepObservation, ...]:
+        return tuple(step(r, a, version=v, duration_s=10.0 + v, evaluation=v == evaluation_at)
+                     for v, (r, a) in enumerate(splits, 1))
+
+    # Versions 1-2 fill the pipeline on 3/1; versions 3-4 run on it: both are settled (no move came before 3).
+    cold = build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1), (3, 1)), fill_steps=2), 5)
+    assert [s.version for s in cold.window] == [3, 4]
+    assert rate_window(run((3, 1), (3, 1))[1:], 5, before=run((3, 1))[0]) == run((3, 1), (3, 1))[1:]
+    # A move at the fill's end (the cold start's plan): version 3 carries it and is left out, as after any move.
+    moved = build_signals(snapshot(steps=run((3, 1), (3, 1), (2, 2), (2, 2)), fill_steps=2), 5)
+    assert [s.version for s in moved.window] == [4]
+    # An evaluation in the fill's last step: its tail is in version 3, left out.
+    evaluated = build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1), (3, 1), evaluation_at=2), fill_steps=2), 5)
+    assert [s.version for s in evaluated.window] == [4]
+    # Without a fill (a snapshot that starts mid-run) the first step of the run is left out.
+    assert [s.version for s in build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1))), 5).window] == [2, 3]
+
+
 def test_limits_come_from_the_ers_section_and_the_system():
     from tiderl.config.ers import ErsConfig
 

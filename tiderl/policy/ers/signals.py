@@ -66,7 +66,8 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
     recent = snapshot.steps[-history_steps:]
     last = recent[-1] if recent else None
     steady = tuple(s for s in snapshot.steps if s.version > snapshot.fill_steps)
-    window = rate_window(steady, history_steps)
+    fill = tuple(s for s in snapshot.steps if s.version <= snapshot.fill_steps)
+    window = rate_window(steady, history_steps, fill[-1] if fill else None)
     groups = sum(s.groups_completed for s in window)
     tokens = sum(s.produced_tokens for s in window) / groups if groups else None
 
@@ -181,9 +182,15 @@ def _run_start(steps: tuple[StepObservation, ...], end: int) -> int:
     return j
 
 
-def rate_window(steps: tuple[StepObservation, ...], history_steps: int) -> tuple[StepObservation, ...]:
-    """The trailing steps on the last step's split since the last evaluation step, less the first of them, at
-    most `history_steps` (none when the last step is an evaluation step)."""
+def rate_window(steps: tuple[StepObservation, ...], history_steps: int,
+                before: StepObservation | None = None) -> tuple[StepObservation, ...]:
+    """The trailing steps on the last step's split since the last evaluation step, less the first of them
+    unless `before` (the step before `steps`: the fill's last) ran on that split without an evaluation, at most
+    `history_steps` (none when the last step is an evaluation step)."""
     if not steps or steps[-1].evaluation:
         return ()
-    return steps[_run_start(steps, len(steps)) + 1:][-history_steps:]
+    j = _run_start(steps, len(steps))
+    settled = j == 0 and before is not None and not before.evaluation and not steps[0].evaluation and (
+        before.rollout_ranks, before.actor_ranks, before.ref_ranks) == (
+        steps[0].rollout_ranks, steps[0].actor_ranks, steps[0].ref_ranks)
+    return steps[j if settled else j + 1:][-history_steps:]
