@@ -24,7 +24,8 @@ reports (medians over ``--rounds``):
   whether every one of them finished with all its tokens (none dropped or restarted), ``versions_split``:
   how many carry tokens of both versions;
 - ``max_logprob_diff``: engine against transformers on the new weights, over ``--tokens`` tokens sampled
-  after the update.
+  after the update; ``base_max_logprob_diff`` (per size): the same on the weights the engine started from,
+  before any update, what the two implementations' kernels differ by without a version moving at all.
 
 ``ratios`` gives each files path over each transfer path per size. Prints one JSON line per size, then a summary line.
 """
@@ -191,6 +192,10 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
         from tiderl.rollout.engine import SamplingSpec
 
         asyncio.run(engine.generate(prompt, SamplingSpec(max_new_tokens=4, seed=0)))  # the engine's first steps are slow
+        base = asyncio.run(engine.generate(prompt, SamplingSpec(max_new_tokens=args.tokens, temperature=1.0, seed=2,
+                                                                banned_token_ids=banned)))
+        base_ref = scored(trainer, prompt + list(base.token_ids), len(prompt), banned)
+        base_diff = max(abs(a - b) for a, b in zip(base.logprobs, base_ref))
         version = 0
         for r in range(args.rounds):
             for path in PATHS:
@@ -223,7 +228,8 @@ def bench_size(params: int, args: argparse.Namespace, work: Path) -> dict[str, A
     finally:
         server.close()
         engine.close()
-    out: dict[str, Any] = {"params": num_params, "layers": size.num_layers, "hidden": size.hidden_size}
+    out: dict[str, Any] = {"params": num_params, "layers": size.num_layers, "hidden": size.hidden_size,
+                           "base_max_logprob_diff": base_diff}
     for path, rs in rows.items():
         out[path] = {k: statistics.median(r[k] for r in rs) for k in ("publish_s", "to_first_token_s", "update_s",
                                                                         "receive_s", "bytes", "stall_s")}
