@@ -581,6 +581,11 @@ def test_15_before_any_evaluation_step_is_measured_the_window_prices_the_round()
         replace(ELASTIC, evaluation_tasks=-1)
     bare = replace(signals(obs(2, 4, wait_s=5.0), obs(2, 4, wait_s=5.0)), is_eval_next=True)
     assert evaluation_step_s(roles, bare, limits) is None and plan(roles, bare, limits).roles == roles
+    # A move at the boundary before the round left the current split unmeasured: the walk's window (the newest
+    # measured split's) prices the round, and the actors still go.
+    moved = replace(sig, window=(), walk=sig)
+    assert moved.window == () and evaluation_step_s(roles, moved, limits) == evaluation_step_s(roles, sig, limits)
+    assert count(plan(roles, moved, limits).roles, R) == 4
     # Once an evaluation step is measured, it replaces the prior.
     seen = replace(obs(2, 4, duration_s=100.0, wait_s=70.0), evaluation=True)
     assert evaluation_step_s(roles, replace(sig, evaluation_steps=(seen,)), limits) == pytest.approx(100.0)

@@ -52,11 +52,11 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
     """The predicted duration of an evaluation step on `roles`: the rollout ranks' generation span and the
     trainer's work overlap, max(span, work) + the rest. The evaluation steps measured give the span by rollout
     count (busy rank-seconds over ranks; :func:`gen_latency_at`, fully 1 / n beyond the counts measured) and the
-    newest one's work and rest; before any is measured, the rate window prices the round's
-    `limits.evaluation_tasks` beside a step's own generation; at a cold start (`start`: the run's first map),
-    with nothing measured, in units of a step of `start` taken as balanced: the round's tasks go first and
-    nothing is ready before them, so the trainer's work overlaps only the step's own generation. None: no actor
-    or rollout rank, or nothing measured."""
+    newest one's work and rest; before any is measured, the rate window (the walk's, where a move left the
+    current split unmeasured) prices the round's `limits.evaluation_tasks` beside a step's own generation; at a
+    cold start (`start`: the run's first map), with nothing measured, in units of a step of `start` taken as
+    balanced: the round's tasks go first and nothing is ready before them, so the trainer's work overlaps only
+    the step's own generation. None: no actor or rollout rank, or nothing measured."""
     rollout, actors = count(roles, Role.ROLLOUT), count(roles, Role.ACTOR)
     if rollout < 1 or actors < 1:
         return None
@@ -66,7 +66,8 @@ def evaluation_step_s(roles: tuple[Role, ...], signals: ErsSignals, limits: ErsL
         spans = tuple(sorted((s.rollout_ranks, _span_s(s)) for s in seen if s.rollout_ranks >= 1))
         span = gen_latency_at(rollout, spans, fixed_share=0.0) if spans else 0.0
         return max(span, trainer_work_s(newest) * max(1, newest.actor_ranks) / actors) + _rest_s(newest)
-    window = signals.window
+    # The window of the current split, or where a move just made it unmeasured, of the newest measured one.
+    window = signals.window or (signals.walk.window if signals.walk is not None else ())
     if not window and start is not None:  # nothing ready yet: the trainer overlaps the step's generation only
         step = count(start, Role.ROLLOUT) / rollout  # `start`'s step generated as long as its trainer trains it
         train = (count(start, Role.ACTOR) + count(start, Role.REF)) / actors
