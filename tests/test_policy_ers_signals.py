@@ -80,6 +80,9 @@ def test_4_after_the_fill_the_first_step_counts_when_no_move_or_evaluation_came_
     # An evaluation in the fill's last step: its tail is in version 3, left out.
     evaluated = build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1), (3, 1), evaluation_at=2), fill_steps=2), 5)
     assert [s.version for s in evaluated.window] == [4]
+    # Planned from those two steps, the next split is unmeasured: the walk is the first run's window, as judged.
+    walked = build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1), (3, 1), (2, 2)), fill_steps=2), 5)
+    assert walked.window == () and walked.walk is not None and walked.walk.window == cold.window
     # Without a fill (a snapshot that starts mid-run) the first step of the run is left out.
     assert [s.version for s in build_signals(snapshot(steps=run((3, 1), (3, 1), (3, 1))), 5).window] == [2, 3]
 

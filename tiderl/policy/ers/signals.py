@@ -102,13 +102,16 @@ def build_signals(snapshot: ErsSnapshot, history_steps: int) -> ErsSignals:
 
 
 def _walk(snapshot: ErsSnapshot, steady: tuple[StepObservation, ...], history_steps: int) -> ErsSignals | None:
-    """The signals of the snapshot cut after the newest earlier split of `steady` with a full rate window."""
+    """The signals of the snapshot cut after the newest earlier split of `steady` with a full rate window (as
+    :func:`rate_window` counts it: a run right after the fill keeps its first step)."""
     i = len(steady)
     while i > 0:
         j = _run_start(steady, i)
-        if i < len(steady) and not steady[i - 1].evaluation and i - j - 1 >= MIN_WINDOW_STEPS:
+        if i < len(steady) and not steady[i - 1].evaluation and i - j >= MIN_WINDOW_STEPS:
             cut = len(snapshot.steps) - (len(steady) - i)  # steady is a suffix of the snapshot's steps
-            return build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
+            measured = build_signals(replace(snapshot, steps=snapshot.steps[:cut]), history_steps)
+            if len(measured.window) >= MIN_WINDOW_STEPS:
+                return measured
         i = j
     return None
 
